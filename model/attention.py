@@ -1,0 +1,68 @@
+"""Attention layer: GQA with per-head QK norm, partial RoPE, and head-wise gate / sink / none.
+
+Report 2.2 and A.1: full layers use 64 query heads, SWA layers 96 ("+Head"), 8 KV heads.
+Head-wise gate (eq. 5): g_i = sigmoid(w_gate · x_i) per head, multiplied into the head's output
+before o_proj; eq. 6 shows it equals an input-dependent sink mass exp(-g_i) Z_i.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from model.attention_ops import attention_core
+from model.common import dtype_of, normal_init
+from model.config import ModelConfig
+from model.norm import RMSNorm
+from model.rope import apply_rope
+
+
+class Attention(nn.Module):
+    """x: [B, T, d_model], positions/segment_ids: [B, T] -> ([B, T, d_model], aux)."""
+
+    config: ModelConfig
+    attention_type: str  # "F" full causal or "S" sliding window
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids):
+        cfg = self.config
+        type_cfg = cfg.attention_config(self.attention_type)
+        heads, kv_heads, head_dim = type_cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        dtype, param_dtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
+
+        def projection(name, features, axes, in_axis=-1):
+            return nn.DenseGeneral(
+                features, axis=in_axis, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                kernel_init=normal_init(cfg.init_std, axes), name=name,
+            )
+
+        q = projection("q_proj", (heads, head_dim), ("embed", "heads", "head_dim"))(x)
+        k = projection("k_proj", (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"))(x)
+        v = projection("v_proj", (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"))(x)
+        if cfg.qk_norm:
+            norm = dict(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, axis_name="head_dim")
+            q = RMSNorm(name="q_norm", **norm)(q)
+            k = RMSNorm(name="k_norm", **norm)(k)
+        # RoPE scaling applies to full layers only (config validation enforces it for SWA).
+        rotary_dims = type_cfg.rotary_dims(head_dim)
+        q = apply_rope(q, positions, rotary_dims, type_cfg.rope_theta, type_cfg.rope_scaling)
+        k = apply_rope(k, positions, rotary_dims, type_cfg.rope_theta, type_cfg.rope_scaling)
+
+        sink = None
+        if cfg.gate == "sink":
+            sink = self.param(
+                "sink", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("heads",)),
+                (heads,), param_dtype,
+            )
+        window = cfg.window if self.attention_type == "S" else None
+        core = attention_core(cfg.attention_impl)
+        y = core(q, k, v, window=window, segment_ids=segment_ids, sink=sink)  # [B, T, H, D]
+
+        aux = {}
+        if cfg.gate == "headwise":
+            gate_logits = projection("g_proj", heads, ("embed", "heads"))(x)
+            gate = jax.nn.sigmoid(gate_logits.astype(jnp.float32))  # [B, T, H], eq. 5
+            y = (y.astype(jnp.float32) * gate[..., None]).astype(dtype)
+            aux["gate_mean"] = jax.lax.stop_gradient(jnp.mean(gate, axis=(0, 1)))
+        out = projection("o_proj", cfg.d_model, ("heads", "head_dim", "embed"), in_axis=(-2, -1))(y)
+        return checkpoint_name(out, "attention_out"), aux

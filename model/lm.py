@@ -1,0 +1,111 @@
+"""`CausalLM`: embeddings -> layer stack -> final norm -> LM head, plus the MTP heads.
+
+    lm = CausalLM(cfg)
+    variables = lm.init(key, tokens)                 # {"params": ..., "balance": ...}
+    out = lm.apply(variables, tokens, segment_ids=None, positions=None)
+    out.logits [B, T, V]; out.mtp_logits: one [B, T, V] per MTP head; out.aux: dict
+
+With `compute_logits=False` no [B, T, V] array is formed: `out.hidden` / `out.mtp_hidden` hold
+the normalised hidden states and `lm.apply(variables, h, method=CausalLM.project, head=i)`
+maps any chunk of them to logits (the training loss does this chunk by chunk).
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from model.common import dtype_of, normal_init
+from model.config import ModelConfig
+from model.mtp import MTPHead, shift_tokens_left
+from model.norm import RMSNorm
+from model.stack import LayerStack
+
+
+class LMOutput(flax.struct.PyTreeNode):
+    logits: jax.Array | None  # [B, T, V] float32, or None with compute_logits=False
+    mtp_logits: tuple  # MTP head h: [B, T, V] predicting token t + 1 + h
+    aux: dict  # see CausalLM.__call__
+    hidden: jax.Array  # final-normed hidden states [B, T, D]
+    mtp_hidden: tuple  # per MTP head, normed [B, T, D]
+
+
+def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
+    """Per-document positions: restart at 0 wherever the segment id changes. [B, T] -> [B, T]."""
+    index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1]), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
+    """Stacks per-layer aux into: `moe` (dict of [L_moe, ...] arrays), `balance_loss` (mean of
+    eq. 1 over MoE layers, scalar), `attention_gate_mean` (tuple of [H] per layer, headwise)."""
+    aux: dict[str, Any] = {}
+    moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    if moe_layers:
+        keys = per_layer[moe_layers[0]].keys() - {"gate_mean"}
+        aux["moe"] = {k: jnp.stack([per_layer[i][k] for i in moe_layers]) for k in sorted(keys)}
+        aux["balance_loss"] = jnp.mean(aux["moe"]["balance_loss"])
+    if cfg.gate == "headwise":
+        aux["attention_gate_mean"] = tuple(layer["gate_mean"] for layer in per_layer)
+    return aux
+
+
+class CausalLM(nn.Module):
+    config: ModelConfig
+
+    def setup(self):
+        cfg = self.config
+        dtype, param_dtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
+        self.embed_tokens = nn.Embed(
+            cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
+            embedding_init=normal_init(cfg.init_std, ("vocab", "embed")))
+        self.layers = LayerStack(cfg)
+        self.norm = RMSNorm(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype,
+                            axis_name="embed")
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype,
+                                    param_dtype=param_dtype,
+                                    kernel_init=normal_init(cfg.init_std, ("embed", "vocab")))
+        self.mtp = [MTPHead(cfg) for _ in range(cfg.mtp.num_heads)]
+
+    def __call__(self, tokens, segment_ids=None, positions=None, *, compute_logits=True,
+                 num_mtp_heads=None) -> LMOutput:
+        """tokens: [B, T] int. `segment_ids` [B, T] (packed documents; attention never crosses
+        them) and `positions` [B, T] (default: per-document positions from segment_ids, else
+        0..T-1). `num_mtp_heads` runs only the first n MTP heads (default: all)."""
+        if positions is None:
+            positions = (positions_from_segments(segment_ids) if segment_ids is not None else
+                         jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))
+        x = self.embed_tokens(tokens)
+        x, per_layer_aux = self.layers(x, positions, segment_ids)
+        hidden = self.norm(x)
+
+        mtp_hidden, h_prev = [], x
+        heads = len(self.mtp) if num_mtp_heads is None else num_mtp_heads
+        for offset, head in enumerate(self.mtp[:heads], start=1):
+            next_embeddings = self.embed_tokens(shift_tokens_left(tokens, offset))
+            h_prev = head(h_prev, next_embeddings, positions, segment_ids)
+            mtp_hidden.append(head.head_norm(h_prev))
+
+        logits = mtp_logits = None
+        if compute_logits:
+            logits = self.project(hidden)
+            mtp_logits = tuple(self.project(h, head=i + 1) for i, h in enumerate(mtp_hidden))
+        return LMOutput(logits=logits, mtp_logits=mtp_logits or (),
+                        aux=collect_aux(self.config, per_layer_aux), hidden=hidden,
+                        mtp_hidden=tuple(mtp_hidden))
+
+    def project(self, normed_hidden, head: int = 0):
+        """Logits in float32 from normed hidden states [..., D] -> [..., V]. head 0 = main LM
+        head, head h >= 1 = MTP head h (its own output layer unless `mtp.share_output_head`)."""
+        if head > 0 and not self.config.mtp.share_output_head:
+            out = self.mtp[head - 1].own_logits(normed_hidden)
+        elif self.config.tie_embeddings:
+            out = self.embed_tokens.attend(normed_hidden)
+        else:
+            out = self.lm_head(normed_hidden)
+        return out.astype(jnp.float32)

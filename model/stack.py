@@ -1,0 +1,85 @@
+"""The decoder layer stack: scanned segments (`scan_layers=True`) or one module per layer.
+
+Param trees:
+- scan on: `segment_{s}/block_{j}/...` with a leading `layers` axis of size `repeats`
+  (layer index = start + r * period + j);
+- scan off: `layer_{i}/...`.
+`model.params.unstack_layers` / `stack_layers` convert between the two.
+"""
+
+import flax.linen as nn
+import jax
+
+from model.block import DecoderBlock
+from model.config import ModelConfig
+from model.layer_plan import Segment, layer_kinds, plan_segments
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing, recompute the whole block
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
+    "save_ffn_out": jax.checkpoint_policies.save_only_these_names("ffn_out"),
+}
+
+
+def block_class(cfg: ModelConfig, in_scan: bool):
+    if cfg.remat_policy == "none":
+        return DecoderBlock
+    return nn.remat(DecoderBlock, policy=_REMAT_POLICIES[cfg.remat_policy], prevent_cse=not in_scan)
+
+
+class BlockGroup(nn.Module):
+    """One period of a segment: `len(kinds)` consecutive blocks. Scan body: carry = x."""
+
+    config: ModelConfig
+    kinds: tuple
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids):
+        block = block_class(self.config, in_scan=True)
+        auxes = []
+        for j, kind in enumerate(self.kinds):
+            x, aux = block(self.config, kind.attention_type, kind.is_moe, kind.limit,
+                           kind.shared_limit, name=f"block_{j}")(x, positions, segment_ids)
+            auxes.append(aux)
+        return x, tuple(auxes)
+
+
+class LayerStack(nn.Module):
+    """x: [B, T, d_model] -> (x, per-layer aux list of length num_layers)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids):
+        cfg = self.config
+        kinds = layer_kinds(cfg)
+        per_layer_aux = [None] * cfg.num_layers
+        if not cfg.scan_layers:
+            block = block_class(cfg, in_scan=False)
+            for i, kind in enumerate(kinds):
+                x, per_layer_aux[i] = block(cfg, kind.attention_type, kind.is_moe, kind.limit,
+                                            kind.shared_limit, name=f"layer_{i}")(
+                    x, positions, segment_ids)
+            return x, per_layer_aux
+
+        for s, seg in enumerate(plan_segments(kinds)):
+            unit = tuple(kinds[seg.start:seg.start + seg.period])
+            scanned = nn.scan(
+                BlockGroup,
+                variable_axes={"params": 0, "balance": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast),
+                length=seg.repeats,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, auxes = scanned(cfg, unit, name=f"segment_{s}")(x, positions, segment_ids)
+            _scatter_aux(per_layer_aux, seg, auxes)
+        return x, per_layer_aux
+
+
+def _scatter_aux(per_layer_aux: list, seg: Segment, auxes: tuple) -> None:
+    """auxes[j] holds arrays stacked over repeats; layer start + r*period + j gets slice r."""
+    for r in range(seg.repeats):
+        for j in range(seg.period):
+            per_layer_aux[seg.start + r * seg.period + j] = jax.tree.map(lambda a: a[r], auxes[j])
