@@ -20,9 +20,9 @@ train: $(STAMP)
 	@echo "make train: the training loop (train/) is delivered by the training issue; not built yet."
 
 bench: $(STAMP)
-	$(PY) benchmarks/attention_scaling.py
-	$(PY) benchmarks/moe_dispatch.py
-	$(PY) benchmarks/compile_time.py
+	$(PY) -m benchmarks.attention_scaling
+	$(PY) -m benchmarks.moe_dispatch
+	$(PY) -m benchmarks.compile_time
 
 clean-venv:
 	rm -rf $(VENV)

@@ -31,6 +31,8 @@ def expand_layout(layout: str) -> str:
 
     Terms are joined with `+`; each term is a run of `F`/`S` optionally repeated with `*N`.
     """
+    if not isinstance(layout, str):
+        raise ValueError(f"layout: must be a string of 'F'/'S' such as 'F+SSSF*11', got {layout!r}")
     compact = layout.replace(" ", "").upper()
     if not compact:
         raise ValueError("layout: must not be empty")
@@ -214,17 +216,23 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        _check_int("num_layers", self.num_layers, 1)  # the per-layer lists below depend on it
         object.__setattr__(self, "layout", expand_layout(self.layout))
         for name in ("swiglu_limits", "swiglu_limits_shared"):
             object.__setattr__(self, name, self._per_layer_limits(name, getattr(self, name)))
         if self.moe_layers is not None:
+            if not isinstance(self.moe_layers, (list, tuple)):
+                raise ValueError(f"moe_layers: must be a list of layer indices, got {self.moe_layers!r}")
             object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
         self._validate()
 
     def _per_layer_limits(self, name: str, value: Any) -> tuple[float, ...]:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = (float(value),) * self.num_layers
-        limits = tuple(float(v) for v in (value or ()))
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            raise ValueError(f"{name}: must be a number or a list of numbers, got {value!r}")
+        limits = tuple(float(v) for v in value)
         if not limits:
             return (0.0,) * self.num_layers
         if len(limits) != self.num_layers:

@@ -5,9 +5,10 @@ Common frame: the N*k token copies are stably sorted by expert id, run through t
 SwiGLU, then un-sorted and combined with the router weights. Implementations differ only in how
 the sorted rows meet their expert's weights:
 
-- `sorted` (CPU default): rows padded per expert to a multiple of a row block and run as one
-  block-batched einsum `bmk,bkn->bmn` with each block's expert weights. On this machine's CPU
-  that ran ~35x faster than `ragged_dot` (DESIGN.md §5).
+- `sorted` (CPU default): rows padded per expert to a multiple of a row block; a loop over the
+  blocks multiplies each by its expert's weights and skips the unused tail of the static
+  worst-case block count (`model.block_matmul`). `ragged_dot` is ~100x slower on CPU
+  (DESIGN.md §5, README benchmarks).
 - `ragged_dot`: `jax.lax.ragged_dot` grouped matmuls (GPU/TPU).
 - `pallas`: registered by `pallas_kernels`.
 
@@ -23,6 +24,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from model.block_matmul import block_grouped_matmul
 from model.ffn import swiglu_activation
 
 
@@ -52,30 +54,29 @@ def row_block_size(num_rows: int, num_experts: int, max_block: int) -> int:
 
 
 def sorted_block_ffn(rows, row_expert, group_sizes, weights: ExpertWeights, limit, block_size):
-    num_rows, _ = rows.shape
+    num_rows, d_model = rows.shape
     num_experts = group_sizes.shape[0]
     block = row_block_size(num_rows, num_experts, block_size)
     # Static bound: sum_e ceil(n_e / m) <= M / m + min(E, M) * (m - 1) / m.
     num_blocks = -(-(num_rows + min(num_experts, num_rows) * (block - 1)) // block)
 
-    padded_sizes = -(-group_sizes // block) * block
-    padded_starts = jnp.cumsum(padded_sizes) - padded_sizes
+    blocks_per_expert = -(-group_sizes // block)
+    block_ends = jnp.cumsum(blocks_per_expert)
+    padded_starts = (block_ends - blocks_per_expert) * block
     group_starts = jnp.cumsum(group_sizes) - group_sizes
-    rank = jnp.arange(num_rows) - group_starts[row_expert]
-    destination = padded_starts[row_expert] + rank  # [M] row in the padded buffer
+    destination = padded_starts[row_expert] + jnp.arange(num_rows) - group_starts[row_expert]
+    block_expert = jnp.searchsorted(block_ends, jnp.arange(num_blocks), side="right")
+    block_expert = jnp.minimum(block_expert, num_experts - 1).astype(jnp.int32)
+    num_active = block_ends[-1]
 
-    buffer = jnp.zeros((num_blocks * block, rows.shape[1]), rows.dtype).at[destination].set(rows)
-    block_start = jnp.arange(num_blocks) * block
-    block_expert = jnp.searchsorted(jnp.cumsum(padded_sizes), block_start, side="right")
-    block_expert = jnp.minimum(block_expert, num_experts - 1)  # unused tail blocks: any expert
-
-    xb = buffer.reshape(num_blocks, block, -1)
-    gate = jnp.einsum("bmk,bkn->bmn", xb, weights.gate[block_expert])
-    up = jnp.einsum("bmk,bkn->bmn", xb, weights.up[block_expert])
-    h = swiglu_activation(gate, up, limit)
-    out = jnp.einsum("bmn,bnk->bmk", h, weights.down[block_expert])
+    xb = jnp.zeros((num_blocks * block, d_model), rows.dtype).at[destination].set(rows)
+    xb = xb.reshape(num_blocks, block, d_model)
+    gate = block_grouped_matmul(xb, weights.gate, block_expert, num_active)
+    up = block_grouped_matmul(xb, weights.up, block_expert, num_active)
+    h = swiglu_activation(gate, up, limit)  # padding rows stay exactly 0
+    out = block_grouped_matmul(h, weights.down, block_expert, num_active)
     h_sq = jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1).reshape(-1)
-    return out.reshape(num_blocks * block, -1)[destination], h_sq[destination]
+    return out.reshape(num_blocks * block, d_model)[destination], h_sq[destination]
 
 
 def ragged_dot_ffn(rows, row_expert, group_sizes, weights: ExpertWeights, limit, block_size):

@@ -20,7 +20,7 @@ from model.norm import RMSNorm
 
 def shift_tokens_left(tokens, offset: int):
     """[B, T] -> [B, T] with out[:, t] = tokens[:, t + offset] (0 past the end)."""
-    return jnp.pad(tokens[:, offset:], ((0, 0), (0, offset)))
+    return jnp.pad(tokens[:, offset:], ((0, 0), (0, min(offset, tokens.shape[1]))))
 
 
 class MTPHead(nn.Module):

@@ -1,0 +1,58 @@
+"""Shared plumbing of the model tools' command lines (`model.summary`, `model.flops`).
+
+Every bad input ends in one line `error: <problem>` on stderr and exit code 2 (DESIGN.md §6):
+argparse's own errors (missing flag, bad choice) and the `ValueError`s of `load_config`, which
+name the offending field.
+"""
+
+import argparse
+from typing import NoReturn, Sequence
+
+from model.config import ModelConfig, load_config
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, without the usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {' '.join(message.split())}\n")
+
+
+def config_parser(module: str, doc: str) -> ArgumentParser:
+    """Parser for `python -m <module>` with `--config PATH`, `key=value` overrides and `--json`;
+    `doc` becomes the --help text."""
+    parser = ArgumentParser(prog=f"python -m {module}", description=doc,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, metavar="PATH", help="YAML model preset")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted config overrides, e.g. moe.top_k=4 layout='SSSF*12'")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def parse_config(parser: ArgumentParser,
+                 argv: Sequence[str] | None) -> tuple[argparse.Namespace, ModelConfig]:
+    """-> (args, ModelConfig); exits with code 2 on bad flags or a bad config."""
+    args = parser.parse_intermixed_args(argv)
+    try:
+        return args, load_config(args.config, args.overrides)
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned first column, right-aligned others, widths fitted to the content."""
+    table = [list(header), *[list(r) for r in rows]]
+    widths = [max(len(r[c]) for r in table) for c in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if c == 0 else cell.rjust(w)
+                       for c, (cell, w) in enumerate(zip(r, widths))) for r in table]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def human(n: float, unit: str = "") -> str:
+    """1.96e11 -> '196.00 G' (+ unit); powers of 1000."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {prefix}{unit}"
+    return f"{n:.0f} {unit}".rstrip()
