@@ -15,6 +15,7 @@ input-independent alternative to the head-wise gate).
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Callable, Protocol
 
@@ -96,36 +97,34 @@ def local_attention(q, k, v, *, window, segment_ids, sink):
     num_kv, groups = k.shape[2], num_heads // k.shape[2]
     num_chunks = -(-length // chunk)
     pad = num_chunks * chunk - length
-    if segment_ids is None:
-        segment_ids = jnp.zeros((batch, length), jnp.int32)
 
-    def pad_time(x, front, front_value=0, back_value=0):
-        """Pads axis 1 with `front` leading and `pad` trailing entries."""
+    def chunked(x, front):
+        """Pads axis 1 with `front` leading and `pad` trailing zeros, splits it into chunks."""
         widths = [(0, 0)] * x.ndim
-        widths[1] = (front, 0)
-        x = jnp.pad(x, widths, constant_values=front_value)
-        widths[1] = (0, pad)
-        return jnp.pad(x, widths, constant_values=back_value)
+        widths[1] = (front, pad)
+        x = jnp.pad(x, widths)
+        return x.reshape(batch, -1, chunk, *x.shape[2:])
 
-    qc = pad_time(q, 0).reshape(batch, num_chunks, chunk, num_kv, groups, head_dim)
-
-    def with_previous_chunk(x, front_value=0, back_value=0):
-        """[B, T, ...] -> [B, n, 2C, ...]: chunk c-1 followed by chunk c (padding before chunk 0)."""
-        xc = pad_time(x, chunk, front_value, back_value).reshape(batch, num_chunks + 1, chunk, *x.shape[2:])
+    def with_previous_chunk(x):
+        """[B, T, ...] -> [B, n, 2C, ...]: chunk c-1 followed by chunk c (zeros before chunk 0)."""
+        xc = chunked(x, chunk)
         return jnp.concatenate([xc[:, :-1], xc[:, 1:]], axis=2)
 
+    qc = chunked(q, 0).reshape(batch, num_chunks, chunk, num_kv, groups, head_dim)
     kc, vc = with_previous_chunk(k), with_previous_chunk(v)
-    # Trailing padding gets segment -1 on both sides (padded queries see padded keys, keeping
-    # every softmax row non-empty); the leading key padding gets -2 and matches nothing.
-    q_seg = pad_time(segment_ids, 0, back_value=-1).reshape(batch, num_chunks, chunk)
-    k_seg = with_previous_chunk(segment_ids, front_value=-2, back_value=-1)
-
     scores = jnp.einsum("bnukgd,bnrkd->bnkgur", qc, kc, preferred_element_type=jnp.float32)
     scores = scores * head_dim**-0.5
+
     q_idx = jnp.arange(chunk)[:, None] + chunk  # query index relative to the chunk pair start
     k_idx = jnp.arange(2 * chunk)[None, :]
-    mask = _visible(q_idx, k_idx, window)[None, None, None, None]
-    mask = mask & (q_seg[..., :, None] == k_seg[..., None, :])[:, :, None, None]
+    key_position = (jnp.arange(num_chunks)[:, None] - 1) * chunk + k_idx  # [n, 2C] absolute
+    key_exists = (key_position >= 0) & (key_position < length)  # excludes all padding keys
+    mask = _visible(q_idx, k_idx, window)[None] & key_exists[:, None, :]  # [n, C, 2C]
+    mask = mask[None, :, None, None]
+    if segment_ids is not None:
+        q_seg = chunked(segment_ids, 0)
+        k_seg = with_previous_chunk(segment_ids)
+        mask = mask & (q_seg[..., :, None] == k_seg[..., None, :])[:, :, None, None]
     probs = _masked_softmax(scores, mask, _sink_for_groups(sink, num_kv))
     out = jnp.einsum("bnkgur,bnrkd->bnukgd", probs.astype(v.dtype), vc)
     out = out.reshape(batch, num_chunks * chunk, num_heads, head_dim)[:, :length]
@@ -138,30 +137,63 @@ def xla_attention(q, k, v, *, window, segment_ids, sink):
     return local_attention(q, k, v, window=window, segment_ids=segment_ids, sink=sink)
 
 
+def _dot_product_attention(q, k, v, mask, window, return_residual=False):
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0),
+        return_residual=return_residual,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention_with_sink(q, k, v, sink, mask, window):
+    return _attention_with_sink_fwd(q, k, v, sink, mask, window)[0]
+
+
+def _attention_with_sink_fwd(q, k, v, sink, mask, window):
+    """o = y * s with s = Z / (Z + e^sink) = sigmoid(lse - sink), lse from the fused kernel."""
+    y, lse = _dot_product_attention(q, k, v, mask, window, return_residual=True)
+    scale = jax.nn.sigmoid(lse.astype(jnp.float32) - sink.astype(jnp.float32))  # [B, T, H]
+    out = (y.astype(jnp.float32) * scale[..., None]).astype(q.dtype)
+    return out, (q, k, v, sink, mask, y, scale)
+
+
+def _attention_with_sink_bwd(window, residuals, d_out):
+    """The kernel returns lse without a gradient, so its path is added by hand:
+    dL/dlse_i = s(1-s) <dO_i, y_i>; d lse_i/dq_i = c sum_j p_ij k_j (attention with V = K);
+    d lse_i/dk_j = c p_ij q_i (the attention V-gradient with dO_i = q_i); c = 1/sqrt(d)."""
+    q, k, v, sink, mask, y, scale = residuals
+    d_out = d_out.astype(jnp.float32)
+    d_lse = jnp.sum(d_out * y.astype(jnp.float32), -1) * scale * (1 - scale)  # [B, T, H]
+    _, attention_vjp = jax.vjp(lambda q, k, v: _dot_product_attention(q, k, v, mask, window),
+                               q, k, v)
+    dq, dk, dv = attention_vjp((d_out * scale[..., None]).astype(q.dtype))
+    softmax_scale = q.shape[-1] ** -0.5
+    mean_keys = _dot_product_attention(q, k, k, mask, window).astype(jnp.float32)
+    dq = dq + (softmax_scale * d_lse[..., None] * mean_keys).astype(dq.dtype)
+    _, value_vjp = jax.vjp(lambda values: _dot_product_attention(q, k, values, mask, window), v)
+    (dk_from_lse,) = value_vjp((d_lse[..., None] * q.astype(jnp.float32)).astype(q.dtype))
+    dk = dk + (softmax_scale * dk_from_lse.astype(jnp.float32)).astype(dk.dtype)
+    d_sink = -jnp.sum(d_lse, axis=(0, 1)).astype(sink.dtype)
+    return dq, dk, dv, d_sink, None
+
+
+_attention_with_sink.defvjp(_attention_with_sink_fwd, _attention_with_sink_bwd)
+
+
 def cudnn_attention(q, k, v, *, window, segment_ids, sink):
     """`jax.nn.dot_product_attention`: cuDNN flash attention on NVIDIA GPUs, XLA elsewhere.
 
-    The sink is folded in afterwards from the returned log-sum-exp:
-    softmax with an extra exp(s) term = plain output * Z / (Z + e^s) = output * sigmoid(lse - s).
-    Segment ids become an explicit [B, 1, T, T] mask.
+    The sink is folded in afterwards from the returned log-sum-exp (softmax with an extra
+    exp(s) term = plain output * sigmoid(lse - s)), with a custom VJP because the kernel's lse
+    carries no gradient. Segment ids become an explicit [B, 1, T, T] mask.
     """
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    result = jax.nn.dot_product_attention(
-        q,
-        k,
-        v,
-        mask=mask,
-        is_causal=True,
-        local_window_size=None if window is None else (window - 1, 0),
-        return_residual=sink is not None,
-    )
     if sink is None:
-        return result
-    out, lse = result  # lse: [B, T, H]
-    scale = jax.nn.sigmoid(lse.astype(jnp.float32) - sink.astype(jnp.float32))
-    return (out.astype(jnp.float32) * scale[..., None]).astype(q.dtype)
+        return _dot_product_attention(q, k, v, mask, window)
+    return _attention_with_sink(q, k, v, sink, mask, window)
 
 
 _CORES: dict[str, AttentionCore] = {"xla": xla_attention, "cudnn": cudnn_attention}

@@ -1,9 +1,9 @@
 """Routed-expert computation behind `moe_impl` (DESIGN.md §2, §5). Dropless: every routed copy
 of every token is computed.
 
-Common frame: the N*k token copies are stably sorted by expert id, run through their expert's
-SwiGLU, then un-sorted and combined with the router weights. Implementations differ only in how
-the sorted rows meet their expert's weights:
+Common frame: the N*k token copies are stably sorted by expert id ("permute"), run through their
+expert's SwiGLU, then brought back to token order ("unpermute") and combined with the router
+weights. Implementations differ in how the sorted rows meet their expert's weights:
 
 - `sorted` (CPU default): rows padded per expert to a multiple of a row block; a loop over the
   blocks multiplies each by its expert's weights and skips the unused tail of the static
@@ -12,8 +12,8 @@ the sorted rows meet their expert's weights:
 - `ragged_dot`: `jax.lax.ragged_dot` grouped matmuls (GPU/TPU).
 - `pallas`: registered by `pallas_kernels`.
 
-Each implementation returns the per-row expert output and the per-row squared norm of the SwiGLU
-intermediate, from which the stability monitors' per-expert statistics are derived (report 4.1.2).
+Each implementation returns the per-copy expert outputs and the per-expert statistics the
+stability monitors need (report 4.1.2), computed from the SwiGLU intermediate and the outputs.
 """
 
 from __future__ import annotations
@@ -34,9 +34,23 @@ class ExpertWeights(NamedTuple):
     down: jax.Array  # [E, F, D]
 
 
-# (rows [M, D] sorted by expert, row_expert [M], group_sizes [E], weights, limit, block_size)
-#   -> (out [M, D], intermediate squared norm [M] float32)
-GroupedFFN = Callable[..., tuple[jax.Array, jax.Array]]
+# (x [N, D], indices [N, k], weights, limit, block_size)
+#   -> (per-copy expert outputs [N, k, D], per-expert statistics dict of [E] arrays)
+GroupedFFN = Callable[..., tuple[jax.Array, dict]]
+
+
+class SortedCopies(NamedTuple):
+    order: jax.Array  # [M] copy ids (token * k + slot) sorted by expert, stable
+    row_expert: jax.Array  # [M] expert of each sorted row (non-decreasing)
+    group_sizes: jax.Array  # [E] int32 rows per expert
+
+
+def sort_copies(indices: jax.Array, num_experts: int) -> SortedCopies:
+    """indices [N, k] -> the N*k routed copies stably sorted by expert id (the "permute")."""
+    flat_expert = indices.reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)
+    group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
+    return SortedCopies(order, flat_expert[order], group_sizes)
 
 
 def _next_power_of_two(n: int) -> int:
@@ -46,46 +60,66 @@ def _next_power_of_two(n: int) -> int:
 def row_block_size(num_rows: int, num_experts: int, max_block: int) -> int:
     """Row block for the `sorted` path: about a quarter of the mean rows per expert.
 
-    Static padding costs up to (block - 1) rows per expert, so the padded rows are at most
-    num_rows * (1 + ~1/4); the block stays >= 8 for matmul efficiency and <= max_block.
+    Each expert's last block is partly padding (on average half a block), so a block of
+    ~rows/(4E) keeps the padded work near num_rows * 1.125; the block stays >= 8 for matmul
+    efficiency and <= max_block.
     """
     target = _next_power_of_two(max(num_rows // (4 * num_experts), 1))
     return int(min(max_block, max(8, target)))
 
 
-def sorted_block_ffn(rows, row_expert, group_sizes, weights: ExpertWeights, limit, block_size):
-    num_rows, d_model = rows.shape
-    num_experts = group_sizes.shape[0]
+def sorted_block_ffn(x, indices, weights: ExpertWeights, limit, block_size):
+    num_tokens, top_k = indices.shape
+    d_model, num_experts = x.shape[1], weights.gate.shape[0]
+    num_rows = num_tokens * top_k
+    copies = sort_copies(indices, num_experts)
     block = row_block_size(num_rows, num_experts, block_size)
     # Static bound: sum_e ceil(n_e / m) <= M / m + min(E, M) * (m - 1) / m.
     num_blocks = -(-(num_rows + min(num_experts, num_rows) * (block - 1)) // block)
 
-    blocks_per_expert = -(-group_sizes // block)
+    # Padded layout: expert e's rows start at a block boundary.
+    blocks_per_expert = -(-copies.group_sizes // block)
     block_ends = jnp.cumsum(blocks_per_expert)
     padded_starts = (block_ends - blocks_per_expert) * block
-    group_starts = jnp.cumsum(group_sizes) - group_sizes
-    destination = padded_starts[row_expert] + jnp.arange(num_rows) - group_starts[row_expert]
+    group_starts = jnp.cumsum(copies.group_sizes) - copies.group_sizes
+    rank = jnp.arange(num_rows) - group_starts[copies.row_expert]
+    destination = padded_starts[copies.row_expert] + rank  # padded row of each sorted copy
     block_expert = jnp.searchsorted(block_ends, jnp.arange(num_blocks), side="right")
     block_expert = jnp.minimum(block_expert, num_experts - 1).astype(jnp.int32)
-    num_active = block_ends[-1]
 
-    xb = jnp.zeros((num_blocks * block, d_model), rows.dtype).at[destination].set(rows)
-    xb = xb.reshape(num_blocks, block, d_model)
+    # One gather in (token rows straight into the padded buffer) and one gather out.
+    padded_rows = num_blocks * block
+    padded_token = jnp.zeros((padded_rows,), jnp.int32).at[destination].set(
+        copies.order // top_k)
+    occupied = jnp.zeros((padded_rows,), bool).at[destination].set(True)
+    xb = jnp.where(occupied[:, None], x[padded_token], 0).reshape(num_blocks, block, d_model)
+
+    num_active = block_ends[-1]
     gate = block_grouped_matmul(xb, weights.gate, block_expert, num_active)
     up = block_grouped_matmul(xb, weights.up, block_expert, num_active)
     h = swiglu_activation(gate, up, limit)  # padding rows stay exactly 0
-    out = block_grouped_matmul(h, weights.down, block_expert, num_active)
-    h_sq = jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1).reshape(-1)
-    return out.reshape(num_blocks * block, d_model)[destination], h_sq[destination]
+    out = block_grouped_matmul(h, weights.down, block_expert, num_active).reshape(padded_rows, -1)
+
+    copy_row = jnp.zeros((num_rows,), jnp.int32).at[copies.order].set(destination)
+    stats = expert_statistics(out, jnp.sum(jnp.square(h.astype(jnp.float32)), -1).reshape(-1),
+                              jnp.repeat(block_expert, block), copies.group_sizes,
+                              weights.gate.shape[-1])
+    return out[copy_row].reshape(num_tokens, top_k, d_model), stats
 
 
-def ragged_dot_ffn(rows, row_expert, group_sizes, weights: ExpertWeights, limit, block_size):
-    del row_expert, block_size
-    gate = jax.lax.ragged_dot(rows, weights.gate, group_sizes)
-    up = jax.lax.ragged_dot(rows, weights.up, group_sizes)
+def ragged_dot_ffn(x, indices, weights: ExpertWeights, limit, block_size):
+    del block_size
+    num_tokens, top_k = indices.shape
+    copies = sort_copies(indices, weights.gate.shape[0])
+    rows = x[copies.order // top_k]
+    gate = jax.lax.ragged_dot(rows, weights.gate, copies.group_sizes)
+    up = jax.lax.ragged_dot(rows, weights.up, copies.group_sizes)
     h = swiglu_activation(gate, up, limit)
-    out = jax.lax.ragged_dot(h, weights.down, group_sizes)
-    return out, jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1)
+    out = jax.lax.ragged_dot(h, weights.down, copies.group_sizes)
+    stats = expert_statistics(out, jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1),
+                              copies.row_expert, copies.group_sizes, weights.gate.shape[-1])
+    unsorted = jnp.zeros_like(out).at[copies.order].set(out)
+    return unsorted.reshape(num_tokens, top_k, -1), stats
 
 
 _IMPLS: dict[str, GroupedFFN] = {"sorted": sorted_block_ffn, "ragged_dot": ragged_dot_ffn}
@@ -110,23 +144,17 @@ def grouped_ffn(impl: str) -> GroupedFFN:
 def routed_experts(x, indices, combine_weights, weights: ExpertWeights, *, limit: float,
                    impl: str, block_size: int):
     """x: [N, D]; indices/combine_weights: [N, k] -> (y [N, D], per-expert stats dict of [E])."""
-    num_tokens, top_k = indices.shape
-    num_experts = weights.gate.shape[0]
-    flat_expert = indices.reshape(-1)
-    order = jnp.argsort(flat_expert, stable=True)  # copy ids sorted by expert
-    row_expert = flat_expert[order]
-    rows = x[order // top_k]
-    group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
-
-    out, h_sq = grouped_ffn(impl)(rows, row_expert, group_sizes, weights, limit, block_size)
-
-    copies = jnp.zeros_like(out).at[order].set(out).reshape(num_tokens, top_k, -1)
-    y = jnp.einsum("nkd,nk->nd", copies.astype(jnp.float32), combine_weights).astype(x.dtype)
-    return y, expert_statistics(out, h_sq, row_expert, group_sizes, weights.gate.shape[-1])
+    copy_out, stats = grouped_ffn(impl)(x, indices, weights, limit, block_size)
+    y = jnp.einsum("nkd,nk->nd", copy_out.astype(jnp.float32), combine_weights)
+    return y.astype(x.dtype), stats
 
 
 def expert_statistics(out, h_sq, row_expert, group_sizes, hidden: int) -> dict:
-    """Per-expert health signals (report 4.1.2-4.1.3), without gradient. Empty experts give 0."""
+    """Per-expert health signals (report 4.1.2-4.1.3), without gradient. Empty experts give 0.
+
+    out: [R, D] expert outputs, h_sq: [R] squared norms of the SwiGLU intermediate, row_expert:
+    [R] non-decreasing expert ids. Rows may include all-zero padding rows: they add nothing.
+    """
     out, h_sq = jax.lax.stop_gradient((out, h_sq))
     num_experts = group_sizes.shape[0]
     count = jnp.maximum(group_sizes, 1).astype(jnp.float32)

@@ -526,18 +526,22 @@ def test_attention_module_matches_numpy(attention_type, gate, qk_norm, scaling):
 
 
 def _o_proj_inputs(cfg, attention_type, params, x, pos, seg):
-    """Runs the module and records the array fed to o_proj (the per-head outputs)."""
-    seen = []
+    """Runs the module and returns the array fed to o_proj (the per-head outputs)."""
 
-    def record(next_fun, args, kwargs, context):
-        if context.module.name == "o_proj" and context.method_name == "__call__":
-            seen.append(np.asarray(args[0], np.float64))
-        return next_fun(*args, **kwargs)
+    def run(params, x):
+        seen = []
 
-    with nn.intercept_methods(record):
-        Attention(cfg, attention_type).apply({"params": params}, x, pos, seg)
-    assert len(seen) == 1
-    return seen[0]
+        def record(next_fun, args, kwargs, context):
+            if context.module.name == "o_proj" and context.method_name == "__call__":
+                seen.append(args[0])
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(record):
+            Attention(cfg, attention_type).apply({"params": params}, x, pos, seg)
+        assert len(seen) == 1
+        return seen[0]
+
+    return np.asarray(jax.jit(run)(params, x), np.float64)
 
 
 @pytest.mark.parametrize("attention_type", ["F", "S"])
@@ -586,7 +590,7 @@ def test_cudnn_impl_matches_xla_outputs_and_gradients(attention_type, gate):
 def test_pallas_impl_module_raises():
     x, pos, seg = module_inputs(length=16)
     with pytest.raises(ValueError, match="pallas"):
-        Attention(module_config(impl="pallas"), "S").init(jax.random.key(0), x, pos, seg)
+        jax.eval_shape(Attention(module_config(impl="pallas"), "S").init, jax.random.key(0), x, pos, seg)
 
 
 # ---- segment ids at the model level ----------------------------------------------------------
@@ -615,3 +619,42 @@ def test_causal_lm_packed_documents_match_separate_runs():
     # Control: as one document the second half sees the first, and the comparison notices.
     unpacked = np.asarray(apply(tokens, np.zeros_like(seg)))
     assert np.max(np.abs(unpacked[:, doc_len:] - alone_b)) > 100 * TOL * np.max(np.abs(alone_b))
+
+
+def test_causal_lm_feeds_per_document_positions_to_every_attention_layer():
+    """RoPE scores depend only on position differences, so the packed-row test above cannot see
+    whether positions restart per document; check what each Attention layer receives instead."""
+    cfg = load_config(REPO / "configs" / "tiny.yaml", overrides=[
+        "num_layers=2", "layout=FS", "num_dense_layers=2", "swiglu_limits=0",
+        "swiglu_limits_shared=0", "mtp.num_heads=0", "scan_layers=false"])
+    seg = np.array([[4, 4, 4, 1, 1, 1, 1, 9, 9, 9, 9, 9],
+                    [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3]], np.int32)
+    tokens = np.arange(seg.size, dtype=np.int32).reshape(seg.shape) % cfg.vocab_size
+    lm = CausalLM(cfg)
+    variables = jax.eval_shape(lm.init, jax.random.key(0), tokens)
+    variables = jax.tree.map(lambda s: jnp.full(s.shape, 0.01, s.dtype), meta.unbox(variables))
+
+    def attention_inputs(tokens, segment_ids, positions):
+        seen = []
+
+        def record(next_fun, args, kwargs, context):
+            if isinstance(context.module, Attention) and context.method_name == "__call__":
+                seen.append(args[1:3])  # (positions, segment_ids)
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(record):
+            lm.apply(variables, tokens, segment_ids=segment_ids, positions=positions)
+        return seen
+
+    expected = np.stack([positions_restarting(row) for row in seg])
+    seen = jax.jit(attention_inputs)(tokens, seg, None)
+    assert len(seen) == cfg.num_layers
+    for positions, segment_ids in seen:
+        np.testing.assert_array_equal(np.asarray(positions), expected)
+        np.testing.assert_array_equal(np.asarray(segment_ids), seg)
+    # No segment ids: 0..T-1 everywhere; explicit positions are used as given.
+    for positions, _ in jax.jit(lambda t: attention_inputs(t, None, None))(tokens):
+        np.testing.assert_array_equal(np.asarray(positions), np.broadcast_to(np.arange(12), seg.shape))
+    given = (np.arange(seg.size, dtype=np.int32).reshape(seg.shape) * 3) % 17
+    for positions, _ in jax.jit(attention_inputs)(tokens, seg, given):
+        np.testing.assert_array_equal(np.asarray(positions), given)
