@@ -26,6 +26,23 @@ REMAT_POLICIES = ("none", "full", "dots", "save_attention_out", "save_ffn_out")
 _LAYOUT_TERM = re.compile(r"^([FS]+)(?:\*(\d+))?$")
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads YAML 1.2 floats such as `1e-5` and `5e6` (YAML 1.1, and so
+    PyYAML, would read them as strings)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+"
+               r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)
+
+
 def expand_layout(layout: str) -> str:
     """Expands the layout shorthand: `F+SSSF*2` -> `FSSSFSSSF`.
 
@@ -59,6 +76,11 @@ def _check_choice(field: str, value: Any, allowed: Sequence[str]) -> None:
 def _check_positive(field: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"{field}: must be a positive number, got {value!r}")
+
+
+def _check_bool(field: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{field}: must be true or false, got {value!r}")
 
 
 def _check_int(field: str, value: Any, minimum: int) -> None:
@@ -111,7 +133,9 @@ class AttentionTypeConfig:
                 f"num_kv_heads={num_kv_heads} (GQA needs whole groups)"
             )
         _check_positive(f"{prefix}.rope_theta", self.rope_theta)
-        if not 0.0 <= self.partial_rotary_factor <= 1.0:
+        if (isinstance(self.partial_rotary_factor, bool)
+                or not isinstance(self.partial_rotary_factor, (int, float))
+                or not 0.0 <= self.partial_rotary_factor <= 1.0):
             raise ValueError(
                 f"{prefix}.partial_rotary_factor: must be in [0, 1], got {self.partial_rotary_factor}"
             )
@@ -156,6 +180,8 @@ class MoEConfig:
         if self.num_shared_experts:
             _check_int("moe.shared_hidden", self.shared_hidden, 1)
         _check_choice("moe.router_activation", self.router_activation, ROUTER_ACTIVATIONS)
+        _check_bool("moe.router_bias", self.router_bias)
+        _check_bool("moe.renormalize", self.renormalize)
         _check_positive("moe.routed_scaling_factor", self.routed_scaling_factor)
         _check_int("moe.num_ep_groups", self.num_ep_groups, 1)
         if self.num_experts % self.num_ep_groups:
@@ -175,6 +201,7 @@ class MTPConfig:
 
     def validate(self) -> None:
         _check_int("mtp.num_heads", self.num_heads, 0)
+        _check_bool("mtp.share_output_head", self.share_output_head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,8 +309,8 @@ class ModelConfig:
         _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("moe_impl", self.moe_impl, MOE_IMPLS)
         _check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
-        if not isinstance(self.scan_layers, bool):
-            raise ValueError(f"scan_layers: must be true or false, got {self.scan_layers!r}")
+        for name in ("qk_norm", "tie_embeddings", "scan_layers"):
+            _check_bool(name, getattr(self, name))
 
     # ---- derived per-layer facts -------------------------------------------------------------
 
@@ -362,7 +389,7 @@ def parse_override(override: str) -> tuple[str, Any]:
     if not sep or not key:
         raise ValueError(f"override {override!r}: expected key=value, e.g. d_model=128")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
         raise ValueError(f"override {override!r}: cannot parse value: {err}") from None
     return key, value
@@ -385,7 +412,7 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
     try:
-        values = yaml.safe_load(path.read_text()) or {}
+        values = _yaml_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from None
     if not isinstance(values, dict):

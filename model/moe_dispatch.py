@@ -47,7 +47,7 @@ class SortedCopies(NamedTuple):
 
 def sort_copies(indices: jax.Array, num_experts: int) -> SortedCopies:
     """indices [N, k] -> the N*k routed copies stably sorted by expert id (the "permute")."""
-    flat_expert = indices.reshape(-1)
+    flat_expert = jnp.asarray(indices).reshape(-1)
     order = jnp.argsort(flat_expert, stable=True)
     group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
     return SortedCopies(order, flat_expert[order], group_sizes)
@@ -60,9 +60,10 @@ def _next_power_of_two(n: int) -> int:
 def row_block_size(num_rows: int, num_experts: int, max_block: int) -> int:
     """Row block for the `sorted` path: about a quarter of the mean rows per expert.
 
-    Each expert's last block is partly padding (on average half a block), so a block of
-    ~rows/(4E) keeps the padded work near num_rows * 1.125; the block stays >= 8 for matmul
-    efficiency and <= max_block.
+    Each expert's last block is partly padding: at most E * (block - 1) rows, under num_rows / 2
+    with this choice (rounding up to a power of two can double the quarter), about half that
+    on average. The block stays >= 8 for matmul efficiency (then padding can exceed num_rows,
+    e.g. at decode time) and <= max_block.
     """
     target = _next_power_of_two(max(num_rows // (4 * num_experts), 1))
     return int(min(max_block, max(8, target)))

@@ -184,7 +184,7 @@ def test_sub_group_given_a_scalar_is_rejected(tmp_path):
 def test_bad_override_syntax(override):
     with pytest.raises(ValueError) as info:
         load_config(TINY, overrides=[override])
-    assert override.strip() in str(info.value) or "override" in str(info.value)
+    assert repr(override) in str(info.value)  # the message quotes the offending override
 
 
 def test_missing_config_file(tmp_path):

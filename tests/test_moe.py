@@ -582,3 +582,25 @@ def test_router_runs_in_float32_under_bfloat16_compute(moe_setup):
     np.testing.assert_allclose(np.asarray(aux["routing_confidence"]).reshape(-1),
                                ref_aux["routing_confidence"], rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(aux["expert_tokens"]), ref_aux["expert_tokens"])
+
+
+def test_moe_without_shared_expert_and_without_bias(moe_setup):
+    _, x, params, _ = moe_setup
+    cfg = load_config(TINY, overrides=[
+        f"d_model={D_MODEL}", f"moe.num_experts={EXPERTS}", f"moe.top_k={TOP_K}",
+        f"moe.expert_hidden={HIDDEN}", f"moe.num_ep_groups={GROUPS}", "moe.num_shared_experts=0",
+        "moe.router_bias=false"])
+    module = MoE(cfg, LIMIT, SHARED_LIMIT)
+    shapes = jax.eval_shape(module.init, jax.random.PRNGKey(0), x)
+    assert set(shapes) == {"params"}  # no `balance` collection without the bias
+    assert "shared_expert" not in shapes["params"]
+    routed_params = {k: v for k, v in params.items() if k != "shared_expert"}
+    y, aux = fast_jit(module.apply)({"params": routed_params}, x)
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), routed_params)
+    tokens = np.asarray(x, np.float64).reshape(-1, D_MODEL)
+    routes, _ = np_route(tokens @ p["router"], None, TOP_K)
+    indices = np.array([sorted(r) for r in routes])
+    combine = np.array([[r[e] for e in sorted(r)] for r in routes])
+    ref_y, _ = np_routed_experts(tokens, indices, combine, p["gate_proj"], p["up_proj"],
+                                 p["down_proj"], LIMIT)
+    np.testing.assert_allclose(np.asarray(y), ref_y.reshape(x.shape), rtol=1e-4, atol=1e-5)
