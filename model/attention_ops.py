@@ -10,7 +10,7 @@ input-independent alternative to the head-wise gate).
 
 - `xla`: full layers build [T, T] scores; SWA layers run chunked local attention in O(T·W).
 - `cudnn`: `jax.nn.dot_product_attention` (cuDNN on NVIDIA GPUs, XLA elsewhere).
-- `pallas`: registered by `pallas_kernels` when that package provides its kernels.
+- `pallas`: flash-attention kernels registered by `pallas_kernels` (imported on first use).
 """
 
 from __future__ import annotations
@@ -211,6 +211,6 @@ def attention_core(impl: str) -> Callable[..., jax.Array]:
     if impl not in _CORES:
         raise ValueError(
             f"attention_impl: {impl!r} has no registered kernel (available: {sorted(_CORES)}); "
-            f"the Pallas kernels are added by the `pallas_kernels` package"
+            "Pallas kernels are registered by importing `pallas_kernels`"
         )
     return _CORES[impl]

@@ -14,7 +14,6 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-ATTENTION_TYPES = ("F", "S")  # F = full causal, S = sliding window
 GATE_TYPES = ("headwise", "sink", "none")
 ROPE_SCALING_TYPES = ("none", "yarn", "llama3")
 ROUTER_ACTIVATIONS = ("sigmoid", "softmax")
@@ -166,7 +165,7 @@ class MoEConfig:
     renormalize: bool = True
     routed_scaling_factor: float = 3.0
     num_ep_groups: int = 8  # G of the EP-group balance loss (eq. 1)
-    block_size: int = 128  # row block of the `sorted` dispatch (upper bound; shrinks for few tokens)
+    block_size: int = 128  # `sorted` row block (upper bound) and Pallas row tile
 
     def validate(self) -> None:
         _check_int("moe.num_experts", self.num_experts, 1)

@@ -10,7 +10,7 @@ weights. Implementations differ in how the sorted rows meet their expert's weigh
   worst-case block count (`model.block_matmul`). `ragged_dot` is ~100x slower on CPU
   (DESIGN.md §5, README benchmarks).
 - `ragged_dot`: `jax.lax.ragged_dot` grouped matmuls (GPU/TPU).
-- `pallas`: registered by `pallas_kernels`.
+- `pallas`: grouped-matmul kernels registered by `pallas_kernels` (imported on first use).
 
 Each implementation returns the per-copy expert outputs and the per-expert statistics the
 stability monitors need (report 4.1.2), computed from the SwiGLU intermediate and the outputs.
@@ -137,7 +137,7 @@ def grouped_ffn(impl: str) -> GroupedFFN:
     if impl not in _IMPLS:
         raise ValueError(
             f"moe_impl: {impl!r} has no registered kernel (available: {sorted(_IMPLS)}); "
-            f"the Pallas kernels are added by the `pallas_kernels` package"
+            "Pallas kernels are registered by importing `pallas_kernels`"
         )
     return _IMPLS[impl]
 
