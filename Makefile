@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup -q
 
+# Tiny Step 3.5 Flash on the embedded stdlib corpus; re-running resumes from the last checkpoint.
+TRAIN_DIR ?= runs/tiny
 train: $(STAMP)
-	@echo "make train: the training loop (train/) is delivered by the training issue; not built yet."
+	$(PY) -m train --config configs/tiny.yaml --workdir $(TRAIN_DIR) $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.attention_scaling

@@ -38,7 +38,7 @@ _YamlLoader.add_implicit_resolver(
 )
 
 
-def _yaml_load(text: str) -> Any:
+def yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_YamlLoader)
 
 
@@ -67,22 +67,22 @@ def expand_layout(layout: str) -> str:
     return "".join(expanded)
 
 
-def _check_choice(field: str, value: Any, allowed: Sequence[str]) -> None:
+def check_choice(field: str, value: Any, allowed: Sequence[str]) -> None:
     if value not in allowed:
         raise ValueError(f"{field}: got {value!r}, allowed values are {list(allowed)}")
 
 
-def _check_positive(field: str, value: Any) -> None:
+def check_positive(field: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"{field}: must be a positive number, got {value!r}")
 
 
-def _check_bool(field: str, value: Any) -> None:
+def check_bool(field: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{field}: must be true or false, got {value!r}")
 
 
-def _check_int(field: str, value: Any, minimum: int) -> None:
+def check_int(field: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{field}: must be an integer >= {minimum}, got {value!r}")
 
@@ -104,11 +104,11 @@ class RopeScaling:
     high_freq_factor: float = 4.0  # llama3
 
     def validate(self, prefix: str) -> None:
-        _check_choice(f"{prefix}.type", self.type, ROPE_SCALING_TYPES)
+        check_choice(f"{prefix}.type", self.type, ROPE_SCALING_TYPES)
         if self.type == "none":
             return
-        _check_positive(f"{prefix}.factor", self.factor)
-        _check_int(f"{prefix}.original_max_len", self.original_max_len, 1)
+        check_positive(f"{prefix}.factor", self.factor)
+        check_int(f"{prefix}.original_max_len", self.original_max_len, 1)
         if self.type == "yarn" and not self.beta_fast > self.beta_slow > 0:
             raise ValueError(f"{prefix}: need beta_fast > beta_slow > 0 for yarn")
         if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
@@ -125,13 +125,13 @@ class AttentionTypeConfig:
     rope_scaling: RopeScaling = RopeScaling()
 
     def validate(self, prefix: str, head_dim: int, num_kv_heads: int) -> None:
-        _check_int(f"{prefix}.num_heads", self.num_heads, 1)
+        check_int(f"{prefix}.num_heads", self.num_heads, 1)
         if self.num_heads % num_kv_heads:
             raise ValueError(
                 f"{prefix}.num_heads: {self.num_heads} query heads are not divisible by "
                 f"num_kv_heads={num_kv_heads} (GQA needs whole groups)"
             )
-        _check_positive(f"{prefix}.rope_theta", self.rope_theta)
+        check_positive(f"{prefix}.rope_theta", self.rope_theta)
         if (isinstance(self.partial_rotary_factor, bool)
                 or not isinstance(self.partial_rotary_factor, (int, float))
                 or not 0.0 <= self.partial_rotary_factor <= 1.0):
@@ -168,27 +168,27 @@ class MoEConfig:
     block_size: int = 128  # `sorted` row block (upper bound) and Pallas row tile
 
     def validate(self) -> None:
-        _check_int("moe.num_experts", self.num_experts, 1)
-        _check_int("moe.top_k", self.top_k, 1)
+        check_int("moe.num_experts", self.num_experts, 1)
+        check_int("moe.top_k", self.top_k, 1)
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"moe.top_k: {self.top_k} exceeds moe.num_experts={self.num_experts}"
             )
-        _check_int("moe.expert_hidden", self.expert_hidden, 1)
-        _check_int("moe.num_shared_experts", self.num_shared_experts, 0)
+        check_int("moe.expert_hidden", self.expert_hidden, 1)
+        check_int("moe.num_shared_experts", self.num_shared_experts, 0)
         if self.num_shared_experts:
-            _check_int("moe.shared_hidden", self.shared_hidden, 1)
-        _check_choice("moe.router_activation", self.router_activation, ROUTER_ACTIVATIONS)
-        _check_bool("moe.router_bias", self.router_bias)
-        _check_bool("moe.renormalize", self.renormalize)
-        _check_positive("moe.routed_scaling_factor", self.routed_scaling_factor)
-        _check_int("moe.num_ep_groups", self.num_ep_groups, 1)
+            check_int("moe.shared_hidden", self.shared_hidden, 1)
+        check_choice("moe.router_activation", self.router_activation, ROUTER_ACTIVATIONS)
+        check_bool("moe.router_bias", self.router_bias)
+        check_bool("moe.renormalize", self.renormalize)
+        check_positive("moe.routed_scaling_factor", self.routed_scaling_factor)
+        check_int("moe.num_ep_groups", self.num_ep_groups, 1)
         if self.num_experts % self.num_ep_groups:
             raise ValueError(
                 f"moe.num_ep_groups: {self.num_ep_groups} does not divide "
                 f"moe.num_experts={self.num_experts}"
             )
-        _check_int("moe.block_size", self.block_size, 1)
+        check_int("moe.block_size", self.block_size, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,8 +199,8 @@ class MTPConfig:
     share_output_head: bool = False  # the released checkpoint stores one head per MTP layer
 
     def validate(self) -> None:
-        _check_int("mtp.num_heads", self.num_heads, 0)
-        _check_bool("mtp.share_output_head", self.share_output_head)
+        check_int("mtp.num_heads", self.num_heads, 0)
+        check_bool("mtp.share_output_head", self.share_output_head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +242,7 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        _check_int("num_layers", self.num_layers, 1)  # the per-layer lists below depend on it
+        check_int("num_layers", self.num_layers, 1)  # the per-layer lists below depend on it
         object.__setattr__(self, "layout", expand_layout(self.layout))
         for name in ("swiglu_limits", "swiglu_limits_shared"):
             object.__setattr__(self, name, self._per_layer_limits(name, getattr(self, name)))
@@ -273,7 +273,7 @@ class ModelConfig:
     def _validate(self) -> None:
         for name in ("vocab_size", "d_model", "num_layers", "window", "head_dim", "num_kv_heads",
                      "dense_hidden"):
-            _check_int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), 1)
         if len(self.layout) != self.num_layers:
             raise ValueError(
                 f"layout: expands to {len(self.layout)} layers ({self.layout!r}) but "
@@ -286,8 +286,8 @@ class ModelConfig:
                 "swa_attention.rope_scaling: context-extension scaling applies to full-attention "
                 "layers only (DESIGN.md §3); set it under full_attention"
             )
-        _check_choice("gate", self.gate, GATE_TYPES)
-        _check_int("num_dense_layers", self.num_dense_layers, 0)
+        check_choice("gate", self.gate, GATE_TYPES)
+        check_int("num_dense_layers", self.num_dense_layers, 0)
         if self.num_dense_layers > self.num_layers:
             raise ValueError(
                 f"num_dense_layers: {self.num_dense_layers} exceeds num_layers={self.num_layers}"
@@ -301,15 +301,15 @@ class ModelConfig:
                 )
         self.moe.validate()
         self.mtp.validate()
-        _check_positive("norm_eps", self.norm_eps)
-        _check_positive("init_std", self.init_std)
-        _check_choice("param_dtype", self.param_dtype, DTYPES)
-        _check_choice("compute_dtype", self.compute_dtype, DTYPES)
-        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
-        _check_choice("moe_impl", self.moe_impl, MOE_IMPLS)
-        _check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
+        check_positive("norm_eps", self.norm_eps)
+        check_positive("init_std", self.init_std)
+        check_choice("param_dtype", self.param_dtype, DTYPES)
+        check_choice("compute_dtype", self.compute_dtype, DTYPES)
+        check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        check_choice("moe_impl", self.moe_impl, MOE_IMPLS)
+        check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
         for name in ("qk_norm", "tie_embeddings", "scan_layers"):
-            _check_bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
 
     # ---- derived per-layer facts -------------------------------------------------------------
 
@@ -335,7 +335,7 @@ class ModelConfig:
 # ---- YAML + dotted overrides -----------------------------------------------------------------
 
 
-def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+def build_dataclass(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     """Builds dataclass `cls` from a nested mapping, rejecting unknown keys by name."""
     if not isinstance(values, Mapping):
         raise ValueError(f"{prefix or 'config'}: expected a mapping, got {values!r}")
@@ -351,7 +351,7 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
                 raise ValueError(f"{name}: expected a mapping of sub-fields, got {value!r}")
             merged = dataclasses.asdict(default)
             merged.update(value)
-            kwargs[key] = _build(type(default), merged, f"{name}.")
+            kwargs[key] = build_dataclass(type(default), merged, f"{name}.")
         elif isinstance(value, list):
             kwargs[key] = tuple(value)
         else:
@@ -365,7 +365,7 @@ def config_to_dict(config: Any) -> dict:
 
 
 def config_from_dict(values: Mapping[str, Any]) -> ModelConfig:
-    return _build(ModelConfig, values, "")
+    return build_dataclass(ModelConfig, values, "")
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
@@ -388,7 +388,7 @@ def parse_override(override: str) -> tuple[str, Any]:
     if not sep or not key:
         raise ValueError(f"override {override!r}: expected key=value, e.g. d_model=128")
     try:
-        value = _yaml_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
         raise ValueError(f"override {override!r}: cannot parse value: {err}") from None
     return key, value
@@ -411,7 +411,7 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
     try:
-        values = _yaml_load(path.read_text()) or {}
+        values = yaml_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from None
     if not isinstance(values, dict):

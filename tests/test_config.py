@@ -39,7 +39,8 @@ def _expect_error(field: str, fn, *args, **kwargs) -> str:
 
 
 def _tiny_dict() -> dict:
-    return yaml.safe_load(TINY.read_text())
+    """The model section of the tiny preset (the file also holds a `train:` section)."""
+    return yaml.safe_load(TINY.read_text())["model"]
 
 
 # ---- layout shorthand ---------------------------------------------------------------------------

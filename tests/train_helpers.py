@@ -1,0 +1,41 @@
+"""Small run configs and synthetic batches shared by the training tests."""
+
+from pathlib import Path
+
+import numpy as np
+
+from train.config import load_run_config
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.yaml"
+
+# Every feature of tiny.yaml (F/S layout, dense + MoE layers, clamps, MTP) at test sizes.
+SMALL_MODEL = [
+    "model.num_layers=5", "model.layout=F+SSSF", "model.d_model=32", "model.window=8",
+    "model.head_dim=8", "model.dense_hidden=64", "model.moe.expert_hidden=16",
+    "model.moe.shared_hidden=16", "model.moe.num_experts=8", "model.moe.top_k=2",
+    "model.swiglu_limits=[0, 0, 0, 0, 7.0]", "model.swiglu_limits_shared=[0, 0, 0, 0, 16.0]",
+    "model.mtp.num_heads=2",
+]
+
+
+def small_run(*overrides, vocab: int = 64):
+    return load_run_config(TINY, [*SMALL_MODEL, f"model.vocab_size={vocab}",
+                                  "train.seq_len=16", "train.batch_size=4", "train.warmup_steps=2",
+                                  "train.steps=10", "train.progress=false", "train.peak_flops=1e9",
+                                  *overrides])
+
+
+def synthetic_batch(num_micro: int, micro: int, length: int, vocab: int, seed: int = 0) -> dict:
+    """[num_micro, micro, length] batch of two packed documents per row (first 3 tokens meta)."""
+    rng = np.random.default_rng(seed)
+    shape = (num_micro, micro, length)
+    half = length // 2
+    segments = np.where(np.arange(length) < half, 1, 2).astype(np.int32)
+    positions = np.where(np.arange(length) < half, np.arange(length), np.arange(length) - half)
+    return {
+        "tokens": rng.integers(0, vocab, shape).astype(np.int32),
+        "segment_ids": np.broadcast_to(segments, shape).copy(),
+        "positions": np.broadcast_to(positions.astype(np.int32), shape).copy(),
+        "meta_mask": np.broadcast_to(positions < 3, shape).copy(),
+    }

@@ -1,0 +1,57 @@
+"""python -m train --config configs/tiny.yaml --workdir DIR [model.x=... train.y=...]
+
+Trains a model from a run YAML (`model:` and `train:` sections). Re-running the same command
+resumes from the latest checkpoint in DIR. Writes DIR/metrics.jsonl, DIR/tensorboard/ and
+DIR/checkpoints/. SIGTERM/SIGINT save a checkpoint and exit cleanly.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from model.cli import ArgumentParser
+from train.checkpoint import CheckpointError
+from train.config import load_run_config
+from train.loop import TrainingError, train
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m train", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, metavar="PATH", help="run YAML")
+    parser.add_argument("--workdir", required=True, metavar="DIR",
+                        help="where checkpoints and metrics go; an existing run there is resumed")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides, e.g. train.steps=100 train.lr=1e-3 model.d_model=256")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)
+    try:
+        run = load_run_config(args.config, args.overrides)
+    except ValueError as err:
+        parser.error(str(err))
+    workdir = Path(args.workdir)
+    try:
+        summary = train(run, workdir)
+    except (TrainingError, CheckpointError, ValueError) as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    state = "interrupted" if summary.interrupted else "finished"
+    first = summary.losses[0] if summary.losses else float("nan")
+    last = summary.losses[-1] if summary.losses else float("nan")
+    print(f"{state} at step {summary.last_step} (started at {summary.first_step}); "
+          f"loss {first:.3f} -> {last:.3f}; skipped updates: {summary.skipped}")
+    print(f"metrics:     {workdir / 'metrics.jsonl'} (TensorBoard: {workdir / 'tensorboard'}; "
+          f"plot: python -m train.plot --workdir {workdir})")
+    print(f"checkpoints: {workdir / 'checkpoints'}")
+    if summary.interrupted:
+        print("re-run the same command to resume")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

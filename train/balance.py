@@ -1,0 +1,28 @@
+"""Loss-free load balancing (report 2.2 / 3.1; DESIGN.md §3): after every optimizer step each
+MoE layer's router bias moves by `b_e += u * sign(mean_load - load_e)`, outside the gradient.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+from model.params import stack_layers, unstack_layers
+
+
+def update_router_bias(balance: dict, load: jax.Array, cfg: ModelConfig, rate: float) -> dict:
+    """balance: the model's `balance` collection (scanned or per-layer layout); load: [L_moe, E]
+    expert load f_e of every MoE layer in layer order. Returns the updated collection."""
+    layers = balance["layers"]
+    per_layer = unstack_layers(layers, cfg) if cfg.scan_layers else dict(layers)
+    moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    for row, layer in enumerate(moe_layers):
+        entry = per_layer[f"layer_{layer}"]["moe"]
+        delta = rate * jnp.sign(jnp.mean(load[row]) - load[row])
+        per_layer[f"layer_{layer}"] = {
+            **per_layer[f"layer_{layer}"], "moe": {**entry, "router_bias": entry["router_bias"] + delta}}
+    return {**balance, "layers": stack_layers(per_layer, cfg) if cfg.scan_layers else per_layer}
+
+
+def has_router_bias(cfg: ModelConfig) -> bool:
+    return cfg.moe.router_bias and cfg.num_moe_layers > 0
+

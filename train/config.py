@@ -1,0 +1,273 @@
+"""Training configuration: `TrainConfig` (frozen dataclass tree) next to the `ModelConfig`.
+
+A run is described by one YAML file with a `model:` and a `train:` section (either may be left
+out: defaults) plus dotted overrides `model.d_model=256 train.lr=1e-3`. Defaults follow the
+report's pre-training recipe (section 3.1 / 4.1): Muon, weight decay 0.1, clip 1.0, warm-up then
+cosine, MTP loss weight 0.3 on MTP-1, EP-group balance loss 0.001, loss-free bias rate 0.001.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from model.config import (
+    ModelConfig, apply_overrides, build_dataclass, check_bool, check_choice, check_int,
+    check_positive, config_from_dict, config_to_dict, read_yaml,
+)
+
+OPTIMIZERS = ("muon", "adamw")
+ORTHOGONALIZERS = ("polar_express", "newton_schulz")
+SCHEDULES = ("cosine", "constant", "stages")
+STAGE_SHAPES = ("cosine", "linear", "constant")
+
+
+def _check_fraction(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{field}: must be a number in [0, 1], got {value!r}")
+
+
+def _check_nonnegative(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{field}: must be a number >= 0, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from (train/data).
+
+    `source`: `stdlib` (the running Python's standard-library `.py` files: real text on every
+    machine, no download) or a comma-separated list of `.txt`/`.jsonl` paths or globs.
+    `tokenizer`: `default` (byte-level BPE trained once on the stdlib corpus and cached) or the
+    path of a Hugging Face `tokenizer.json`.
+    """
+
+    source: str = "stdlib"
+    tokenizer: str = "default"
+    heldout_fraction: float = 0.05  # share of documents (by path hash) kept for evaluation
+    meta_tokens: bool = True  # report A.3: prepend "<|meta|>type=... lang=... source=...\n"
+    # Report A.3 / Fig. 3 marker 4: after this many training tokens the metadata positions
+    # leave the loss (eq. 8); 0 = masked from the start, -1 = never masked.
+    meta_loss_mask_after_tokens: int = -1
+    shuffle: bool = True
+    num_workers: int = 0  # grain worker processes (0 = in-process)
+
+    def validate(self) -> None:
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise ValueError("train.data.source: must be 'stdlib' or paths/globs of .txt/.jsonl files")
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            raise ValueError("train.data.tokenizer: must be 'default' or a tokenizer.json path")
+        _check_fraction("train.data.heldout_fraction", self.heldout_fraction)
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError("train.data.heldout_fraction: must be strictly between 0 and 1")
+        check_bool("train.data.meta_tokens", self.meta_tokens)
+        check_int("train.data.meta_loss_mask_after_tokens", self.meta_loss_mask_after_tokens, -1)
+        check_bool("train.data.shuffle", self.shuffle)
+        check_int("train.data.num_workers", self.num_workers, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonConfig:
+    """Muon on hidden weight matrices (report 4.1.1, 4.2.3)."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    orthogonalizer: str = "polar_express"  # or the classic Newton-Schulz-5 quintic
+    steps: int = 6  # T = 6 Polar Express iterations (report 4.1.1)
+    iteration_dtype: str = "float16"  # state and intermediates of the iteration (report 4.1.1)
+    # Update-RMS matching: scale the orthogonalised update to this RMS so AdamW's learning rate
+    # and weight decay carry over (Moonlight: 0.2); 0 = the original sqrt(max(1, m/n)) scale.
+    update_rms: float = 0.2
+
+    def validate(self) -> None:
+        _check_fraction("train.muon.momentum", self.momentum)
+        check_bool("train.muon.nesterov", self.nesterov)
+        check_choice("train.muon.orthogonalizer", self.orthogonalizer, ORTHOGONALIZERS)
+        check_int("train.muon.steps", self.steps, 1)
+        check_choice("train.muon.iteration_dtype", self.iteration_dtype,
+                     ("float16", "bfloat16", "float32"))
+        _check_nonnegative("train.muon.update_rms", self.update_rms)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 8  # sequences per optimizer step (all hosts together)
+    micro_batch_size: int = 0  # > 0: gradient accumulation over batch_size / micro_batch_size
+    # Batch-size warm-up (report 3.1): ((until_step, batch_size), ...) with increasing steps:
+    # steps before the first until_step use the first size, and so on; then `batch_size`.
+    # Every size must be a multiple of the micro-batch.
+    batch_warmup: tuple = ()
+    seq_len: int = 256
+    seed: int = 0
+
+    optimizer: str = "muon"
+    lr: float = 3e-3  # peak learning rate (Muon and AdamW groups alike, thanks to RMS matching)
+    min_lr: float = 3e-4  # floor of the cosine
+    warmup_steps: int = 50
+    schedule: str = "cosine"
+    # schedule: stages -> ((steps, end_lr, shape), ...) after warm-up; shape cosine|linear|constant.
+    lr_stages: tuple = ()
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    muon: MuonConfig = MuonConfig()
+
+    loss_chunk_size: int = 1024  # tokens per chunk of the float32 cross-entropy
+    # MTP (report 2.2 / 3.1): total weight 0.3 (0.1 in stage 2) spread over heads by
+    # per-offset weights; only MTP-1 trains in main training.
+    mtp_loss_weight: float = 0.3
+    mtp_offset_weights: tuple = (1.0,)
+    balance_loss_coef: float = 0.001  # EP-group balance loss, eq. 1
+    router_bias_rate: float = 0.001  # loss-free balancing update u
+    freeze_router: bool = False  # mid-/post-training (report 3.2, 4.2): router weights fixed
+
+    log_every: int = 10
+    eval_every: int = 0  # 0 = no periodic held-out evaluation
+    eval_batches: int = 4
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    max_consecutive_skips: int = 5  # non-finite loss/grad skips before giving up
+    peak_flops: float = 0.0  # per device, for MFU; 0 = measure a float32 matmul at start-up
+    progress: bool = True
+    data: DataConfig = DataConfig()
+
+    def validate(self, model: ModelConfig | None = None) -> None:
+        for name in ("steps", "batch_size", "seq_len", "log_every", "checkpoint_every",
+                     "keep_checkpoints", "max_consecutive_skips", "loss_chunk_size",
+                     "eval_batches"):
+            check_int(f"train.{name}", getattr(self, name), 1)
+        for name in ("micro_batch_size", "warmup_steps", "seed", "eval_every"):
+            check_int(f"train.{name}", getattr(self, name), 0)
+        check_choice("train.optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("train.schedule", self.schedule, SCHEDULES)
+        check_positive("train.lr", self.lr)
+        for name in ("min_lr", "weight_decay", "grad_clip", "adam_eps", "mtp_loss_weight",
+                     "balance_loss_coef", "router_bias_rate", "peak_flops"):
+            _check_nonnegative(f"train.{name}", getattr(self, name))
+        _check_fraction("train.adam_b1", self.adam_b1)
+        _check_fraction("train.adam_b2", self.adam_b2)
+        check_bool("train.freeze_router", self.freeze_router)
+        check_bool("train.progress", self.progress)
+        for size in self.batch_sizes():
+            if size % self.micro_batch():
+                raise ValueError(f"train.batch_warmup: batch size {size} is not a multiple "
+                                 f"of train.micro_batch_size={self.micro_batch()}")
+        self._validate_batch_warmup()
+        self._validate_stages()
+        for i, w in enumerate(self.mtp_offset_weights):
+            _check_nonnegative(f"train.mtp_offset_weights[{i}]", w)
+        if model is not None and len(self.mtp_offset_weights) > model.mtp.num_heads:
+            raise ValueError(
+                f"train.mtp_offset_weights: {len(self.mtp_offset_weights)} weights but the model "
+                f"has model.mtp.num_heads={model.mtp.num_heads}")
+        self.muon.validate()
+        self.data.validate()
+
+    def _validate_batch_warmup(self) -> None:
+        previous = -1
+        for i, entry in enumerate(self.batch_warmup):
+            if (not isinstance(entry, (list, tuple)) or len(entry) != 2
+                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)):
+                raise ValueError(f"train.batch_warmup[{i}]: expected [until_step, batch_size] "
+                                 f"integers, got {entry!r}")
+            if entry[0] <= previous or entry[1] < 1:
+                raise ValueError(f"train.batch_warmup[{i}]: steps must increase and batch "
+                                 f"sizes be >= 1, got {entry!r}")
+            previous = entry[0]
+
+    def _validate_stages(self) -> None:
+        if self.schedule == "stages" and not self.lr_stages:
+            raise ValueError("train.lr_stages: schedule 'stages' needs at least one "
+                             "[steps, end_lr, shape] stage")
+        for i, stage in enumerate(self.lr_stages):
+            if not isinstance(stage, (list, tuple)) or len(stage) != 3:
+                raise ValueError(f"train.lr_stages[{i}]: expected [steps, end_lr, shape], got {stage!r}")
+            check_int(f"train.lr_stages[{i}].steps", stage[0], 1)
+            _check_nonnegative(f"train.lr_stages[{i}].end_lr", stage[1])
+            check_choice(f"train.lr_stages[{i}].shape", stage[2], STAGE_SHAPES)
+
+    def micro_batch(self) -> int:
+        return self.micro_batch_size or min(self.batch_sizes())
+
+    def batch_sizes(self) -> list[int]:
+        return [self.batch_size, *(size for _, size in self.batch_warmup)]
+
+    def batch_size_at(self, step: int) -> int:
+        """Global batch size of optimizer step `step`: the first warm-up entry whose
+        `until_step` lies beyond `step`, else `batch_size` (report 3.1 batch-size warm-up)."""
+        for until_step, size in self.batch_warmup:
+            if step < until_step:
+                return size
+        return self.batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig
+    train: TrainConfig
+
+    def to_dict(self) -> dict:
+        return {"model": config_to_dict(self.model), "train": config_to_dict(self.train)}
+
+
+def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
+    unknown = set(values) - {"model", "train"}
+    if unknown:
+        raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; "
+                         "expected 'model' and 'train'")
+    model = config_from_dict(values.get("model") or {})
+    train = build_dataclass(TrainConfig, values.get("train") or {}, "train.")
+    train.validate(model)
+    return RunConfig(model=model, train=train)
+
+
+def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """Reads a run YAML (`model:` / `train:` sections; a file without them is a model preset)
+    and applies `model.x=...` / `train.x=...` overrides."""
+    values = read_yaml(path)
+    if not ({"model", "train"} & set(values)):
+        values = {"model": values}
+    for override in overrides:
+        key = override.partition("=")[0].strip()
+        if key.split(".")[0] not in ("model", "train"):
+            raise ValueError(f"override {override!r}: prefix the key with 'model.' or 'train.', "
+                             f"e.g. model.{key}=... or train.{key}=...")
+    return run_config_from_dict(apply_overrides(values, overrides))
+
+
+# Fields that may change between a checkpoint and its resumption: implementation switches and
+# run-length/logging knobs. Everything else shapes the state or the data stream.
+RESUMABLE_CHANGES = {
+    "model.attention_impl", "model.moe_impl", "model.remat_policy", "model.compute_dtype",
+    "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+    "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
+    "train.peak_flops", "train.progress", "train.data.num_workers", "train.loss_chunk_size",
+}
+
+
+def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def incompatible_fields(saved: Mapping[str, Any], current: RunConfig) -> list[str]:
+    """Dotted names of fields whose saved value differs from `current` and that a resumed run
+    may not change (state shapes, data stream, optimizer)."""
+    old, new = flatten(saved), flatten(current.to_dict())
+    jsonish = flatten(_json_roundtrip(current.to_dict()))
+    return sorted(k for k in set(old) | set(new)
+                  if k not in RESUMABLE_CHANGES and old.get(k) != jsonish.get(k))
+
+
+def _json_roundtrip(values: Any) -> Any:
+    return json.loads(json.dumps(values))

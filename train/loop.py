@@ -1,0 +1,189 @@
+"""The training loop: set-up, resume, the step loop, logging, checkpoints, clean shutdown.
+
+    summary = train(run, workdir)
+
+Re-running with the same workdir resumes from the latest checkpoint and reproduces exactly the
+losses of an uninterrupted run (state, data position and RNG are all in the checkpoint).
+"""
+
+import contextlib
+import dataclasses
+import signal
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from model.lm import CausalLM
+from train.checkpoint import Checkpointer
+from train.config import RunConfig, incompatible_fields
+from train.data import make_dataset
+from train.metrics import MetricsWriter, ProgressBar
+from train.mfu import measure_matmul_peak, train_flops_per_token
+from train.optimizer import build_optimizer, param_labels
+from train.state import TrainState, create_state, init_variables, logical_axes
+from train.step import make_train_step, trained_mtp_heads
+from train.tokenizer import load_tokenizer
+
+
+class TrainingError(RuntimeError):
+    """A run cannot start or continue; the message is one line for the user."""
+
+
+@dataclasses.dataclass
+class TrainSummary:
+    workdir: Path
+    first_step: int  # step the run started from (0, or the resumed checkpoint's)
+    last_step: int
+    losses: list[float]  # loss of every step this invocation ran
+    skipped: int
+    interrupted: bool
+
+
+def prepare_workdir(workdir: Path) -> None:
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise TrainingError(f"workdir {workdir} is not writable: {err.strerror or err}") from None
+
+
+def tokens_before(run: RunConfig, step: int) -> int:
+    """Training tokens consumed by steps [0, step) under the batch-size warm-up."""
+    return sum(run.train.batch_size_at(s) for s in range(step)) * run.train.seq_len
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """Turns SIGTERM/SIGINT into a flag the loop polls, so it can checkpoint before exiting."""
+    requested = {"signal": None}
+
+    def handler(signum, _frame):
+        requested["signal"] = signal.Signals(signum).name
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield requested
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+class Trainer:
+    """Holds the pieces of one run; `train()` below is the entry point."""
+
+    def __init__(self, run: RunConfig, workdir: Path):
+        self.run, self.workdir = run, Path(workdir)
+        prepare_workdir(self.workdir)
+        self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.train.keep_checkpoints)
+        self.resume_step = self.checkpoints.latest_step()
+        if self.resume_step is not None:
+            changed = incompatible_fields(self.checkpoints.read_config(self.resume_step), run)
+            if changed:
+                raise TrainingError(
+                    f"cannot resume {self.workdir}: the config differs from the checkpoint's in "
+                    f"{', '.join(changed)}; use another --workdir or restore those values")
+        self.tokenizer = load_tokenizer(run.train.data.tokenizer)
+        vocab = self.tokenizer.get_vocab_size()
+        if vocab > run.model.vocab_size:
+            raise TrainingError(f"tokenizer has {vocab} tokens but model.vocab_size="
+                                f"{run.model.vocab_size}; raise model.vocab_size")
+        self.model = CausalLM(run.model)
+        boxed = jax.eval_shape(lambda: init_variables(self.model, jax.random.key(0)))
+        axes = logical_axes(boxed["params"])
+        self.optimizer = build_optimizer(run.train, axes)
+        self.labels = param_labels(axes, run.train)
+        self.data = make_dataset(
+            run.train.data, self.tokenizer, seq_len=run.train.seq_len,
+            batch_size=run.train.micro_batch() // jax.process_count(), split="train",
+            seed=run.train.seed, shard_index=jax.process_index(), shard_count=jax.process_count())
+
+    def initial_state(self) -> TrainState:
+        make = lambda: create_state(self.model, self.optimizer, self.run.train.seed)
+        if self.resume_step is None:
+            return jax.jit(make)()
+        state, data_state = self.checkpoints.restore(self.resume_step, jax.eval_shape(make))
+        self.data.set_state(data_state)
+        return state
+
+    def next_batch(self, step: int) -> dict:
+        """[num_micro, micro, T] arrays for optimizer step `step` (batch-size warm-up)."""
+        num_micro = self.run.train.batch_size_at(step) // self.run.train.micro_batch()
+        micro = [next(self.data) for _ in range(num_micro)]
+        batch = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
+        top = int(batch["tokens"].max())
+        if top >= self.run.model.vocab_size or int(batch["tokens"].min()) < 0:
+            raise TrainingError(f"data at step {step} has token id {top} outside "
+                                f"[0, model.vocab_size={self.run.model.vocab_size})")
+        return batch
+
+    def save(self, state: TrainState) -> None:
+        self.checkpoints.save(int(state.step), state, self.data.get_state(), self.run.to_dict())
+
+
+def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None) -> TrainSummary:
+    """Trains to `run.train.steps`, resuming from `workdir` if it holds checkpoints.
+    `stop_after`: leave (with a checkpoint) after this many steps of this invocation, as a
+    SIGTERM would; used to test resumption."""
+    trainer = Trainer(run, Path(workdir))
+    try:
+        return _run_steps(trainer, stop_after)
+    finally:
+        trainer.checkpoints.close()
+
+
+def _run_steps(trainer: Trainer, stop_after: int | None) -> TrainSummary:
+    run, cfg = trainer.run, trainer.run.train
+    state = trainer.initial_state()
+    first_step = step = saved_step = int(state.step)
+    step_fn = jax.jit(make_train_step(trainer.model, run, trainer.optimizer, trainer.labels),
+                      donate_argnums=0)
+    flops_per_token = train_flops_per_token(run.model, cfg.seq_len, trained_mtp_heads(run))
+    peak = (cfg.peak_flops or measure_matmul_peak()) * jax.device_count()
+    meta_switch = cfg.data.meta_loss_mask_after_tokens
+    tokens_seen = tokens_before(run, first_step)
+    losses, interrupted = [], False
+
+    def check(metrics) -> None:
+        """Reads a finished step's metrics (one step late, so dispatch never waits on it)."""
+        losses.append(float(metrics["loss"]))
+        if int(metrics["consecutive_skips"]) >= cfg.max_consecutive_skips:
+            raise TrainingError(
+                f"{cfg.max_consecutive_skips} consecutive steps had a non-finite loss or gradient "
+                f"(up to step {first_step + len(losses)}); stopped, the last checkpoint is intact")
+
+    with MetricsWriter(trainer.workdir) as writer, stop_requests() as stop, \
+            ProgressBar(cfg.steps, first_step, enabled=cfg.progress) as progress:
+        writer.truncate_after(first_step)
+        window_start, window_tokens, pending = time.perf_counter(), 0, None
+        while step < cfg.steps:
+            batch = trainer.next_batch(step)
+            mask_meta = 0 <= meta_switch <= tokens_seen
+            state, metrics = step_fn(state, batch, np.bool_(mask_meta))
+            step += 1
+            tokens_seen += batch["tokens"].size
+            window_tokens += batch["tokens"].size
+            if pending is not None:
+                check(pending)
+            pending = metrics
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                rate = window_tokens / (time.perf_counter() - window_start)
+                writer.write(step, {**metrics, "tokens_per_sec": rate, "tokens_seen": tokens_seen,
+                                    "mfu": rate * flops_per_token / peak})
+                progress.update(step, tokens_per_sec=rate, loss=losses[-1] if losses else None)
+                window_start, window_tokens = time.perf_counter(), 0
+            if stop["signal"] or (stop_after is not None and step - first_step >= stop_after):
+                interrupted = True
+                break
+            if step % cfg.checkpoint_every == 0:
+                trainer.save(state)
+                saved_step = step
+        if pending is not None:
+            check(pending)
+        if saved_step != step:
+            trainer.save(state)
+    return TrainSummary(workdir=trainer.workdir, first_step=first_step, last_step=step,
+                        losses=losses, skipped=int(state.skipped), interrupted=interrupted)

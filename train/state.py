@@ -1,0 +1,42 @@
+"""`TrainState`: everything a resumed run needs besides the data-iterator position."""
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from model.lm import CausalLM
+
+
+class TrainState(flax.struct.PyTreeNode):
+    step: jax.Array  # int32 []: batches consumed (skipped updates included)
+    params: Any  # `params` collection, unboxed
+    balance: Any  # `balance` collection (router biases), {} when the model has none
+    opt_state: Any
+    rng: jax.Array  # uint32 [2] raw key, split every step for stochastic extensions
+    skipped: jax.Array  # int32 []: updates skipped for a non-finite loss or gradient, in total
+    consecutive_skips: jax.Array  # int32 []: ... in a row (the loop stops at a limit)
+
+
+def init_variables(model: CausalLM, key: jax.Array) -> dict:
+    """Boxed (logically-partitioned) variables of `model`; shapes do not depend on length."""
+    return model.init(key, jnp.zeros((1, 8), jnp.int32))
+
+
+def logical_axes(boxed_params: Any) -> Any:
+    """Tree of logical axis-name tuples, one per param leaf."""
+    specs = nn.get_partition_spec(boxed_params)
+    return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
+def create_state(model: CausalLM, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+    init_key, state_key = jax.random.split(jax.random.key(seed))
+    variables = nn.meta.unbox(init_variables(model, init_key))
+    params = variables["params"]
+    zero = jnp.zeros((), jnp.int32)
+    return TrainState(step=zero, params=params, balance=variables.get("balance", {}),
+                      opt_state=optimizer.init(params), rng=jax.random.key_data(state_key),
+                      skipped=zero, consecutive_skips=zero)

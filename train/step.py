@@ -1,0 +1,141 @@
+"""The jitted training step: gradient accumulation over micro-batches, losses, the optimizer,
+the loss-free router-bias update, non-finite skipping, and the stability monitors.
+
+    step_fn = make_train_step(model, run, optimizer, labels)
+    state, metrics = step_fn(state, batch, mask_meta)
+
+batch: dict of `tokens`, `segment_ids`, `positions` (int32) and `meta_mask` (bool), each
+[num_micro, micro_batch, T]; mask_meta: bool scalar (report A.3 switch). Metrics stay on device:
+the caller hands them to the background writer without waiting.
+"""
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from model.lm import CausalLM
+from train.balance import has_router_bias, update_router_bias
+from train.config import RunConfig
+from train.losses import chunked_cross_entropy, shifted_targets
+from train.monitors import expert_param_norms, moe_layer_ids, moe_monitors
+from train.schedules import learning_rate_schedule
+from train.state import TrainState
+
+
+def trained_mtp_heads(run: RunConfig) -> int:
+    """MTP heads that enter the loss: up to the last non-zero per-offset weight."""
+    if not run.train.mtp_loss_weight:
+        return 0
+    weights = run.train.mtp_offset_weights[:run.model.mtp.num_heads]
+    return max((i + 1 for i, w in enumerate(weights) if w > 0), default=0)
+
+
+def loss_fn(model: CausalLM, run: RunConfig, params, balance, micro, mask_meta, counts,
+            num_micro: int):
+    """Loss of one micro-batch, normalised by the whole step's target counts `counts`
+    ([1 + heads] float32) and, for the per-micro-batch balance loss, by `num_micro`, so that
+    summed micro-batch losses and gradients equal those of the full batch.
+
+    Returns (loss, (parts dict of scalars, aux of the model))."""
+    train = run.train
+    heads = trained_mtp_heads(run)
+    variables = {"params": params, "balance": balance} if balance else {"params": params}
+    out = model.apply(variables, micro["tokens"], micro["segment_ids"], micro["positions"],
+                      compute_logits=False, num_mtp_heads=heads)
+
+    def head_loss(hidden, offset, head):
+        targets = shifted_targets(micro["tokens"], micro["segment_ids"], micro["meta_mask"],
+                                  offset, mask_meta)
+        project = lambda h: model.apply({"params": params}, h, head=head, method=CausalLM.project)
+        total, _ = chunked_cross_entropy(project, hidden, targets, train.loss_chunk_size)
+        return total / jnp.maximum(counts[head], 1.0)
+
+    lm = head_loss(out.hidden, 1, 0)
+    mtp = jnp.zeros((), jnp.float32)
+    for h in range(heads):
+        mtp += train.mtp_offset_weights[h] * head_loss(out.mtp_hidden[h], 2 + h, h + 1)
+    balance_loss = out.aux.get("balance_loss", jnp.zeros((), jnp.float32))
+    loss = lm + train.mtp_loss_weight * mtp + train.balance_loss_coef * balance_loss / num_micro
+    return loss, ({"loss/lm": lm, "loss/mtp": mtp, "loss/balance": balance_loss}, out.aux)
+
+
+def target_counts(run: RunConfig, batch: dict, mask_meta) -> jax.Array:
+    """Trained targets of the main head and each trained MTP head over the whole step. [1+heads]"""
+    flat = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}
+    return jnp.stack([
+        jnp.sum(shifted_targets(flat["tokens"], flat["segment_ids"], flat["meta_mask"], offset,
+                                mask_meta).weights)
+        for offset in range(1, 2 + trained_mtp_heads(run))])
+
+
+def grouped_rms(tree, labels) -> dict[str, jax.Array]:
+    """RMS of `tree`'s entries per optimizer label group ('muon', 'adamw')."""
+    out = {}
+    leaves, label_leaves = jax.tree.leaves(tree), jax.tree.leaves(labels)
+    for group in sorted(set(label_leaves) - {"frozen"}):
+        chosen = [x for x, g in zip(leaves, label_leaves) if g == group]
+        squares = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in chosen)
+        out[f"update_rms/{group}"] = jnp.sqrt(squares / sum(x.size for x in chosen))
+    return out
+
+
+def tree_where(pred, on_true, on_false):
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def make_train_step(model: CausalLM, run: RunConfig, optimizer: optax.GradientTransformation,
+                    labels: Any) -> Callable[[TrainState, dict, Any], tuple[TrainState, dict]]:
+    """labels: tree of optimizer group names matching `state.params` (for update-RMS metrics)."""
+    train = run.train
+    schedule = learning_rate_schedule(train)
+    grad_and_aux = jax.value_and_grad(loss_fn, argnums=2, has_aux=True)
+
+    def step_fn(state: TrainState, batch: dict, mask_meta) -> tuple[TrainState, dict]:
+        counts = target_counts(run, batch, mask_meta)
+        num_micro = batch["tokens"].shape[0]
+
+        def accumulate(grads, micro):
+            (loss, (parts, aux)), g = grad_and_aux(model, run, state.params, state.balance,
+                                                   micro, mask_meta, counts, num_micro)
+            return jax.tree.map(jnp.add, grads, g), (loss, parts, aux.get("moe", {}))
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grads, (losses, parts, moe_aux) = jax.lax.scan(accumulate, zeros, batch)
+        # lm/mtp terms are normalised by whole-step counts: sum them; the balance loss is a
+        # per-micro-batch mean: average it.
+        parts = {k: jnp.mean(v) if k == "loss/balance" else jnp.sum(v) for k, v in parts.items()}
+        loss = jnp.sum(losses)
+        moe_aux = jax.tree.map(lambda x: jnp.mean(x, axis=0), moe_aux)
+
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        balance = state.balance
+        if has_router_bias(run.model) and train.router_bias_rate:
+            balance = update_router_bias(balance, moe_aux["expert_load"], run.model,
+                                         train.router_bias_rate)
+
+        skips = jnp.where(finite, 0, state.consecutive_skips + 1)
+        new_state = state.replace(
+            step=state.step + 1,
+            params=tree_where(finite, params, state.params),
+            balance=tree_where(finite, balance, state.balance),
+            opt_state=tree_where(finite, opt_state, state.opt_state),
+            rng=jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0]),
+            skipped=state.skipped + (~finite).astype(jnp.int32),
+            consecutive_skips=skips,
+        )
+        metrics = {"loss": loss, **parts, "grad_norm": grad_norm, "lr": schedule(state.step),
+                   "skipped": (~finite).astype(jnp.int32), "skipped_steps": new_state.skipped,
+                   "consecutive_skips": skips,
+                   **grouped_rms(updates, labels)}
+        if moe_aux:
+            layer_ids = moe_layer_ids(run.model)
+            metrics.update(moe_monitors(moe_aux, layer_ids))
+            metrics.update(expert_param_norms(new_state.params, layer_ids))
+        return new_state, metrics
+
+    return step_fn

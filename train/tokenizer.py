@@ -1,0 +1,145 @@
+"""Tokenizers: the shipped byte-level BPE of the stdlib corpus, or any Hugging Face tokenizer.json.
+
+    tok = load_tokenizer("default")            # train/assets/stdlib_bpe_4096.json
+    ids = tok.encode("def f(x):\n    return x\n")   # int32 array, no special tokens
+    tok.eos_id, tok.meta_open_id, tok.meta_close_id, tok.get_vocab_size()
+
+Re-train the shipped asset (deterministic for a given Python version and corpus):
+
+    python -m train.tokenizer --vocab-size 4096 --out train/assets/stdlib_bpe_4096.json --force
+
+Special tokens are only ever inserted by id (`encode` treats their spelling inside a document
+as plain text), so data can never forge a document boundary or a metadata delimiter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+EOS = "<|endoftext|>"  # document separator / end of sequence
+META_OPEN, META_CLOSE = "<|meta|>", "<|/meta|>"  # report A.3 metadata delimiters
+SPECIAL_TOKENS = (EOS, META_OPEN, META_CLOSE)
+# End-of-document tokens of common tokenizers, tried in order for a foreign tokenizer.json.
+EOS_CANDIDATES = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|end▁of▁sentence|>")
+DEFAULT_PATH = Path(__file__).parent / "assets" / "stdlib_bpe_4096.json"
+
+
+class TextTokenizer:
+    """A `tokenizers.Tokenizer` plus the ids of the three special tokens the data pipeline
+    needs. A foreign tokenizer lacking `<|meta|>` / `<|/meta|>` (or any known end-of-text
+    token) gets them appended, which grows its vocabulary by up to three ids."""
+
+    def __init__(self, hf: tokenizers.Tokenizer, name: str = ""):
+        self.hf, self.name = hf, name
+        present = hf.get_vocab(with_added_tokens=True)
+        eos = next((t for t in EOS_CANDIDATES if t in present), EOS)
+        missing = [t for t in (eos, META_OPEN, META_CLOSE) if t not in present]
+        if missing:
+            hf.add_special_tokens(missing)
+        hf.encode_special_tokens = True  # a document's "<|endoftext|>" is text, not a boundary
+        self.eos_id = hf.token_to_id(eos)
+        self.meta_open_id = hf.token_to_id(META_OPEN)
+        self.meta_close_id = hf.token_to_id(META_CLOSE)
+        self.vocab_size = max(hf.get_vocab(with_added_tokens=True).values()) + 1
+
+    def __reduce__(self):  # pickled for grain worker processes: rebuild from the JSON
+        return _from_json, (self.hf.to_str(), self.name)
+
+    def get_vocab_size(self) -> int:
+        """Ids are in [0, vocab_size): the model's `vocab_size` must be at least this."""
+        return self.vocab_size
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.hf.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        encodings = self.hf.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [np.asarray(e.ids, np.int32) for e in encodings]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return f"TextTokenizer({self.name!r}, vocab_size={self.vocab_size})"
+
+
+def _from_json(text: str, name: str) -> TextTokenizer:
+    return TextTokenizer(tokenizers.Tokenizer.from_str(text), name)
+
+
+def load_tokenizer(spec: str = "default") -> TextTokenizer:
+    """`default` -> the shipped stdlib BPE; otherwise the path of a Hugging Face tokenizer.json
+    (or of a directory holding one, e.g. a downloaded model)."""
+    path = DEFAULT_PATH if spec == "default" else Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        hint = " (the shipped tokenizer asset is missing)" if spec == "default" else ""
+        raise ValueError(f"train.data.tokenizer: {spec!r} does not exist{hint}")
+    try:
+        hf = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises bare Exception on malformed files
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"train.data.tokenizer: {spec!r} is not a Hugging Face tokenizer.json "
+                         f"({reason})") from None
+    return TextTokenizer(hf, name=spec)
+
+
+def train_bpe(texts: Sequence[str], vocab_size: int) -> tokenizers.Tokenizer:
+    """Byte-level BPE (GPT-2 style pre-tokenisation, no normaliser: lossless on any text), with
+    the special tokens at ids 0, 1, 2."""
+    hf = tokenizers.Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    hf.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return hf
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from train.config import DataConfig
+    from train.corpus import load_documents, split_documents
+
+    parser = argparse.ArgumentParser(
+        prog="python -m train.tokenizer",
+        description="Train the byte-level BPE tokenizer on the train split of the stdlib corpus.")
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--out", type=Path, default=DEFAULT_PATH)
+    parser.add_argument("--source", default="stdlib", help="corpus (as train.data.source)")
+    parser.add_argument("--heldout-fraction", type=float, default=DataConfig.heldout_fraction,
+                        help="documents of the held-out split are left out of training")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+    args = parser.parse_args(argv)
+    if args.vocab_size < 256 + len(SPECIAL_TOKENS):
+        parser.error(f"--vocab-size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + specials)")
+    if args.out.exists() and not args.force:
+        parser.error(f"--out {args.out} exists; pass --force to overwrite it")
+    try:
+        train_docs, _ = split_documents(load_documents(args.source), args.heldout_fraction)
+    except ValueError as err:
+        parser.error(str(err))
+    start = time.perf_counter()
+    hf = train_bpe([d.text for d in train_docs], args.vocab_size)
+    seconds = time.perf_counter() - start
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    hf.save(str(args.out))
+    chars = sum(len(d.text) for d in train_docs)
+    tokens = sum(len(e.ids) for e in hf.encode_batch_fast([d.text for d in train_docs]))
+    print(f"trained vocab {hf.get_vocab_size()} on {len(train_docs)} documents "
+          f"({chars / 1e6:.1f}M chars, Python {sys.version.split()[0]}) in {seconds:.1f}s; "
+          f"{chars / tokens:.2f} chars/token; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
