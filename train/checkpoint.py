@@ -29,6 +29,9 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
     def save(self, step: int, state: Any, data_state: dict, config: dict) -> None:
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),

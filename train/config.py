@@ -134,6 +134,9 @@ class TrainConfig:
     max_consecutive_skips: int = 5  # non-finite loss/grad skips before giving up
     peak_flops: float = 0.0  # per device, for MFU; 0 = measure a float32 matmul at start-up
     progress: bool = True
+    # JAX's persistent compilation cache: a re-run (resume, sweep) skips the ~40 s compile of
+    # the tiny model's step on CPU. "" turns it off.
+    xla_cache_dir: str = "~/.cache/stepjax/xla"
     data: DataConfig = DataConfig()
 
     def validate(self, model: ModelConfig | None = None) -> None:
@@ -153,6 +156,9 @@ class TrainConfig:
         _check_fraction("train.adam_b2", self.adam_b2)
         check_bool("train.freeze_router", self.freeze_router)
         check_bool("train.progress", self.progress)
+        if not isinstance(self.xla_cache_dir, str):
+            raise ValueError(f"train.xla_cache_dir: must be a directory path or '', "
+                             f"got {self.xla_cache_dir!r}")
         for size in self.batch_sizes():
             if size % self.micro_batch():
                 raise ValueError(f"train.batch_warmup: batch size {size} is not a multiple "
@@ -246,7 +252,7 @@ RESUMABLE_CHANGES = {
     "model.attention_impl", "model.moe_impl", "model.remat_policy", "model.compute_dtype",
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
-    "train.peak_flops", "train.progress", "train.data.num_workers", "train.loss_chunk_size",
+    "train.peak_flops", "train.progress", "train.xla_cache_dir", "train.data.num_workers", "train.loss_chunk_size",
 }
 
 

@@ -22,8 +22,7 @@ from train.checkpoint import CheckpointError, Checkpointer
 from train.config import run_config_from_dict
 from train.data import make_dataset
 from train.losses import chunked_cross_entropy, shifted_targets
-from train.optimizer import build_optimizer
-from train.state import create_state, init_variables, logical_axes
+from train.state import abstract_state, build_training
 from train.tokenizer import load_tokenizer
 
 
@@ -68,17 +67,14 @@ def evaluate_checkpoint(workdir: Path, split: str, batches: int, step: int | Non
         if step is None:
             raise CheckpointError(f"no checkpoint in {workdir / 'checkpoints'}")
         run = run_config_from_dict(checkpoints.read_config(step))
-        model = CausalLM(run.model)
-        axes = logical_axes(jax.eval_shape(lambda: init_variables(model, jax.random.key(0)))["params"])
-        optimizer = build_optimizer(run.train, axes)
-        abstract = jax.eval_shape(lambda: create_state(model, optimizer, run.train.seed))
-        state, _ = checkpoints.restore(step, abstract)
+        training = build_training(run)
+        state, _ = checkpoints.restore(step, abstract_state(training, run.train.seed))
     finally:
         checkpoints.close()
     tokenizer = load_tokenizer(run.train.data.tokenizer)
     data = make_dataset(run.train.data, tokenizer, seq_len=run.train.seq_len,
                         batch_size=run.train.micro_batch(), split=split, seed=run.train.seed)
-    result = evaluate(make_eval_step(model, run.train.loss_chunk_size), state.params,
+    result = evaluate(make_eval_step(training.model, run.train.loss_chunk_size), state.params,
                       state.balance, limited(data, batches), progress)
     return {"step": step, "split": split, **result}
 

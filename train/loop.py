@@ -15,14 +15,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from model.lm import CausalLM
 from train.checkpoint import Checkpointer
 from train.config import RunConfig, incompatible_fields
 from train.data import make_dataset
 from train.metrics import MetricsWriter, ProgressBar
 from train.mfu import measure_matmul_peak, train_flops_per_token
-from train.optimizer import build_optimizer, param_labels
-from train.state import TrainState, create_state, init_variables, logical_axes
+from train.state import TrainState, abstract_state, build_training, create_state
 from train.step import make_train_step, trained_mtp_heads
 from train.tokenizer import load_tokenizer
 
@@ -49,6 +47,19 @@ def prepare_workdir(workdir: Path) -> None:
         probe.unlink()
     except OSError as err:
         raise TrainingError(f"workdir {workdir} is not writable: {err.strerror or err}") from None
+
+
+def meta_loss_masked(switch_after_tokens: int, tokens_seen: int) -> bool:
+    """Report A.3: metadata tokens leave the loss once `tokens_seen` reaches the switch point
+    (`train.data.meta_loss_mask_after_tokens`; -1 = never)."""
+    return 0 <= switch_after_tokens <= tokens_seen
+
+
+def enable_compilation_cache(directory: str) -> None:
+    """Points JAX's persistent compilation cache at `directory` unless it is "" or the process
+    already chose a cache (e.g. the test suite's)."""
+    if directory and jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(Path(directory).expanduser()))
 
 
 def tokens_before(run: RunConfig, step: int) -> int:
@@ -91,21 +102,18 @@ class Trainer:
         if vocab > run.model.vocab_size:
             raise TrainingError(f"tokenizer has {vocab} tokens but model.vocab_size="
                                 f"{run.model.vocab_size}; raise model.vocab_size")
-        self.model = CausalLM(run.model)
-        boxed = jax.eval_shape(lambda: init_variables(self.model, jax.random.key(0)))
-        axes = logical_axes(boxed["params"])
-        self.optimizer = build_optimizer(run.train, axes)
-        self.labels = param_labels(axes, run.train)
+        self.training = build_training(run)
         self.data = make_dataset(
             run.train.data, self.tokenizer, seq_len=run.train.seq_len,
             batch_size=run.train.micro_batch() // jax.process_count(), split="train",
             seed=run.train.seed, shard_index=jax.process_index(), shard_count=jax.process_count())
 
     def initial_state(self) -> TrainState:
-        make = lambda: create_state(self.model, self.optimizer, self.run.train.seed)
+        seed = self.run.train.seed
         if self.resume_step is None:
-            return jax.jit(make)()
-        state, data_state = self.checkpoints.restore(self.resume_step, jax.eval_shape(make))
+            return jax.jit(lambda: create_state(self.training.model, self.training.optimizer, seed))()
+        state, data_state = self.checkpoints.restore(self.resume_step,
+                                                     abstract_state(self.training, seed))
         self.data.set_state(data_state)
         return state
 
@@ -128,6 +136,7 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None) -> Tr
     """Trains to `run.train.steps`, resuming from `workdir` if it holds checkpoints.
     `stop_after`: leave (with a checkpoint) after this many steps of this invocation, as a
     SIGTERM would; used to test resumption."""
+    enable_compilation_cache(run.train.xla_cache_dir)
     trainer = Trainer(run, Path(workdir))
     try:
         return _run_steps(trainer, stop_after)
@@ -139,11 +148,9 @@ def _run_steps(trainer: Trainer, stop_after: int | None) -> TrainSummary:
     run, cfg = trainer.run, trainer.run.train
     state = trainer.initial_state()
     first_step = step = saved_step = int(state.step)
-    step_fn = jax.jit(make_train_step(trainer.model, run, trainer.optimizer, trainer.labels),
-                      donate_argnums=0)
+    step_fn = jax.jit(make_train_step(trainer.training, run), donate_argnums=0)
     flops_per_token = train_flops_per_token(run.model, cfg.seq_len, trained_mtp_heads(run))
     peak = (cfg.peak_flops or measure_matmul_peak()) * jax.device_count()
-    meta_switch = cfg.data.meta_loss_mask_after_tokens
     tokens_seen = tokens_before(run, first_step)
     losses, interrupted = [], False
 
@@ -161,7 +168,7 @@ def _run_steps(trainer: Trainer, stop_after: int | None) -> TrainSummary:
         window_start, window_tokens, pending = time.perf_counter(), 0, None
         while step < cfg.steps:
             batch = trainer.next_batch(step)
-            mask_meta = 0 <= meta_switch <= tokens_seen
+            mask_meta = meta_loss_masked(cfg.data.meta_loss_mask_after_tokens, tokens_seen)
             state, metrics = step_fn(state, batch, np.bool_(mask_meta))
             step += 1
             tokens_seen += batch["tokens"].size

@@ -38,10 +38,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax.linen import meta as nn_meta
-
-global_norm = optax.global_norm
 
 # Per-layer statistics and how each is summarised over layers (the worst case, except Σk).
 _SUMMARY = {"max": jnp.max, "min": jnp.min, "mean": jnp.mean}

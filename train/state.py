@@ -1,6 +1,6 @@
 """`TrainState`: everything a resumed run needs besides the data-iterator position."""
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import flax.struct
@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from model.lm import CausalLM
+from train.config import RunConfig
+from train.optimizer import build_optimizer, param_axes, param_labels
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -26,10 +28,19 @@ def init_variables(model: CausalLM, key: jax.Array) -> dict:
     return model.init(key, jnp.zeros((1, 8), jnp.int32))
 
 
-def logical_axes(boxed_params: Any) -> Any:
-    """Tree of logical axis-name tuples, one per param leaf."""
-    specs = nn.get_partition_spec(boxed_params)
-    return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+class Training(NamedTuple):
+    """The static pieces of a run: the model, its optimizer and the optimizer group of every
+    param ('muon' | 'adamw' | 'frozen', for the update-RMS metrics)."""
+
+    model: CausalLM
+    optimizer: optax.GradientTransformation
+    labels: Any
+
+
+def build_training(run: RunConfig) -> Training:
+    model = CausalLM(run.model)
+    axes = param_axes(jax.eval_shape(lambda: init_variables(model, jax.random.key(0))))
+    return Training(model, build_optimizer(run.train, axes), param_labels(axes, run.train))
 
 
 def create_state(model: CausalLM, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
@@ -40,3 +51,8 @@ def create_state(model: CausalLM, optimizer: optax.GradientTransformation, seed:
     return TrainState(step=zero, params=params, balance=variables.get("balance", {}),
                       opt_state=optimizer.init(params), rng=jax.random.key_data(state_key),
                       skipped=zero, consecutive_skips=zero)
+
+
+def abstract_state(training: Training, seed: int) -> TrainState:
+    """Shapes and dtypes of the state (what a checkpoint restores into), without computing it."""
+    return jax.eval_shape(lambda: create_state(training.model, training.optimizer, seed))

@@ -1,7 +1,7 @@
 """The jitted training step: gradient accumulation over micro-batches, losses, the optimizer,
 the loss-free router-bias update, non-finite skipping, and the stability monitors.
 
-    step_fn = make_train_step(model, run, optimizer, labels)
+    step_fn = make_train_step(build_training(run), run)
     state, metrics = step_fn(state, batch, mask_meta)
 
 batch: dict of `tokens`, `segment_ids`, `positions` (int32) and `meta_mask` (bool), each
@@ -21,7 +21,7 @@ from train.config import RunConfig
 from train.losses import chunked_cross_entropy, shifted_targets
 from train.monitors import expert_param_norms, moe_layer_ids, moe_monitors
 from train.schedules import learning_rate_schedule
-from train.state import TrainState
+from train.state import TrainState, Training
 
 
 def trained_mtp_heads(run: RunConfig) -> int:
@@ -85,9 +85,10 @@ def tree_where(pred, on_true, on_false):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def make_train_step(model: CausalLM, run: RunConfig, optimizer: optax.GradientTransformation,
-                    labels: Any) -> Callable[[TrainState, dict, Any], tuple[TrainState, dict]]:
-    """labels: tree of optimizer group names matching `state.params` (for update-RMS metrics)."""
+def make_train_step(training: Training, run: RunConfig
+                    ) -> Callable[[TrainState, dict, Any], tuple[TrainState, dict]]:
+    """The (unjitted) step of `training` = build_training(run)."""
+    model, optimizer, labels = training
     train = run.train
     schedule = learning_rate_schedule(train)
     grad_and_aux = jax.value_and_grad(loss_fn, argnums=2, has_aux=True)
@@ -109,7 +110,7 @@ def make_train_step(model: CausalLM, run: RunConfig, optimizer: optax.GradientTr
         loss = jnp.sum(losses)
         moe_aux = jax.tree.map(lambda x: jnp.mean(x, axis=0), moe_aux)
 
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
