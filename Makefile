@@ -25,6 +25,8 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.attention_scaling
 	$(PY) -m benchmarks.moe_dispatch
 	$(PY) -m benchmarks.compile_time
+	$(PY) -m benchmarks.data_pipeline
+	$(PY) -m benchmarks.train_step
 
 clean-venv:
 	rm -rf $(VENV)

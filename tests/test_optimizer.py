@@ -84,6 +84,16 @@ def test_freeze_router_and_adamw_only_labels(tiny_sink):
     assert all(label == ("frozen" if p in routers else "adamw") for p, label in adamw.items())
 
 
+@pytest.mark.parametrize("trained", [0, 1, 3])
+def test_mtp_heads_outside_the_loss_are_frozen(tiny_sink, trained):
+    axes, _ = tiny_sink
+    every = _by_path(param_labels(axes, TrainConfig()))
+    labels = _by_path(param_labels(axes, TrainConfig(), trained_mtp_heads=trained))
+    for path, label in labels.items():
+        head = int(path.split("/")[0].removeprefix("mtp_")) if path.startswith("mtp_") else None
+        assert label == ("frozen" if head is not None and head >= trained else every[path]), path
+
+
 def test_matrix_views_of_the_tiny_model(tiny_sink):
     axes, shapes = tiny_sink
     cfg = load_config(TINY)

@@ -57,9 +57,9 @@ def files_digest(directory: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """A workdir holding a 2-step run of `loop_run()` (checkpoint at step 2)."""
+    """A workdir holding a 2-step run of `loop_run()` (checkpoint and held-out eval at step 2)."""
     workdir = tmp_path_factory.mktemp("trained")
-    summary = train(loop_run(), workdir, stop_after=2)
+    summary = train(loop_run("train.eval_every=2", "train.eval_batches=1"), workdir, stop_after=2)
     assert summary.interrupted and summary.last_step == 2
     return workdir
 
@@ -344,6 +344,15 @@ def test_eval_reports_loss_and_perplexity(trained, capsys):
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
 
 
+def test_finished_run_has_nothing_to_do(trained, tmp_path, capsys):
+    workdir = tmp_path / "copy"
+    shutil.copytree(trained, workdir)
+    before = files_digest(workdir)
+    code, out, _ = _cli(capsys, train_main, *_small_args(workdir, "train.steps=2"))
+    assert code == 0 and "nothing to do" in out and "train.steps=2" in out
+    assert files_digest(workdir) == before
+
+
 def test_eval_without_checkpoint_is_a_one_line_error(tmp_path, capsys):
     code, _, err = _cli(capsys, eval_main, "--workdir", str(tmp_path))
     _one_line_error(code, err, "no checkpoint")
@@ -352,6 +361,8 @@ def test_eval_without_checkpoint_is_a_one_line_error(tmp_path, capsys):
 def test_metrics_lines_have_the_promised_fields(trained):
     records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
+    assert "eval/loss" not in records[0]
+    assert records[1]["eval/perplexity"] == pytest.approx(math.exp(records[1]["eval/loss"]))
     for record in records:
         assert {"loss", "tokens_per_sec", "lr", "grad_norm", "mfu", "moe/routing_confidence",
                 "moe/act_rms_max_over_median", "update_rms/muon"} <= set(record)

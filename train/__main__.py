@@ -40,6 +40,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TrainingError, CheckpointError, ValueError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    if not summary.losses and not summary.interrupted:
+        print(f"nothing to do: {workdir} is already at step {summary.last_step} "
+              f"(train.steps={run.train.steps}); raise train.steps to train further")
+        return 0
     state = "interrupted" if summary.interrupted else "finished"
     first = summary.losses[0] if summary.losses else float("nan")
     last = summary.losses[-1] if summary.losses else float("nan")

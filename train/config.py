@@ -220,6 +220,13 @@ class RunConfig:
     def to_dict(self) -> dict:
         return {"model": config_to_dict(self.model), "train": config_to_dict(self.train)}
 
+    def trained_mtp_heads(self) -> int:
+        """MTP heads that enter the loss: up to the last non-zero per-offset weight."""
+        if not self.train.mtp_loss_weight:
+            return 0
+        weights = self.train.mtp_offset_weights[:self.model.mtp.num_heads]
+        return max((i + 1 for i, w in enumerate(weights) if w > 0), default=0)
+
 
 def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
     unknown = set(values) - {"model", "train"}

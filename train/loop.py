@@ -18,10 +18,11 @@ import numpy as np
 from train.checkpoint import Checkpointer
 from train.config import RunConfig, incompatible_fields
 from train.data import make_dataset
+from train.eval import evaluate, limited, make_eval_step
 from train.metrics import MetricsWriter, ProgressBar
 from train.mfu import measure_matmul_peak, train_flops_per_token
 from train.state import TrainState, abstract_state, build_training, create_state
-from train.step import make_train_step, trained_mtp_heads
+from train.step import make_train_step
 from train.tokenizer import load_tokenizer
 
 
@@ -103,6 +104,7 @@ class Trainer:
             raise TrainingError(f"tokenizer has {vocab} tokens but model.vocab_size="
                                 f"{run.model.vocab_size}; raise model.vocab_size")
         self.training = build_training(run)
+        self._eval_step = None
         self.data = make_dataset(
             run.train.data, self.tokenizer, seq_len=run.train.seq_len,
             batch_size=run.train.micro_batch() // jax.process_count(), split="train",
@@ -128,6 +130,18 @@ class Trainer:
                                 f"[0, model.vocab_size={self.run.model.vocab_size})")
         return batch
 
+    def evaluate(self, state: TrainState) -> dict[str, float]:
+        """Held-out loss and perplexity over the first `train.eval_batches` batches of the
+        held-out split (the same batches every time)."""
+        cfg = self.run.train
+        if self._eval_step is None:
+            self._eval_step = make_eval_step(self.training.model, cfg.loss_chunk_size)
+        data = make_dataset(cfg.data, self.tokenizer, seq_len=cfg.seq_len,
+                            batch_size=cfg.micro_batch(), split="heldout", seed=cfg.seed)
+        result = evaluate(self._eval_step, state.params, state.balance,
+                          limited(data, cfg.eval_batches))
+        return {"eval/loss": result["loss"], "eval/perplexity": result["perplexity"]}
+
     def save(self, state: TrainState) -> None:
         self.checkpoints.save(int(state.step), state, self.data.get_state(), self.run.to_dict())
 
@@ -148,8 +162,10 @@ def _run_steps(trainer: Trainer, stop_after: int | None) -> TrainSummary:
     run, cfg = trainer.run, trainer.run.train
     state = trainer.initial_state()
     first_step = step = saved_step = int(state.step)
-    step_fn = jax.jit(make_train_step(trainer.training, run), donate_argnums=0)
-    flops_per_token = train_flops_per_token(run.model, cfg.seq_len, trained_mtp_heads(run))
+    if first_step >= cfg.steps:
+        return TrainSummary(workdir=trainer.workdir, first_step=first_step, last_step=first_step,
+                            losses=[], skipped=int(state.skipped), interrupted=False)
+    flops_per_token = train_flops_per_token(run.model, cfg.seq_len, run.trained_mtp_heads())
     peak = (cfg.peak_flops or measure_matmul_peak()) * jax.device_count()
     tokens_seen = tokens_before(run, first_step)
     losses, interrupted = [], False
@@ -165,21 +181,31 @@ def _run_steps(trainer: Trainer, stop_after: int | None) -> TrainSummary:
     with MetricsWriter(trainer.workdir) as writer, stop_requests() as stop, \
             ProgressBar(cfg.steps, first_step, enabled=cfg.progress) as progress:
         writer.truncate_after(first_step)
+        step_fn = jax.jit(make_train_step(trainer.training, run), donate_argnums=0)
         window_start, window_tokens, pending = time.perf_counter(), 0, None
         while step < cfg.steps:
             batch = trainer.next_batch(step)
             mask_meta = meta_loss_masked(cfg.data.meta_loss_mask_after_tokens, tokens_seen)
+            call_start = time.perf_counter()
             state, metrics = step_fn(state, batch, np.bool_(mask_meta))
+            if step == first_step:  # the first call compiled (or loaded from the cache) the step
+                window_start = time.perf_counter()
+                progress.write(f"compiled the train step in {window_start - call_start:.1f}s")
             step += 1
             tokens_seen += batch["tokens"].size
             window_tokens += batch["tokens"].size
             if pending is not None:
                 check(pending)
             pending = metrics
-            if step % cfg.log_every == 0 or step == cfg.steps:
+            evaluate_now = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
+            if step % cfg.log_every == 0 or step == cfg.steps or evaluate_now:
                 rate = window_tokens / (time.perf_counter() - window_start)
-                writer.write(step, {**metrics, "tokens_per_sec": rate, "tokens_seen": tokens_seen,
-                                    "mfu": rate * flops_per_token / peak})
+                record = {**metrics, "tokens_per_sec": rate, "tokens_seen": tokens_seen,
+                          "mfu": rate * flops_per_token / peak}
+                if evaluate_now:
+                    record.update(trainer.evaluate(state))
+                    progress.write(f"step {step}: held-out loss {record['eval/loss']:.4f}")
+                writer.write(step, record)
                 progress.update(step, tokens_per_sec=rate, loss=losses[-1] if losses else None)
                 window_start, window_tokens = time.perf_counter(), 0
             if stop["signal"] or (stop_after is not None and step - first_step >= stop_after):

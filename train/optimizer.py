@@ -11,13 +11,15 @@ Groups (labels):
   adamw  - anything with a `vocab` axis (embedding, LM head, MTP output heads) and params with
            fewer than 2 matrix axes (norm weights, attention sinks): Adam, weight decay on the
            vocab matrices only, learning rate. With cfg.optimizer == 'adamw', every trained param.
-  frozen - MoE router kernels when cfg.freeze_router (mid/post-training, report 3.2 / 4.2).
+  frozen - MoE router kernels when cfg.freeze_router (mid/post-training, report 3.2 / 4.2), and
+           MTP heads that the loss does not use (MTP-2/3 before their fine-tuning stage).
 One schedule drives both groups: Muon's update-RMS matching (train.muon.update_scale) makes
 AdamW's learning rate and weight decay fit Muon too.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -45,30 +47,36 @@ def _matrix_rank(axes: tuple[str, ...]) -> int:
     return len(axes) - len(batch_axes(axes))
 
 
-def _label(path, axes: tuple[str, ...], cfg: TrainConfig) -> str:
+def _label(path, axes: tuple[str, ...], cfg: TrainConfig, trained_mtp_heads: int | None) -> str:
     name = getattr(path[-1], "key", None)
     if name == "router" and cfg.freeze_router:
         return "frozen"
+    head = re.fullmatch(r"mtp_(\d+)", str(getattr(path[0], "key", "")))
+    if head and trained_mtp_heads is not None and int(head.group(1)) >= trained_mtp_heads:
+        return "frozen"  # an MTP head outside the loss (report 2.2: only MTP-1 trains at first)
     if cfg.optimizer == "adamw" or "vocab" in axes or _matrix_rank(axes) < 2:
         return "adamw"
     return "muon"
 
 
-def param_labels(axes_tree: Any, cfg: TrainConfig) -> Any:
-    """Tree of 'muon' / 'adamw' / 'frozen' labels, one per param of `axes_tree`."""
-    return jax.tree_util.tree_map_with_path(lambda p, a: _label(p, a, cfg), axes_tree,
-                                            is_leaf=_is_axes)
+def param_labels(axes_tree: Any, cfg: TrainConfig, trained_mtp_heads: int | None = None) -> Any:
+    """Tree of 'muon' / 'adamw' / 'frozen' labels, one per param of `axes_tree`.
+    `trained_mtp_heads`: MTP heads `mtp_h` with h >= this are frozen (None: all train)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a: _label(p, a, cfg, trained_mtp_heads), axes_tree, is_leaf=_is_axes)
 
 
-def build_optimizer(cfg: TrainConfig, axes_tree: Any) -> optax.GradientTransformation:
+def build_optimizer(cfg: TrainConfig, axes_tree: Any,
+                    trained_mtp_heads: int | None = None) -> optax.GradientTransformation:
     """clip_by_global_norm(cfg.grad_clip) -> per-label group, see the module docstring.
 
-    axes_tree: `param_axes(...)`, one logical-axis tuple per param. Weight decay is decoupled:
-    add_decayed_weights before the learning rate, so params shrink by lr * wd * param per step.
-    Frozen params get zero updates and leave the clipping norm.
+    axes_tree: `param_axes(...)`, one logical-axis tuple per param. Heads outside the loss
+    (`trained_mtp_heads`, see param_labels) are frozen: no Muon work, no weight decay on them.
+    Weight decay is decoupled: add_decayed_weights before the learning rate, so params shrink
+    by lr * wd * param per step. Frozen params get zero updates and leave the clipping norm.
     """
     schedule = learning_rate_schedule(cfg)
-    labels = param_labels(axes_tree, cfg)
+    labels = param_labels(axes_tree, cfg, trained_mtp_heads)
     decay_mask = jax.tree.map(lambda a: "vocab" in a or _matrix_rank(a) >= 2, axes_tree,
                               is_leaf=_is_axes)
     muon = optax.chain(

@@ -40,7 +40,9 @@ class Training(NamedTuple):
 def build_training(run: RunConfig) -> Training:
     model = CausalLM(run.model)
     axes = param_axes(jax.eval_shape(lambda: init_variables(model, jax.random.key(0))))
-    return Training(model, build_optimizer(run.train, axes), param_labels(axes, run.train))
+    heads = run.trained_mtp_heads()
+    return Training(model, build_optimizer(run.train, axes, heads),
+                    param_labels(axes, run.train, heads))
 
 
 def create_state(model: CausalLM, optimizer: optax.GradientTransformation, seed: int) -> TrainState:

@@ -20,16 +20,8 @@ from train.balance import has_router_bias, update_router_bias
 from train.config import RunConfig
 from train.losses import chunked_cross_entropy, shifted_targets
 from train.monitors import expert_param_norms, moe_layer_ids, moe_monitors
-from train.schedules import learning_rate_schedule
+from train.optimizer import current_learning_rate
 from train.state import TrainState, Training
-
-
-def trained_mtp_heads(run: RunConfig) -> int:
-    """MTP heads that enter the loss: up to the last non-zero per-offset weight."""
-    if not run.train.mtp_loss_weight:
-        return 0
-    weights = run.train.mtp_offset_weights[:run.model.mtp.num_heads]
-    return max((i + 1 for i, w in enumerate(weights) if w > 0), default=0)
 
 
 def loss_fn(model: CausalLM, run: RunConfig, params, balance, micro, mask_meta, counts,
@@ -40,7 +32,7 @@ def loss_fn(model: CausalLM, run: RunConfig, params, balance, micro, mask_meta, 
 
     Returns (loss, (parts dict of scalars, aux of the model))."""
     train = run.train
-    heads = trained_mtp_heads(run)
+    heads = run.trained_mtp_heads()
     variables = {"params": params, "balance": balance} if balance else {"params": params}
     out = model.apply(variables, micro["tokens"], micro["segment_ids"], micro["positions"],
                       compute_logits=False, num_mtp_heads=heads)
@@ -67,7 +59,7 @@ def target_counts(run: RunConfig, batch: dict, mask_meta) -> jax.Array:
     return jnp.stack([
         jnp.sum(shifted_targets(flat["tokens"], flat["segment_ids"], flat["meta_mask"], offset,
                                 mask_meta).weights)
-        for offset in range(1, 2 + trained_mtp_heads(run))])
+        for offset in range(1, 2 + run.trained_mtp_heads())])
 
 
 def grouped_rms(tree, labels) -> dict[str, jax.Array]:
@@ -90,7 +82,6 @@ def make_train_step(training: Training, run: RunConfig
     """The (unjitted) step of `training` = build_training(run)."""
     model, optimizer, labels = training
     train = run.train
-    schedule = learning_rate_schedule(train)
     grad_and_aux = jax.value_and_grad(loss_fn, argnums=2, has_aux=True)
 
     def step_fn(state: TrainState, batch: dict, mask_meta) -> tuple[TrainState, dict]:
@@ -129,10 +120,10 @@ def make_train_step(training: Training, run: RunConfig
             skipped=state.skipped + (~finite).astype(jnp.int32),
             consecutive_skips=skips,
         )
-        metrics = {"loss": loss, **parts, "grad_norm": grad_norm, "lr": schedule(state.step),
+        metrics = {"loss": loss, **parts, "grad_norm": grad_norm,
+                   "lr": current_learning_rate(train, state.opt_state),  # the rate this update used
                    "skipped": (~finite).astype(jnp.int32), "skipped_steps": new_state.skipped,
-                   "consecutive_skips": skips,
-                   **grouped_rms(updates, labels)}
+                   "consecutive_skips": skips, **grouped_rms(updates, labels)}
         if moe_aux:
             layer_ids = moe_layer_ids(run.model)
             metrics.update(moe_monitors(moe_aux, layer_ids))
