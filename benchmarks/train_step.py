@@ -107,7 +107,8 @@ def projected_mfu(result: dict, peak: float, micro_batches: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["tiny", "medium"])
-    parser.add_argument("--optimizers", nargs="+", choices=["muon", "adamw"], default=["muon", "adamw"])
+    parser.add_argument("--optimizers", nargs="+", choices=["muon", "adamw"],
+                        default=["muon", "adamw"])
     parser.add_argument("--steps", type=int, default=4, help="timed steps (median reported)")
     parser.add_argument("--accumulate", type=int, default=16,
                         help="micro-batches per step for the projected MFU column")
@@ -121,7 +122,8 @@ def main() -> None:
             result["mfu"] = result["achieved_flops"] / peak
             result["model_only_mfu"] = result["model_flops_per_token"] * result[
                 "tokens_per_step"] / (result["step_s"] - result["optimizer_update_s"]) / peak
-            result[f"projected_mfu_x{args.accumulate}"] = projected_mfu(result, peak, args.accumulate)
+            result[f"projected_mfu_x{args.accumulate}"] = projected_mfu(result, peak,
+                                                                        args.accumulate)
             results.append(result)
             print(f"{name}/{optimizer}: {result['tokens_per_s']:.0f} tokens/s, "
                   f"MFU {100 * result['mfu']:.1f}%", flush=True)

@@ -113,7 +113,8 @@ class Trainer:
     def initial_state(self) -> TrainState:
         seed = self.run.train.seed
         if self.resume_step is None:
-            return jax.jit(lambda: create_state(self.training.model, self.training.optimizer, seed))()
+            model, optimizer, _ = self.training
+            return jax.jit(lambda: create_state(model, optimizer, seed))()
         state, data_state = self.checkpoints.restore(self.resume_step,
                                                      abstract_state(self.training, seed))
         self.data.set_state(data_state)

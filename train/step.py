@@ -19,7 +19,7 @@ from model.lm import CausalLM
 from train.balance import has_router_bias, update_router_bias
 from train.config import RunConfig
 from train.losses import chunked_cross_entropy, shifted_targets
-from train.monitors import expert_param_norms, moe_layer_ids, moe_monitors
+from train.monitors import expert_param_norms, moe_layer_ids, moe_monitors, tree_rms
 from train.optimizer import current_learning_rate
 from train.state import TrainState, Training
 
@@ -64,13 +64,9 @@ def target_counts(run: RunConfig, batch: dict, mask_meta) -> jax.Array:
 
 def grouped_rms(tree, labels) -> dict[str, jax.Array]:
     """RMS of `tree`'s entries per optimizer label group ('muon', 'adamw')."""
-    out = {}
-    leaves, label_leaves = jax.tree.leaves(tree), jax.tree.leaves(labels)
-    for group in sorted(set(label_leaves) - {"frozen"}):
-        chosen = [x for x, g in zip(leaves, label_leaves) if g == group]
-        squares = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in chosen)
-        out[f"update_rms/{group}"] = jnp.sqrt(squares / sum(x.size for x in chosen))
-    return out
+    leaves, groups = jax.tree.leaves(tree), jax.tree.leaves(labels)
+    return {f"update_rms/{group}": tree_rms([x for x, g in zip(leaves, groups) if g == group])
+            for group in sorted(set(groups) - {"frozen"})}
 
 
 def tree_where(pred, on_true, on_false):
