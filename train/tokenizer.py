@@ -14,7 +14,6 @@ as plain text), so data can never forge a document boundary or a metadata delimi
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -107,10 +106,11 @@ def train_bpe(texts: Sequence[str], vocab_size: int) -> tokenizers.Tokenizer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from model.cli import ArgumentParser
     from train.config import DataConfig
     from train.corpus import load_documents, split_documents
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m train.tokenizer",
         description="Train the byte-level BPE tokenizer on the train split of the stdlib corpus.")
     parser.add_argument("--vocab-size", type=int, default=4096)
