@@ -249,6 +249,21 @@ def test_train_stream_is_deterministic_and_resumes(tok, corpus, monkeypatch):
         make_dataset(cfg, tok, seq_len=32, batch_size=4, split="train", seed=7).set_state(state)
 
 
+@pytest.mark.slow
+def test_one_worker_process_gives_the_same_stream_and_resumes(tok, corpus):
+    """train.data.num_workers=1 moves the pipeline into a grain worker process: the stream and
+    its checkpointed position must be those of the in-process pipeline."""
+    make = lambda workers: make_dataset(DataConfig(source=corpus, num_workers=workers), tok,
+                                        seq_len=64, batch_size=2, split="train", seed=3)
+    reference = batches_of(make(0), 9)
+    worker = make(1)
+    assert_same_batches(batches_of(worker, 6), reference[:6])
+    state = json.loads(json.dumps(worker.get_state()))
+    resumed = make(1)
+    resumed.set_state(state)
+    assert_same_batches(batches_of(resumed, 3), reference[6:])
+
+
 def test_hosts_get_disjoint_shards_covering_the_documents(tok, corpus):
     docs = load_documents(corpus)
     for split in ("train", "heldout"):
