@@ -77,6 +77,16 @@ def check_positive(field: str, value: Any) -> None:
         raise ValueError(f"{field}: must be a positive number, got {value!r}")
 
 
+def check_nonnegative(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{field}: must be a number >= 0, got {value!r}")
+
+
+def check_fraction(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{field}: must be a number in [0, 1], got {value!r}")
+
+
 def check_bool(field: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{field}: must be true or false, got {value!r}")
@@ -327,6 +337,10 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def moe_layer_indices(self) -> list[int]:
+        """Model layer index of each MoE layer, in order (the order of `out.aux['moe']`)."""
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

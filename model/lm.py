@@ -44,7 +44,7 @@ def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
     """Stacks per-layer aux into: `moe` (dict of [L_moe, ...] arrays), `balance_loss` (mean of
     eq. 1 over MoE layers, scalar), `attention_gate_mean` (tuple of [H] per layer, headwise)."""
     aux: dict[str, Any] = {}
-    moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    moe_layers = cfg.moe_layer_indices()
     if moe_layers:
         keys = per_layer[moe_layers[0]].keys() - {"gate_mean"}
         aux["moe"] = {k: jnp.stack([per_layer[i][k] for i in moe_layers]) for k in sorted(keys)}

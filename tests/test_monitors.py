@@ -14,7 +14,7 @@ from flax.linen import meta
 from model import CausalLM, load_config
 from model.params import convert_layer_layout
 from train.monitors import (
-    expert_norm_table, expert_param_norms, moe_layer_ids, moe_monitors, tree_rms,
+    expert_norm_table, expert_param_norms, moe_monitors, tree_rms,
 )
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -147,14 +147,15 @@ def model_params():
 def test_expert_param_norms_match_per_layer_loops(model_params):
     cfg, params = model_params
     per_layer = convert_layer_layout({"params": params}, cfg, to_scan=False)["params"]["layers"]
-    ids = moe_layer_ids(cfg)
+    ids = cfg.moe_layer_indices()
     assert ids == [i for i in range(cfg.num_layers) if f"layer_{i}" in per_layer
                    and "moe" in per_layer[f"layer_{i}"]]
     ref = np.array([np_expert_norms(per_layer[f"layer_{i}"]) for i in ids])
-    np.testing.assert_allclose(expert_norm_table(params), ref, rtol=1e-5)
-    np.testing.assert_allclose(expert_norm_table({"layers": per_layer}), ref, rtol=1e-5)
+    np.testing.assert_allclose(expert_norm_table(params, cfg), ref, rtol=1e-5)
+    unscanned = cfg.replace(scan_layers=False)
+    np.testing.assert_allclose(expert_norm_table({"layers": per_layer}, unscanned), ref, rtol=1e-5)
 
-    got = jax.jit(lambda p: expert_param_norms(p, ids))(params)
+    got = jax.jit(lambda p: expert_param_norms(p, cfg))(params)
     for r, i in enumerate(ids):
         med = float(np.median(ref[r]))
         np.testing.assert_allclose(got[f"moe/layer{i}/param_norm_max_over_median"],
@@ -166,6 +167,7 @@ def test_expert_param_norms_match_per_layer_loops(model_params):
                                max(max(n) / np.median(n) for n in ref), rtol=1e-5)
 
 
-def test_expert_param_norms_needs_moe_weights():
-    with pytest.raises(ValueError, match="no MoE expert weights"):
-        expert_param_norms({"layers": {"layer_0": {"mlp": {"kernel": jnp.ones((2, 2))}}}})
+def test_expert_param_norms_needs_moe_layers():
+    cfg = load_config(TINY, overrides=["moe_layers=[]", "scan_layers=false"])
+    with pytest.raises(ValueError, match="no MoE layers"):
+        expert_param_norms({"layers": {"layer_0": {"mlp": {"kernel": jnp.ones((2, 2))}}}}, cfg)

@@ -214,7 +214,7 @@ def test_loss_free_bias_balances_a_skewed_router(scan):
     shapes = jax.eval_shape(CausalLM(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     balance = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                            nn.meta.unbox(shapes["balance"]))  # the bias starts at zero
-    moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    moe_layers = cfg.moe_layer_indices()
     rng = np.random.default_rng(0)
     skews = [np.linspace(2.0, 0.0, 8)[rng.permutation(8)] for _ in moe_layers]
     logits = [jnp.asarray(rng.normal(size=(512, 8)) * 0.5 + s, jnp.float32) for s in skews]
@@ -315,9 +315,16 @@ def test_bad_override_and_unknown_key(tmp_path, capsys):
         _one_line_error(exit_info.value.code, capsys.readouterr().err, needle)
 
 
-def test_resume_with_an_incompatible_config_is_refused(trained, tmp_path, capsys):
+@pytest.fixture
+def trained_copy(trained, tmp_path) -> Path:
+    """A private copy of the `trained` workdir, for tests that run the CLI on it."""
     workdir = tmp_path / "copy"
     shutil.copytree(trained, workdir)
+    return workdir
+
+
+def test_resume_with_an_incompatible_config_is_refused(trained_copy, capsys):
+    workdir = trained_copy
     before = files_digest(workdir)
     code, _, err = _cli(capsys, train_main, *_small_args(workdir, "model.d_model=48",
                                                          "train.lr=1e-2"))
@@ -325,10 +332,8 @@ def test_resume_with_an_incompatible_config_is_refused(trained, tmp_path, capsys
     assert files_digest(workdir) == before
 
 
-def test_corrupt_checkpoint_is_a_one_line_error_and_nothing_is_overwritten(trained, tmp_path,
-                                                                           capsys):
-    workdir = tmp_path / "copy"
-    shutil.copytree(trained, workdir)
+def test_corrupt_checkpoint_is_a_one_line_error_and_nothing_is_overwritten(trained_copy, capsys):
+    workdir = trained_copy
     state_files = [p for p in (workdir / "checkpoints" / "2" / "state").rglob("*") if p.is_file()]
     victim = max(state_files, key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
@@ -347,9 +352,8 @@ def test_eval_reports_loss_and_perplexity(trained, capsys):
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
 
 
-def test_finished_run_has_nothing_to_do(trained, tmp_path, capsys):
-    workdir = tmp_path / "copy"
-    shutil.copytree(trained, workdir)
+def test_finished_run_has_nothing_to_do(trained_copy, capsys):
+    workdir = trained_copy
     before = files_digest(workdir)
     code, out, _ = _cli(capsys, train_main, *_small_args(workdir, "train.steps=2"))
     assert code == 0 and "nothing to do" in out and "train.steps=2" in out

@@ -14,8 +14,7 @@ def update_router_bias(balance: dict, load: jax.Array, cfg: ModelConfig, rate: f
     expert load f_e of every MoE layer in layer order. Returns the updated collection."""
     layers = balance["layers"]
     per_layer = unstack_layers(layers, cfg) if cfg.scan_layers else dict(layers)
-    moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-    for row, layer in enumerate(moe_layers):
+    for row, layer in enumerate(cfg.moe_layer_indices()):
         entry = per_layer[f"layer_{layer}"]["moe"]
         delta = rate * jnp.sign(jnp.mean(load[row]) - load[row])
         per_layer[f"layer_{layer}"] = {

@@ -14,24 +14,14 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from model.config import (
-    ModelConfig, apply_overrides, build_dataclass, check_bool, check_choice, check_int,
-    check_positive, config_from_dict, config_to_dict, read_yaml,
+    ModelConfig, apply_overrides, build_dataclass, check_bool, check_choice, check_fraction,
+    check_int, check_nonnegative, check_positive, config_from_dict, config_to_dict, read_yaml,
 )
 
 OPTIMIZERS = ("muon", "adamw")
 ORTHOGONALIZERS = ("polar_express", "newton_schulz")
 SCHEDULES = ("cosine", "constant", "stages")
 STAGE_SHAPES = ("cosine", "linear", "constant")
-
-
-def _check_fraction(field: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ValueError(f"{field}: must be a number in [0, 1], got {value!r}")
-
-
-def _check_nonnegative(field: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{field}: must be a number >= 0, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +49,7 @@ class DataConfig:
             raise ValueError("train.data.source: must be 'stdlib' or paths/globs of .txt/.jsonl files")
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             raise ValueError("train.data.tokenizer: must be 'default' or a tokenizer.json path")
-        _check_fraction("train.data.heldout_fraction", self.heldout_fraction)
+        check_fraction("train.data.heldout_fraction", self.heldout_fraction)
         if not 0 < self.heldout_fraction < 1:
             raise ValueError("train.data.heldout_fraction: must be strictly between 0 and 1")
         check_bool("train.data.meta_tokens", self.meta_tokens)
@@ -82,13 +72,13 @@ class MuonConfig:
     update_rms: float = 0.2
 
     def validate(self) -> None:
-        _check_fraction("train.muon.momentum", self.momentum)
+        check_fraction("train.muon.momentum", self.momentum)
         check_bool("train.muon.nesterov", self.nesterov)
         check_choice("train.muon.orthogonalizer", self.orthogonalizer, ORTHOGONALIZERS)
         check_int("train.muon.steps", self.steps, 1)
         check_choice("train.muon.iteration_dtype", self.iteration_dtype,
                      ("float16", "bfloat16", "float32"))
-        _check_nonnegative("train.muon.update_rms", self.update_rms)
+        check_nonnegative("train.muon.update_rms", self.update_rms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,9 +141,9 @@ class TrainConfig:
         check_positive("train.lr", self.lr)
         for name in ("min_lr", "weight_decay", "grad_clip", "adam_eps", "mtp_loss_weight",
                      "balance_loss_coef", "router_bias_rate", "peak_flops"):
-            _check_nonnegative(f"train.{name}", getattr(self, name))
-        _check_fraction("train.adam_b1", self.adam_b1)
-        _check_fraction("train.adam_b2", self.adam_b2)
+            check_nonnegative(f"train.{name}", getattr(self, name))
+        check_fraction("train.adam_b1", self.adam_b1)
+        check_fraction("train.adam_b2", self.adam_b2)
         check_bool("train.freeze_router", self.freeze_router)
         check_bool("train.progress", self.progress)
         if not isinstance(self.xla_cache_dir, str):
@@ -166,7 +156,7 @@ class TrainConfig:
         self._validate_batch_warmup()
         self._validate_stages()
         for i, w in enumerate(self.mtp_offset_weights):
-            _check_nonnegative(f"train.mtp_offset_weights[{i}]", w)
+            check_nonnegative(f"train.mtp_offset_weights[{i}]", w)
         if model is not None and len(self.mtp_offset_weights) > model.mtp.num_heads:
             raise ValueError(
                 f"train.mtp_offset_weights: {len(self.mtp_offset_weights)} weights but the model "
@@ -194,7 +184,7 @@ class TrainConfig:
             if not isinstance(stage, (list, tuple)) or len(stage) != 3:
                 raise ValueError(f"train.lr_stages[{i}]: expected [steps, end_lr, shape], got {stage!r}")
             check_int(f"train.lr_stages[{i}].steps", stage[0], 1)
-            _check_nonnegative(f"train.lr_stages[{i}].end_lr", stage[1])
+            check_nonnegative(f"train.lr_stages[{i}].end_lr", stage[1])
             check_choice(f"train.lr_stages[{i}].shape", stage[2], STAGE_SHAPES)
 
     def micro_batch(self) -> int:

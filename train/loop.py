@@ -17,6 +17,7 @@ import numpy as np
 
 from train.checkpoint import Checkpointer
 from train.config import RunConfig, incompatible_fields
+from train.corpus import load_documents
 from train.data import make_dataset
 from train.eval import evaluate, limited, make_eval_step
 from train.metrics import MetricsWriter, ProgressBar
@@ -105,10 +106,13 @@ class Trainer:
                                 f"{run.model.vocab_size}; raise model.vocab_size")
         self.training = build_training(run)
         self._eval_step = None
+        # Read once: the train stream and every held-out evaluation split this list.
+        self.documents = load_documents(run.train.data.source)
         self.data = make_dataset(
             run.train.data, self.tokenizer, seq_len=run.train.seq_len,
             batch_size=run.train.micro_batch() // jax.process_count(), split="train",
-            seed=run.train.seed, shard_index=jax.process_index(), shard_count=jax.process_count())
+            seed=run.train.seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
+            documents=self.documents)
 
     def initial_state(self) -> TrainState:
         seed = self.run.train.seed
@@ -138,7 +142,8 @@ class Trainer:
         if self._eval_step is None:
             self._eval_step = make_eval_step(self.training.model, cfg.loss_chunk_size)
         data = make_dataset(cfg.data, self.tokenizer, seq_len=cfg.seq_len,
-                            batch_size=cfg.micro_batch(), split="heldout", seed=cfg.seed)
+                            batch_size=cfg.micro_batch(), split="heldout", seed=cfg.seed,
+                            documents=self.documents)
         result = evaluate(self._eval_step, state.params, state.balance,
                           limited(data, cfg.eval_batches))
         return {"eval/loss": result["loss"], "eval/perplexity": result["perplexity"]}

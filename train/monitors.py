@@ -12,7 +12,8 @@ Why these signals:
 - 5.2.1 routing confidence Σk: probability mass of the activated experts; low Σk means brittle
   routing under training/inference mismatch.
 
-Names (`{i}` is the model layer index when `layer_ids` is given, else the MoE-layer ordinal):
+Names (`{i}` is the model layer index when `layer_ids` is given, e.g.
+`cfg.moe_layer_indices()`, else the MoE-layer ordinal):
   moe/layer{i}/load_max_over_mean, load_min_over_mean   routed-load imbalance (f_e / mean f)
   moe/layer{i}/act_rms_{max,min}_over_median           SwiGLU intermediate RMS per expert
   moe/layer{i}/out_norm_{max,min}_over_median          mean output norm per expert
@@ -33,22 +34,18 @@ dead_experts.
 
 from __future__ import annotations
 
-import re
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax.linen import meta as nn_meta
 
+from model.config import ModelConfig
+from model.params import unstack_layers
+
 # Per-layer statistics and how each is summarised over layers (the worst case, except Σk).
 _SUMMARY = {"max": jnp.max, "min": jnp.min, "mean": jnp.mean}
 _HIST_KEYS = ("expert_load", "expert_act_rms", "expert_out_norm_mean", "expert_out_norm_max")
-
-
-def moe_layer_ids(cfg) -> list[int]:
-    """Model layer index of each MoE layer, in the order of `out.aux['moe']` (pass as
-    `layer_ids` so metric names match the report's layer numbering)."""
-    return [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
 
 
 def tree_rms(tree) -> jax.Array:
@@ -130,56 +127,26 @@ def moe_monitors(aux_moe: Mapping[str, jax.Array],
 _EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _natural(part: str) -> tuple:
-    """'segment_10' sorts after 'segment_2'."""
-    return tuple(int(c) if c.isdigit() else c for c in re.split(r"(\d+)", part))
-
-
-def _find_moe(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Mapping]]:
-    if isinstance(tree, Mapping):
-        if path and path[-1] == "moe" and all(k in tree for k in _EXPERT_WEIGHTS):
-            yield path, tree
-            return
-        for key, sub in tree.items():
-            yield from _find_moe(sub, (*path, str(key)))
-
-
-def _layer_key(path: tuple[str, ...], repeat: int | None) -> tuple:
-    """Sort key giving model layer order. Scanned layer index = start + r * period + j, so within
-    `segment_s` the repeat r sorts before `block_j`."""
-    key = []
-    for part in path:
-        if repeat is not None and re.fullmatch(r"block_\d+", part):
-            key.append(("", repeat))
-        key.append(_natural(part))
-    if repeat is not None and not any(re.fullmatch(r"block_\d+", p) for p in path):
-        key.append(("", repeat))
-    return tuple(key)
-
-
-def expert_norm_table(params) -> jax.Array:
+def expert_norm_table(params, cfg: ModelConfig) -> jax.Array:
     """[L_moe, E] Frobenius norm of each expert's weights (gate, up and down together), MoE
-    layers in model order, from either layer layout (`layers/layer_i/moe/...` with [E, D, F]
-    leaves or `layers/segment_s/block_j/moe/...` stacked [repeats, E, D, F])."""
-    params = nn_meta.unbox(params)  # logically partitioned boxes -> arrays
+    layers in model order; `params` in the layout `cfg.scan_layers` says."""
+    layers = nn_meta.unbox(params)["layers"]
+    per_layer = unstack_layers(layers, cfg) if cfg.scan_layers else layers
     rows = []
-    for path, moe in _find_moe(params):
-        sq = sum(jnp.sum(jnp.square(moe[k].astype(jnp.float32)), axis=(-2, -1))
-                 for k in _EXPERT_WEIGHTS)
-        norms = jnp.sqrt(jax.lax.stop_gradient(sq))
-        if norms.ndim == 1:
-            rows.append((_layer_key(path, None), norms))
-        else:
-            rows.extend((_layer_key(path, r), norms[r]) for r in range(norms.shape[0]))
+    for i in cfg.moe_layer_indices():
+        moe = per_layer[f"layer_{i}"]["moe"]
+        squares = sum(jnp.sum(jnp.square(moe[k].astype(jnp.float32)), axis=(-2, -1))
+                      for k in _EXPERT_WEIGHTS)
+        rows.append(jnp.sqrt(jax.lax.stop_gradient(squares)))
     if not rows:
-        raise ValueError("params: no MoE expert weights (a `moe` dict with gate/up/down_proj)")
-    return jnp.stack([norms for _, norms in sorted(rows, key=lambda row: row[0])])
+        raise ValueError("expert_norm_table: the model has no MoE layers")
+    return jnp.stack(rows)
 
 
-def expert_param_norms(params, layer_ids: Sequence[int] | None = None) -> dict[str, jax.Array]:
+def expert_param_norms(params, cfg: ModelConfig) -> dict[str, jax.Array]:
     """Per MoE layer: max/median and min/median of the per-expert weight norms, summaries over
     layers, and `moe_hist/layer{i}/param_norm` [E] for histograms."""
-    norms = expert_norm_table(params)
+    norms = expert_norm_table(params, cfg)
     high, low = _dispersion(norms)
     return _flatten({"param_norm_max_over_median": high, "param_norm_min_over_median": low},
-                    {"param_norm": norms}, layer_ids)
+                    {"param_norm": norms}, cfg.moe_layer_indices())

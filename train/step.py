@@ -19,7 +19,7 @@ from model.lm import CausalLM
 from train.balance import has_router_bias, update_router_bias
 from train.config import RunConfig
 from train.losses import chunked_cross_entropy, shifted_targets
-from train.monitors import expert_param_norms, moe_layer_ids, moe_monitors, tree_rms
+from train.monitors import expert_param_norms, moe_monitors, tree_rms
 from train.optimizer import current_learning_rate
 from train.state import TrainState, Training
 
@@ -121,9 +121,8 @@ def make_train_step(training: Training, run: RunConfig
                    "skipped": (~finite).astype(jnp.int32), "skipped_steps": new_state.skipped,
                    "consecutive_skips": skips, **grouped_rms(updates, labels)}
         if moe_aux:
-            layer_ids = moe_layer_ids(run.model)
-            metrics.update(moe_monitors(moe_aux, layer_ids))
-            metrics.update(expert_param_norms(new_state.params, layer_ids))
+            metrics.update(moe_monitors(moe_aux, run.model.moe_layer_indices()))
+            metrics.update(expert_param_norms(new_state.params, run.model))
         return new_state, metrics
 
     return step_fn
