@@ -17,6 +17,26 @@ from model.norm import RMSNorm
 from model.rope import apply_rope
 
 
+class Projection(nn.Module):
+    """x [..., *in] -> [..., *features] with a `kernel` [*in, *features] (flax DenseGeneral's
+    param name and layout). Flax's DenseGeneral builds its kernel flat and reshapes it, which
+    under a mesh context applies the logical sharding constraint to the flat array and fails;
+    this one creates the kernel in its final shape."""
+
+    features: tuple[int, ...]
+    axes: tuple[str, ...]  # logical axes of the kernel
+    contract: int  # number of trailing input dims contracted
+    std: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        shape = (*x.shape[x.ndim - self.contract:], *self.features)
+        kernel = self.param("kernel", normal_init(self.std, self.axes), shape, self.param_dtype)
+        return jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.contract)
+
+
 class Attention(nn.Module):
     """x: [B, T, d_model], positions/segment_ids: [B, T] -> ([B, T, d_model], aux)."""
 
@@ -30,11 +50,9 @@ class Attention(nn.Module):
         heads, kv_heads, head_dim = type_cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dtype, param_dtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
 
-        def projection(name, features, axes, in_axis=-1):
-            return nn.DenseGeneral(
-                features, axis=in_axis, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                kernel_init=normal_init(cfg.init_std, axes), name=name,
-            )
+        def projection(name, features, axes, contract=1):
+            return Projection(tuple(features), axes, contract, cfg.init_std, dtype, param_dtype,
+                              name=name)
 
         q = projection("q_proj", (heads, head_dim), ("embed", "heads", "head_dim"))(x)
         k = projection("k_proj", (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"))(x)
@@ -60,9 +78,9 @@ class Attention(nn.Module):
 
         aux = {}
         if cfg.gate == "headwise":
-            gate_logits = projection("g_proj", heads, ("embed", "heads"))(x)
+            gate_logits = projection("g_proj", (heads,), ("embed", "heads"))(x)
             gate = jax.nn.sigmoid(gate_logits.astype(jnp.float32))  # [B, T, H], eq. 5
             y = (y.astype(jnp.float32) * gate[..., None]).astype(dtype)
             aux["gate_mean"] = jax.lax.stop_gradient(jnp.mean(gate, axis=(0, 1)))
-        out = projection("o_proj", cfg.d_model, ("heads", "head_dim", "embed"), in_axis=(-2, -1))(y)
+        out = projection("o_proj", (cfg.d_model,), ("heads", "head_dim", "embed"), contract=2)(y)
         return checkpoint_name(out, "attention_out"), aux

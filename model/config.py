@@ -21,6 +21,7 @@ ATTENTION_IMPLS = ("xla", "pallas", "cudnn")
 MOE_IMPLS = ("sorted", "ragged_dot", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "save_attention_out", "save_ffn_out")
+EP_COLLECTIVES = ("auto", "ragged", "padded")
 
 _LAYOUT_TERM = re.compile(r"^([FS]+)(?:\*(\d+))?$")
 
@@ -250,6 +251,13 @@ class ModelConfig:
     remat_policy: str = "none"
     scan_layers: bool = True
     init_std: float = 0.02
+    # Parallel execution under a device mesh (model/expert_parallel.py, model/pipeline.py):
+    # the collective that moves tokens to their experts' devices (`ragged`: ragged_all_to_all,
+    # GPU/TPU; `padded`: all_to_all of worst-case-sized chunks, any backend; `auto`: padded on
+    # CPU, whose XLA lacks ragged_all_to_all), and GPipe micro-batches per pipelined forward
+    # (0 = twice the number of stages).
+    ep_collective: str = "auto"
+    pipeline_microbatches: int = 0
 
     def __post_init__(self) -> None:
         check_int("num_layers", self.num_layers, 1)  # the per-layer lists below depend on it
@@ -318,6 +326,8 @@ class ModelConfig:
         check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         check_choice("moe_impl", self.moe_impl, MOE_IMPLS)
         check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
+        check_choice("ep_collective", self.ep_collective, EP_COLLECTIVES)
+        check_int("pipeline_microbatches", self.pipeline_microbatches, 0)
         for name in ("qk_norm", "tie_embeddings", "scan_layers"):
             check_bool(name, getattr(self, name))
 

@@ -21,6 +21,8 @@ from model.common import dtype_of, normal_init
 from model.config import ModelConfig
 from model.mtp import MTPHead, shift_tokens_left
 from model.norm import RMSNorm
+from model.parallel import mesh_axis_size
+from model.router import ep_group_balance_loss
 from model.stack import LayerStack
 
 
@@ -40,15 +42,26 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
+def balance_groups(cfg: ModelConfig) -> int:
+    """G of eq. 1: the real expert-parallel groups under a mesh with an `expert` axis, else
+    `moe.num_ep_groups` (the EP degree a single-device run stands in for)."""
+    ep = mesh_axis_size("expert")
+    return ep if ep > 1 else cfg.moe.num_ep_groups
+
+
 def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
-    """Stacks per-layer aux into: `moe` (dict of [L_moe, ...] arrays), `balance_loss` (mean of
-    eq. 1 over MoE layers, scalar), `attention_gate_mean` (tuple of [H] per layer, headwise)."""
+    """Stacks per-layer aux into: `moe` (dict of [L_moe, ...] arrays, including the per-layer
+    `balance_loss` of eq. 1), `balance_loss` (its mean over MoE layers, scalar, with gradient
+    through `expert_prob`), `attention_gate_mean` (tuple of [H] per layer, headwise)."""
     aux: dict[str, Any] = {}
     moe_layers = cfg.moe_layer_indices()
     if moe_layers:
         keys = per_layer[moe_layers[0]].keys() - {"gate_mean"}
-        aux["moe"] = {k: jnp.stack([per_layer[i][k] for i in moe_layers]) for k in sorted(keys)}
-        aux["balance_loss"] = jnp.mean(aux["moe"]["balance_loss"])
+        moe = {k: jnp.stack([per_layer[i][k] for i in moe_layers]) for k in sorted(keys)}
+        moe["balance_loss"] = jax.vmap(ep_group_balance_loss, (0, 0, None))(
+            moe["expert_load"], moe["expert_prob"], balance_groups(cfg))
+        aux["moe"] = moe
+        aux["balance_loss"] = jnp.mean(moe["balance_loss"])
     if cfg.gate == "headwise":
         aux["attention_gate_mean"] = tuple(layer["gate_mean"] for layer in per_layer)
     return aux

@@ -12,16 +12,19 @@ import jax.numpy as jnp
 from model.common import dtype_of, normal_init
 from model.config import ModelConfig
 from model.ffn import SwiGLU
+from model.expert_parallel import expert_parallel_experts
 from model.moe_dispatch import ExpertWeights, routed_experts
-from model.router import ep_group_balance_loss, expert_load, route, routing_confidence
+from model.parallel import mesh_axis_size
+from model.router import expert_load, route, routing_confidence
 
 
 class MoE(nn.Module):
     """x: [B, T, d_model] -> ([B, T, d_model], aux dict).
 
-    aux (per layer): `expert_load` f_e [E], `expert_prob` p_e [E], `balance_loss` (eq. 1, with
-    gradient), `routing_confidence` Σk [B, T], and the per-expert statistics of
-    `moe_dispatch.expert_statistics`.
+    aux (per layer): `expert_load` f_e [E], `expert_prob` p_e [E] (with gradient: the EP-group
+    balance loss of eq. 1 is formed from f and p by `model.lm.collect_aux`, after pipeline
+    micro-batches are merged), `routing_confidence` Σk [B, T], and the per-expert statistics
+    of `moe_dispatch.expert_statistics`.
     """
 
     config: ModelConfig
@@ -58,10 +61,14 @@ class MoE(nn.Module):
             up=expert_param("up_proj", (e, d_model, f), ("expert", "embed", "expert_mlp")),
             down=expert_param("down_proj", (e, f, d_model), ("expert", "expert_mlp", "embed")),
         )
-        y, stats = routed_experts(
-            tokens.astype(dtype), routing.indices, routing.weights, weights,
-            limit=self.limit, impl=cfg.moe_impl, block_size=moe.block_size,
-        )
+        options = dict(limit=self.limit, impl=cfg.moe_impl, block_size=moe.block_size)
+        if mesh_axis_size("expert") > 1:  # report 3.2: experts live on their EP rank
+            y, stats = expert_parallel_experts(tokens.astype(dtype), routing.indices,
+                                               routing.weights, weights,
+                                               collective=cfg.ep_collective, **options)
+        else:
+            y, stats = routed_experts(tokens.astype(dtype), routing.indices, routing.weights,
+                                      weights, **options)
         y = y.reshape(batch, length, d_model)
         if moe.num_shared_experts:
             y = y + SwiGLU(cfg, moe.shared_hidden * moe.num_shared_experts, self.shared_limit,
@@ -71,8 +78,7 @@ class MoE(nn.Module):
         mean_probs = jnp.mean(routing.probs, axis=0)
         aux = {
             "expert_load": load,
-            "expert_prob": jax.lax.stop_gradient(mean_probs),
-            "balance_loss": ep_group_balance_loss(load, mean_probs, moe.num_ep_groups),
+            "expert_prob": mean_probs,
             "routing_confidence": jax.lax.stop_gradient(
                 routing_confidence(routing.probs, routing.indices).reshape(batch, length)
             ),

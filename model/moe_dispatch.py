@@ -12,8 +12,12 @@ weights. Implementations differ in how the sorted rows meet their expert's weigh
 - `ragged_dot`: `jax.lax.ragged_dot` grouped matmuls (GPU/TPU).
 - `pallas`: grouped-matmul kernels registered by `pallas_kernels` (imported on first use).
 
-Each implementation returns the per-copy expert outputs and the per-expert statistics the
-stability monitors need (report 4.1.2), computed from the SwiGLU intermediate and the outputs.
+Each implementation returns the per-copy expert outputs and per-expert statistic sums
+(`expert_statistic_sums`) that `finalize_statistics` turns into what the stability monitors
+need (report 4.1.2); sums, so that expert parallelism can add them over devices first.
+
+An expert id equal to the number of experts means "no expert" (padding rows of the
+expert-parallel exchange): such copies produce zero output and enter no statistic.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class ExpertWeights(NamedTuple):
 
 
 # (x [N, D], indices [N, k], weights, limit, block_size)
-#   -> (per-copy expert outputs [N, k, D], per-expert statistics dict of [E] arrays)
+#   -> (per-copy expert outputs [N, k, D], per-expert statistic sums, dict of [E] arrays)
 GroupedFFN = Callable[..., tuple[jax.Array, dict]]
 
 
@@ -83,13 +87,15 @@ def sorted_block_ffn(x, indices, weights: ExpertWeights, limit, block_size):
     block_ends = jnp.cumsum(blocks_per_expert)
     padded_starts = (block_ends - blocks_per_expert) * block
     group_starts = jnp.cumsum(copies.group_sizes) - copies.group_sizes
+    padded_rows = num_blocks * block
     rank = jnp.arange(num_rows) - group_starts[copies.row_expert]
-    destination = padded_starts[copies.row_expert] + rank  # padded row of each sorted copy
+    # Padded row of each sorted copy; "no expert" copies point past the end and are dropped.
+    destination = jnp.where(copies.row_expert < num_experts,
+                            padded_starts[copies.row_expert] + rank, padded_rows)
     block_expert = jnp.searchsorted(block_ends, jnp.arange(num_blocks), side="right")
     block_expert = jnp.minimum(block_expert, num_experts - 1).astype(jnp.int32)
 
     # One gather in (token rows straight into the padded buffer) and one gather out.
-    padded_rows = num_blocks * block
     padded_token = jnp.zeros((padded_rows,), jnp.int32).at[destination].set(
         copies.order // top_k)
     occupied = jnp.zeros((padded_rows,), bool).at[destination].set(True)
@@ -102,10 +108,10 @@ def sorted_block_ffn(x, indices, weights: ExpertWeights, limit, block_size):
     out = block_grouped_matmul(h, weights.down, block_expert, num_active).reshape(padded_rows, -1)
 
     copy_row = jnp.zeros((num_rows,), jnp.int32).at[copies.order].set(destination)
-    stats = expert_statistics(out, jnp.sum(jnp.square(h.astype(jnp.float32)), -1).reshape(-1),
-                              jnp.repeat(block_expert, block), copies.group_sizes,
-                              weights.gate.shape[-1])
-    return out[copy_row].reshape(num_tokens, top_k, d_model), stats
+    sums = expert_statistic_sums(out, jnp.sum(jnp.square(h.astype(jnp.float32)), -1).reshape(-1),
+                                 jnp.repeat(block_expert, block), copies.group_sizes)
+    copy_out = jnp.where((copy_row < padded_rows)[:, None], out[copy_row], 0)
+    return copy_out.reshape(num_tokens, top_k, d_model), sums
 
 
 def ragged_dot_ffn(x, indices, weights: ExpertWeights, limit, block_size):
@@ -117,10 +123,11 @@ def ragged_dot_ffn(x, indices, weights: ExpertWeights, limit, block_size):
     up = jax.lax.ragged_dot(rows, weights.up, copies.group_sizes)
     h = swiglu_activation(gate, up, limit)
     out = jax.lax.ragged_dot(h, weights.down, copies.group_sizes)
-    stats = expert_statistics(out, jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1),
-                              copies.row_expert, copies.group_sizes, weights.gate.shape[-1])
+    out = jnp.where((copies.row_expert < weights.gate.shape[0])[:, None], out, 0)
+    sums = expert_statistic_sums(out, jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1),
+                                 copies.row_expert, copies.group_sizes)
     unsorted = jnp.zeros_like(out).at[copies.order].set(out)
-    return unsorted.reshape(num_tokens, top_k, -1), stats
+    return unsorted.reshape(num_tokens, top_k, -1), sums
 
 
 _IMPLS: dict[str, GroupedFFN] = {"sorted": sorted_block_ffn, "ragged_dot": ragged_dot_ffn}
@@ -142,28 +149,47 @@ def grouped_ffn(impl: str) -> GroupedFFN:
     return _IMPLS[impl]
 
 
+def combine_copies(copy_out, combine_weights, dtype):
+    """copy_out [N, k, D], combine_weights [N, k] -> router-weighted sum [N, D] (float32 sum)."""
+    y = jnp.einsum("nkd,nk->nd", copy_out.astype(jnp.float32), combine_weights)
+    return y.astype(dtype)
+
+
 def routed_experts(x, indices, combine_weights, weights: ExpertWeights, *, limit: float,
                    impl: str, block_size: int):
     """x: [N, D]; indices/combine_weights: [N, k] -> (y [N, D], per-expert stats dict of [E])."""
-    copy_out, stats = grouped_ffn(impl)(x, indices, weights, limit, block_size)
-    y = jnp.einsum("nkd,nk->nd", copy_out.astype(jnp.float32), combine_weights)
-    return y.astype(x.dtype), stats
+    copy_out, sums = grouped_ffn(impl)(x, indices, weights, limit, block_size)
+    return (combine_copies(copy_out, combine_weights, x.dtype),
+            finalize_statistics(sums, weights.gate.shape[-1]))
 
 
-def expert_statistics(out, h_sq, row_expert, group_sizes, hidden: int) -> dict:
-    """Per-expert health signals (report 4.1.2-4.1.3), without gradient. Empty experts give 0.
+def expert_statistic_sums(out, h_sq, row_expert, group_sizes) -> dict:
+    """Per-expert sums behind the health signals (report 4.1.2-4.1.3), without gradient.
 
     out: [R, D] expert outputs, h_sq: [R] squared norms of the SwiGLU intermediate, row_expert:
-    [R] non-decreasing expert ids. Rows may include all-zero padding rows: they add nothing.
+    [R] non-decreasing expert ids (ids >= E are ignored). All-zero padding rows add nothing.
+    Returns `expert_tokens`, `h_sq_sum`, `out_norm_sum`, `expert_out_norm_max`, each [E].
     """
     out, h_sq = jax.lax.stop_gradient((out, h_sq))
     num_experts = group_sizes.shape[0]
-    count = jnp.maximum(group_sizes, 1).astype(jnp.float32)
     out_norm = jnp.linalg.norm(out.astype(jnp.float32), axis=-1)
     seg = dict(segment_ids=row_expert, num_segments=num_experts, indices_are_sorted=True)
     return {
         "expert_tokens": group_sizes.astype(jnp.float32),
-        "expert_act_rms": jnp.sqrt(jax.ops.segment_sum(h_sq, **seg) / (count * hidden)),
-        "expert_out_norm_mean": jax.ops.segment_sum(out_norm, **seg) / count,
+        "h_sq_sum": jax.ops.segment_sum(h_sq, **seg),
+        "out_norm_sum": jax.ops.segment_sum(out_norm, **seg),
         "expert_out_norm_max": jnp.maximum(jax.ops.segment_max(out_norm, **seg), 0.0),
+    }
+
+
+def finalize_statistics(sums: dict, hidden: int) -> dict:
+    """Sums -> the monitors' per-expert statistics; experts without tokens give 0.
+    `expert_tokens` (routed copies), `expert_act_rms` (RMS of the SwiGLU intermediate),
+    `expert_out_norm_mean` and `expert_out_norm_max` (norm of the expert outputs), each [E]."""
+    count = jnp.maximum(sums["expert_tokens"], 1.0)
+    return {
+        "expert_tokens": sums["expert_tokens"],
+        "expert_act_rms": jnp.sqrt(sums["h_sq_sum"] / (count * hidden)),
+        "expert_out_norm_mean": sums["out_norm_sum"] / count,
+        "expert_out_norm_max": sums["expert_out_norm_max"],
     }

@@ -13,6 +13,8 @@ import jax
 from model.block import DecoderBlock
 from model.config import ModelConfig
 from model.layer_plan import Segment, layer_kinds, plan_segments
+from model.parallel import mesh_axis_size
+from model.pipeline import num_microbatches, pipeline_forward, pipelined_segment
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the whole block
@@ -63,8 +65,14 @@ class LayerStack(nn.Module):
                     x, positions, segment_ids)
             return x, per_layer_aux
 
+        stages = mesh_axis_size("pipeline")
+        piped = pipelined_segment(cfg, stages) if stages > 1 else None
         for s, seg in enumerate(plan_segments(kinds)):
             unit = tuple(kinds[seg.start:seg.start + seg.period])
+            if s == piped and not self.is_initializing():
+                x, auxes = self._pipelined(f"segment_{s}", unit, x, positions, segment_ids, stages)
+                _scatter_aux(per_layer_aux, seg, auxes)
+                continue
             scanned = nn.scan(
                 BlockGroup,
                 variable_axes={"params": 0, "balance": 0},
@@ -76,6 +84,16 @@ class LayerStack(nn.Module):
             x, auxes = scanned(cfg, unit, name=f"segment_{s}")(x, positions, segment_ids)
             _scatter_aux(per_layer_aux, seg, auxes)
         return x, per_layer_aux
+
+    def _pipelined(self, name, unit, x, positions, segment_ids, stages):
+        """The scanned segment `name` run as pipeline stages (model/pipeline.py); its variables
+        are read from this scope and applied by an unbound copy of the scan body."""
+        variables = {col: tree[name] for col, tree in nn.meta.unbox(self.variables).items()
+                     if name in tree}
+        group = BlockGroup(self.config, unit, parent=None)
+        return pipeline_forward(lambda v, h, p, g: group.apply(v, h, p, g), variables, x,
+                                positions, segment_ids, stages,
+                                num_microbatches(self.config, stages))
 
 
 def _scatter_aux(per_layer_aux: list, seg: Segment, auxes: tuple) -> None:

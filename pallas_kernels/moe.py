@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from model.ffn import swiglu_activation
-from model.moe_dispatch import ExpertWeights, SortedCopies, expert_statistics, sort_copies
+from model.moe_dispatch import ExpertWeights, SortedCopies, expert_statistic_sums, sort_copies
 from pallas_kernels.grouped_matmul import Tiling, default_tiling, gmm, resolve_interpret
 
 
@@ -54,13 +54,14 @@ def unpermute_combine(rows: jax.Array, copies: SortedCopies, combine_weights: ja
 def pallas_moe_ffn(x, indices, weights: ExpertWeights, limit, block_size, *,
                    tiling: Tiling | tuple[int, int, int] | None = None,
                    interpret: bool | None = None):
-    """x [N, D], indices [N, k] -> (per-copy expert outputs [N, k, D], per-expert stats of [E]).
+    """x [N, D], indices [N, k] -> (per-copy expert outputs [N, k, D], per-expert statistic
+    sums of [E]; see `model.moe_dispatch`). Copies of "no expert" (id E) give zero rows.
 
     block_size is the row tile of the grouped matmuls (on TPU rounded up to a multiple of 8,
     Mosaic's sublane count); `tiling`, if given, overrides all tiles (rows, contract, cols).
     `interpret=None`: interpret mode on CPU.
     """
-    num_experts, _, hidden = weights.gate.shape
+    num_experts = weights.gate.shape[0]
     top_k = indices.shape[1]
     if tiling is None:
         interpret = resolve_interpret(interpret)
@@ -73,7 +74,7 @@ def pallas_moe_ffn(x, indices, weights: ExpertWeights, limit, block_size, *,
         return gmm(lhs, rhs, sizes, tiling=tiling, interpret=interpret)
 
     h = swiglu_activation(grouped(rows, weights.gate), grouped(rows, weights.up), limit)
-    out = grouped(h, weights.down)
+    out = jnp.where((copies.row_expert < num_experts)[:, None], grouped(h, weights.down), 0)
     h_sq = jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1)
-    stats = expert_statistics(out, h_sq, copies.row_expert, sizes, hidden)
-    return unpermute(out, copies, top_k), stats
+    sums = expert_statistic_sums(out, h_sq, copies.row_expert, sizes)
+    return unpermute(out, copies, top_k), sums

@@ -15,6 +15,7 @@ import pytest
 
 from model.config import MoEConfig, load_config
 from model.moe import MoE
+from model.lm import collect_aux
 from model.moe_dispatch import ExpertWeights, routed_experts, row_block_size
 from model.router import ep_group_balance_loss, expert_load, route, routing_confidence
 
@@ -491,11 +492,24 @@ def _np_moe(params, bias, x):
     aux = {
         "expert_load": load,
         "expert_prob": probs.mean(0),
-        "balance_loss": np_ep_balance_loss(load, probs.mean(0), GROUPS),
         "routing_confidence": np.array([sum(probs[n, e] for e in r) for n, r in enumerate(routes)]),
         **stats,
     }
     return (y + shared_out).reshape(x.shape), aux, routes
+
+
+def test_collect_aux_forms_the_eq1_balance_loss_from_layer_aux(moe_setup):
+    _, x, params, _ = moe_setup
+    cfg = _module_cfg("sorted").replace(gate="none")
+    _, aux = _apply(cfg, params, jnp.zeros(EXPERTS), x)
+    per_layer = [aux if cfg.is_moe_layer(i) else {} for i in range(cfg.num_layers)]
+    collected = collect_aux(cfg, per_layer)
+    ref = np_ep_balance_loss(np.asarray(aux["expert_load"], np.float64),
+                             np.asarray(aux["expert_prob"], np.float64), GROUPS)
+    assert GROUPS == cfg.moe.num_ep_groups
+    np.testing.assert_allclose(float(collected["balance_loss"]), ref, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(collected["moe"]["balance_loss"]),
+                               ref, rtol=1e-5)
 
 
 def test_moe_param_layout(moe_setup):
@@ -525,7 +539,7 @@ def test_moe_module_matches_reference(moe_setup, impl, bias_kind):
     assert set(aux) == set(ref_aux)
     n = x.shape[0] * x.shape[1]
     expected_shapes = {k: (EXPERTS,) for k in ref_aux}
-    expected_shapes.update(balance_loss=(), routing_confidence=x.shape[:2])
+    expected_shapes.update(routing_confidence=x.shape[:2])
     for key, ref in ref_aux.items():
         assert aux[key].shape == expected_shapes[key], key
         np.testing.assert_allclose(np.asarray(aux[key]).reshape(np.shape(ref)), ref, rtol=1e-4,

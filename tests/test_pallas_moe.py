@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.moe_dispatch import ExpertWeights, routed_experts
+from model.moe_dispatch import ExpertWeights, finalize_statistics, routed_experts
 from pallas_kernels.grouped_matmul import (
     Tiling,
     gmm,
@@ -309,8 +309,9 @@ def _moe_case(name):
 def _moe_value_and_grad(impl, limit, block):
     def loss(x, combine, w, idx, probe):
         if impl == "pallas":
-            out, stats = pallas_moe_ffn(x, idx, w, limit, block)
+            out, sums = pallas_moe_ffn(x, idx, w, limit, block)
             y = jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), combine)
+            stats = finalize_statistics(sums, w.gate.shape[-1])
         else:
             y, stats = routed_experts(x, idx, combine, w, limit=limit, impl=impl, block_size=block)
             out = None

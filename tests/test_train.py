@@ -183,8 +183,8 @@ def test_consecutive_skips_stop_the_run_with_good_checkpoints(tmp_path, monkeypa
     original = Trainer.next_batch
 
     def next_batch(self, step):
-        batch = original(self, step)
-        return {**batch, "poison": np.full(batch["tokens"].shape, step >= 2)}
+        batch, tokens = original(self, step)
+        return {**batch, "poison": np.full(batch["tokens"].shape, step >= 2)}, tokens
 
     monkeypatch.setattr(Trainer, "next_batch", next_batch)
     run = loop_run("train.max_consecutive_skips=2")

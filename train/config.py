@@ -202,13 +202,65 @@ class TrainConfig:
         return self.batch_size
 
 
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")  # outermost first
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes (train/sharding.py, README "Parallelism"); -1 takes the devices the
+    other axes leave (at most one axis may say -1). Report 3.2 trained with pipeline 8,
+    expert 8 and ZeRO-1 data parallelism.
+
+    `zero1`: optimizer state is also sharded over `data` (params and gradients are not).
+    """
+
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    zero1: bool = True
+
+    def validate(self) -> None:
+        for name in MESH_AXES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+                raise ValueError(f"mesh.{name}: must be a positive integer or -1, got {value!r}")
+        if [getattr(self, n) for n in MESH_AXES].count(-1) > 1:
+            raise ValueError("mesh: at most one axis may be -1 (it takes the remaining devices)")
+        check_bool("mesh.zero1", self.zero1)
+
+    def axis_sizes(self, num_devices: int) -> dict[str, int]:
+        """{axis: size} for `num_devices` devices, -1 resolved; raises if they do not fit."""
+        sizes = {n: getattr(self, n) for n in MESH_AXES}
+        fixed = 1
+        for size in sizes.values():
+            fixed *= size if size != -1 else 1
+        for name, size in sizes.items():
+            if size == -1:
+                if num_devices % fixed:
+                    raise ValueError(f"mesh: the fixed axes use {fixed} devices, which does not "
+                                     f"divide the {num_devices} available")
+                sizes[name] = num_devices // fixed
+        total = 1
+        for size in sizes.values():
+            total *= size
+        if total != num_devices:
+            shown = " ".join(f"{n}={s}" for n, s in sizes.items() if s > 1) or "all 1"
+            raise ValueError(f"mesh: {shown} needs {total} devices but {num_devices} are "
+                             "available; set one axis to -1 to take the rest")
+        return sizes
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig
     train: TrainConfig
+    mesh: MeshConfig = MeshConfig()
 
     def to_dict(self) -> dict:
-        return {"model": config_to_dict(self.model), "train": config_to_dict(self.train)}
+        return {"model": config_to_dict(self.model), "train": config_to_dict(self.train),
+                "mesh": config_to_dict(self.mesh)}
 
     def trained_mtp_heads(self) -> int:
         """MTP heads that enter the loss: up to the last non-zero per-offset weight."""
@@ -218,34 +270,42 @@ class RunConfig:
         return max((i + 1 for i, w in enumerate(weights) if w > 0), default=0)
 
 
+SECTIONS = ("model", "train", "mesh")
+
+
 def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
-    unknown = set(values) - {"model", "train"}
+    unknown = set(values) - set(SECTIONS)
     if unknown:
         raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; "
-                         "expected 'model' and 'train'")
+                         f"expected {', '.join(SECTIONS)}")
     model = config_from_dict(values.get("model") or {})
     train = build_dataclass(TrainConfig, values.get("train") or {}, "train.")
     train.validate(model)
-    return RunConfig(model=model, train=train)
+    mesh = build_dataclass(MeshConfig, values.get("mesh") or {}, "mesh.")
+    mesh.validate()
+    return RunConfig(model=model, train=train, mesh=mesh)
 
 
 def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
-    """Reads a run YAML (`model:` / `train:` sections; a file without them is a model preset)
-    and applies `model.x=...` / `train.x=...` overrides."""
+    """Reads a run YAML (`model:` / `train:` / `mesh:` sections; a file without them is a model
+    preset) and applies `model.x=...` / `train.x=...` / `mesh.x=...` overrides."""
     values = read_yaml(path)
-    if not ({"model", "train"} & set(values)):
+    if not (set(SECTIONS) & set(values)):
         values = {"model": values}
     for override in overrides:
         key = override.partition("=")[0].strip()
-        if key.split(".")[0] not in ("model", "train"):
-            raise ValueError(f"override {override!r}: prefix the key with 'model.' or 'train.', "
-                             f"e.g. model.{key}=... or train.{key}=...")
+        if key.split(".")[0] not in SECTIONS:
+            raise ValueError(f"override {override!r}: prefix the key with 'model.', 'train.' or "
+                             f"'mesh.', e.g. model.{key}=... or train.{key}=...")
     return run_config_from_dict(apply_overrides(values, overrides))
 
 
-# Fields that may change between a checkpoint and its resumption: implementation switches and
-# run-length/logging knobs. Everything else shapes the state or the data stream.
+# Fields that may change between a checkpoint and its resumption: implementation switches,
+# run-length/logging knobs and the mesh (checkpoints are restored into any sharding).
+# Everything else shapes the state or the data stream.
 RESUMABLE_CHANGES = {
+    "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "mesh.pipeline", "mesh.zero1",
+    "model.ep_collective", "model.pipeline_microbatches",
     "model.attention_impl", "model.moe_impl", "model.remat_policy", "model.compute_dtype",
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",

@@ -20,8 +20,11 @@ from train.config import RunConfig, incompatible_fields
 from train.corpus import load_documents
 from train.data import make_dataset
 from train.eval import evaluate, limited, make_eval_step
-from train.metrics import MetricsWriter, ProgressBar
+from train.metrics import DiscardingWriter, MetricsWriter, ProgressBar
 from train.mfu import measure_matmul_peak, train_flops_per_token
+from train.sharding import (
+    batch_spec, check_batch_fits, make_mesh, named, replicated, state_specs, use_mesh,
+)
 from train.state import TrainState, abstract_state, build_training, create_state
 from train.step import make_train_step
 from train.tokenizer import load_tokenizer
@@ -99,12 +102,18 @@ class Trainer:
                 raise TrainingError(
                     f"cannot resume {self.workdir}: the config differs from the checkpoint's in "
                     f"{', '.join(changed)}; use another --workdir or restore those values")
+        self.mesh = make_mesh(run.mesh)
+        check_batch_fits(run, self.mesh)
         self.tokenizer = load_tokenizer(run.train.data.tokenizer)
         vocab = self.tokenizer.get_vocab_size()
         if vocab > run.model.vocab_size:
             raise TrainingError(f"tokenizer has {vocab} tokens but model.vocab_size="
                                 f"{run.model.vocab_size}; raise model.vocab_size")
         self.training = build_training(run)
+        self.abstract_state = abstract_state(self.training, run.train.seed)
+        self.state_sharding = named(self.mesh, state_specs(
+            self.abstract_state, self.training.variable_axes, self.mesh, run))
+        self.batch_sharding = named(self.mesh, batch_spec(self.mesh))
         self._eval_step = None
         # Read once: the train stream and every held-out evaluation split this list.
         self.documents = load_documents(run.train.data.source)
@@ -115,25 +124,32 @@ class Trainer:
             documents=self.documents)
 
     def initial_state(self) -> TrainState:
+        """A fresh state, created directly in its shardings, or the latest checkpoint restored
+        into them (whatever mesh it was saved from)."""
         seed = self.run.train.seed
         if self.resume_step is None:
-            model, optimizer, _ = self.training
-            return jax.jit(lambda: create_state(model, optimizer, seed))()
-        state, data_state = self.checkpoints.restore(self.resume_step,
-                                                     abstract_state(self.training, seed))
+            model, optimizer = self.training.model, self.training.optimizer
+            return jax.jit(lambda: create_state(model, optimizer, seed),
+                           out_shardings=self.state_sharding)()
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              self.abstract_state, self.state_sharding)
+        state, data_state = self.checkpoints.restore(self.resume_step, target)
         self.data.set_state(data_state)
         return state
 
-    def next_batch(self, step: int) -> dict:
-        """[num_micro, micro, T] arrays for optimizer step `step` (batch-size warm-up)."""
+    def next_batch(self, step: int) -> tuple[dict, int]:
+        """([num_micro, micro, T] global arrays for optimizer step `step` (batch-size warm-up),
+        their number of tokens). Each process reads its own rows (train/data.py)."""
         num_micro = self.run.train.batch_size_at(step) // self.run.train.micro_batch()
         micro = [next(self.data) for _ in range(num_micro)]
-        batch = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
-        top = int(batch["tokens"].max())
-        if top >= self.run.model.vocab_size or int(batch["tokens"].min()) < 0:
+        local = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
+        top = int(local["tokens"].max())
+        if top >= self.run.model.vocab_size or int(local["tokens"].min()) < 0:
             raise TrainingError(f"data at step {step} has token id {top} outside "
                                 f"[0, model.vocab_size={self.run.model.vocab_size})")
-        return batch
+        batch = {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+                 for k, v in local.items()}
+        return batch, local["tokens"].size * jax.process_count()
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """Held-out loss and perplexity over the first `train.eval_batches` batches of the
@@ -148,6 +164,14 @@ class Trainer:
                           limited(data, cfg.eval_batches))
         return {"eval/loss": result["loss"], "eval/perplexity": result["perplexity"]}
 
+    def train_step(self):
+        """The jitted step, with the state and batch shardings fixed (trace it under
+        `use_mesh(self.mesh)`)."""
+        step = make_train_step(self.training, self.run)
+        return jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding, None),
+                       out_shardings=(self.state_sharding, replicated(self.mesh)),
+                       donate_argnums=0)
+
     def save(self, state: TrainState) -> None:
         self.checkpoints.save(int(state.step), state, self.data.get_state(), self.run.to_dict())
 
@@ -159,14 +183,14 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None) -> Tr
     enable_compilation_cache(run.train.xla_cache_dir)
     trainer = Trainer(run, Path(workdir))
     try:
-        return _run_steps(trainer, stop_after)
+        with use_mesh(trainer.mesh):
+            return _run_steps(trainer, trainer.initial_state(), stop_after)
     finally:
         trainer.checkpoints.close()
 
 
-def _run_steps(trainer: Trainer, stop_after: int | None) -> TrainSummary:
+def _run_steps(trainer: Trainer, state: TrainState, stop_after: int | None) -> TrainSummary:
     run, cfg = trainer.run, trainer.run.train
-    state = trainer.initial_state()
     first_step = step = saved_step = int(state.step)
     if first_step >= cfg.steps:
         return TrainSummary(workdir=trainer.workdir, first_step=first_step, last_step=first_step,
@@ -184,13 +208,15 @@ def _run_steps(trainer: Trainer, stop_after: int | None) -> TrainSummary:
                 f"{cfg.max_consecutive_skips} consecutive steps had a non-finite loss or gradient "
                 f"(up to step {first_step + len(losses)}); stopped, the last checkpoint is intact")
 
-    with MetricsWriter(trainer.workdir) as writer, stop_requests() as stop, \
-            ProgressBar(cfg.steps, first_step, enabled=cfg.progress) as progress:
+    lead = jax.process_index() == 0  # one process writes metrics and shows progress
+    writer = MetricsWriter(trainer.workdir) if lead else DiscardingWriter()
+    with writer, stop_requests() as stop, \
+            ProgressBar(cfg.steps, first_step, enabled=cfg.progress and lead) as progress:
         writer.truncate_after(first_step)
-        step_fn = jax.jit(make_train_step(trainer.training, run), donate_argnums=0)
+        step_fn = trainer.train_step()
         window_start, window_tokens, pending = time.perf_counter(), 0, None
         while step < cfg.steps:
-            batch = trainer.next_batch(step)
+            batch, batch_tokens = trainer.next_batch(step)
             mask_meta = meta_loss_masked(cfg.data.meta_loss_mask_after_tokens, tokens_seen)
             call_start = time.perf_counter()
             state, metrics = step_fn(state, batch, np.bool_(mask_meta))
@@ -198,8 +224,8 @@ def _run_steps(trainer: Trainer, stop_after: int | None) -> TrainSummary:
                 window_start = time.perf_counter()
                 progress.write(f"compiled the train step in {window_start - call_start:.1f}s")
             step += 1
-            tokens_seen += batch["tokens"].size
-            window_tokens += batch["tokens"].size
+            tokens_seen += batch_tokens
+            window_tokens += batch_tokens
             if pending is not None:
                 check(pending)
             pending = metrics

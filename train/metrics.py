@@ -192,6 +192,28 @@ class MetricsWriter:
                 self._tb.close()
 
 
+class DiscardingWriter:
+    """MetricsWriter's interface, writing nothing (processes other than the first)."""
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        del step, metrics
+
+    def truncate_after(self, step: int) -> None:
+        del step
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "DiscardingWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
 def _si(value: float) -> str:
     for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(value) >= scale:

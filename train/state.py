@@ -29,20 +29,24 @@ def init_variables(model: CausalLM, key: jax.Array) -> dict:
 
 
 class Training(NamedTuple):
-    """The static pieces of a run: the model, its optimizer and the optimizer group of every
-    param ('muon' | 'adamw' | 'frozen', for the update-RMS metrics)."""
+    """The static pieces of a run: the model, its optimizer, the optimizer group of every
+    param ('muon' | 'adamw' | 'frozen', for the update-RMS metrics) and the logical axes of
+    every variable ({'params': ..., 'balance': ...}, for the sharding rules)."""
 
     model: CausalLM
     optimizer: optax.GradientTransformation
     labels: Any
+    variable_axes: dict
 
 
 def build_training(run: RunConfig) -> Training:
     model = CausalLM(run.model)
-    axes = param_axes(jax.eval_shape(lambda: init_variables(model, jax.random.key(0))))
+    boxed = jax.eval_shape(lambda: init_variables(model, jax.random.key(0)))
+    axes = param_axes(boxed)
     heads = run.trained_mtp_heads()
+    variable_axes = {name: param_axes(tree) for name, tree in boxed.items()}
     return Training(model, build_optimizer(run.train, axes, heads),
-                    param_labels(axes, run.train, heads))
+                    param_labels(axes, run.train, heads), variable_axes)
 
 
 def create_state(model: CausalLM, optimizer: optax.GradientTransformation, seed: int) -> TrainState:

@@ -76,7 +76,7 @@ def tree_where(pred, on_true, on_false):
 def make_train_step(training: Training, run: RunConfig
                     ) -> Callable[[TrainState, dict, Any], tuple[TrainState, dict]]:
     """The (unjitted) step of `training` = build_training(run)."""
-    model, optimizer, labels = training
+    model, optimizer, labels = training.model, training.optimizer, training.labels
     train = run.train
     grad_and_aux = jax.value_and_grad(loss_fn, argnums=2, has_aux=True)
 
