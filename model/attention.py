@@ -14,6 +14,7 @@ from model.attention_ops import attention_core
 from model.common import dtype_of, normal_init
 from model.config import ModelConfig
 from model.norm import RMSNorm
+from model.parallel import mesh_size, shard_attention_core
 from model.rope import apply_rope
 
 
@@ -74,6 +75,8 @@ class Attention(nn.Module):
             )
         window = cfg.window if self.attention_type == "S" else None
         core = attention_core(cfg.attention_impl)
+        if cfg.attention_impl == "pallas" and mesh_size() > 1:
+            core = shard_attention_core(core)  # XLA does not partition a pallas_call
         y = core(q, k, v, window=window, segment_ids=segment_ids, sink=sink)  # [B, T, H, D]
 
         aux = {}

@@ -14,7 +14,7 @@ from model.config import ModelConfig
 from model.ffn import SwiGLU
 from model.expert_parallel import expert_parallel_experts
 from model.moe_dispatch import ExpertWeights, routed_experts
-from model.parallel import mesh_axis_size
+from model.parallel import mesh_size
 from model.router import expert_load, route, routing_confidence
 
 
@@ -62,7 +62,9 @@ class MoE(nn.Module):
             down=expert_param("down_proj", (e, f, d_model), ("expert", "expert_mlp", "embed")),
         )
         options = dict(limit=self.limit, impl=cfg.moe_impl, block_size=moe.block_size)
-        if mesh_axis_size("expert") > 1:  # report 3.2: experts live on their EP rank
+        # Under a mesh, per-shard dispatch (report 3.2: experts live on their EP rank; also
+        # keeps the sort per device and lets XLA run the Pallas kernels unpartitioned).
+        if mesh_size() > 1:
             y, stats = expert_parallel_experts(tokens.astype(dtype), routing.indices,
                                                routing.weights, weights,
                                                collective=cfg.ep_collective, **options)

@@ -5,6 +5,9 @@ The trainer enters `jax.set_mesh(mesh)` and flax's `nn.logical_axis_rules(rules)
 its plain single-device code. Mesh axis names: `pipeline`, `data`, `fsdp`, `expert`, `tensor`.
 """
 
+import functools
+import math
+
 import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec
@@ -18,9 +21,10 @@ def mesh_axis_size(name: str) -> int:
     return mesh.shape[name]
 
 
-def mesh_axis_names() -> tuple[str, ...]:
+def mesh_size() -> int:
+    """Devices in the current mesh context (1 without one)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return () if mesh.empty else tuple(mesh.axis_names)
+    return 1 if mesh.empty else math.prod(mesh.shape.values())
 
 
 def logical_spec(*logical_axes: str | None) -> PartitionSpec:
@@ -34,3 +38,34 @@ def spec_axes(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def shard_attention_core(core):
+    """An attention core (model.attention_ops) run per shard under the current mesh: batch over
+    the rules' batch axes, heads over `tensor` when it divides both query and KV heads. XLA
+    cannot partition a `pallas_call`, so the Pallas kernels need this; each shard holds whole
+    sequences and whole GQA groups, so the result is the unsharded one."""
+
+    @functools.wraps(core)
+    def sharded(q, k, v, *, window, segment_ids, sink):
+        batch = logical_spec("batch")[0]
+        tensor = mesh_axis_size("tensor")
+        heads = "tensor" if tensor > 1 and q.shape[2] % tensor == k.shape[2] % tensor == 0 else None
+        qkv = PartitionSpec(batch, None, heads, None)
+        args, specs = [q, k, v], [qkv, qkv, qkv]
+        if segment_ids is not None:
+            args.append(segment_ids)
+            specs.append(PartitionSpec(batch, None))
+        if sink is not None:
+            args.append(sink)
+            specs.append(PartitionSpec(heads))
+
+        def local(q, k, v, *rest):
+            rest = list(rest)
+            seg = rest.pop(0) if segment_ids is not None else None
+            return core(q, k, v, window=window, segment_ids=seg,
+                        sink=rest.pop(0) if sink is not None else None)
+
+        return jax.shard_map(local, in_specs=tuple(specs), out_specs=qkv, check_vma=False)(*args)
+
+    return sharded

@@ -3,6 +3,12 @@
 Trains a model from a run YAML (`model:` and `train:` sections). Re-running the same command
 resumes from the latest checkpoint in DIR. Writes DIR/metrics.jsonl, DIR/tensorboard/ and
 DIR/checkpoints/. SIGTERM/SIGINT save a checkpoint and exit cleanly.
+
+Multi-host: start the same command once per host with --coordinator HOST:PORT (process 0's
+address and a free port), --num-processes N and --process-id 0..N-1 (or the environment variables
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); under SLURM (srun), Open MPI
+(mpirun), TPU pods or Kubernetes jobs they are detected. All processes share one --workdir (a
+shared filesystem); process 0 writes the metrics. CPU processes use gloo collectives.
 """
 
 import argparse
@@ -13,6 +19,7 @@ from typing import Sequence
 from model.cli import ArgumentParser
 from train.checkpoint import CheckpointError
 from train.config import load_run_config
+from train.distributed import DistributedError, initialize, is_lead
 from train.loop import TrainingError, train
 
 
@@ -22,6 +29,17 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--config", required=True, metavar="PATH", help="run YAML")
     parser.add_argument("--workdir", required=True, metavar="DIR",
                         help="where checkpoints and metrics go; an existing run there is resumed")
+    multi = parser.add_argument_group(
+        "multi-process (default: one process, unless a SLURM / Open MPI / TPU / k8s job is "
+        "detected)")
+    multi.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                       help="address of process 0 and a free port it listens on "
+                            "(env JAX_COORDINATOR_ADDRESS)")
+    multi.add_argument("--num-processes", type=int, metavar="N", default=None,
+                       help="number of processes, all started with the same arguments "
+                            "(env JAX_NUM_PROCESSES; 1 = single process, no cluster detection)")
+    multi.add_argument("--process-id", type=int, metavar="I", default=None,
+                       help="this process's index in [0, N) (env JAX_PROCESS_ID)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. train.steps=100 train.lr=1e-3 model.d_model=256")
     return parser
@@ -34,12 +52,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = load_run_config(args.config, args.overrides)
     except ValueError as err:
         parser.error(str(err))
+    try:  # before anything touches devices
+        initialize(args.coordinator, args.num_processes, args.process_id)
+    except DistributedError as err:
+        parser.error(str(err))
     workdir = Path(args.workdir)
     try:
         summary = train(run, workdir)
     except (TrainingError, CheckpointError, ValueError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    if not is_lead():  # process 0 reports for all
+        return 0
     if not summary.losses and not summary.interrupted:
         print(f"nothing to do: {workdir} is already at step {summary.last_step} "
               f"(train.steps={run.train.steps}); raise train.steps to train further")

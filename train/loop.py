@@ -19,6 +19,7 @@ from train.checkpoint import Checkpointer
 from train.config import RunConfig, incompatible_fields
 from train.corpus import load_documents
 from train.data import make_dataset
+from train.distributed import gather_process_states, process_state
 from train.eval import evaluate, limited, make_eval_step
 from train.metrics import DiscardingWriter, MetricsWriter, ProgressBar
 from train.mfu import measure_matmul_peak, train_flops_per_token
@@ -47,7 +48,7 @@ class TrainSummary:
 def prepare_workdir(workdir: Path) -> None:
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / ".write-test"
+        probe = workdir / f".write-test-{jax.process_index()}"  # processes may share workdir
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
@@ -134,7 +135,7 @@ class Trainer:
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               self.abstract_state, self.state_sharding)
         state, data_state = self.checkpoints.restore(self.resume_step, target)
-        self.data.set_state(data_state)
+        self.data.set_state(process_state(data_state))  # each process: its own data shard
         return state
 
     def next_batch(self, step: int) -> tuple[dict, int]:
@@ -173,7 +174,8 @@ class Trainer:
                        donate_argnums=0)
 
     def save(self, state: TrainState) -> None:
-        self.checkpoints.save(int(state.step), state, self.data.get_state(), self.run.to_dict())
+        self.checkpoints.save(int(state.step), state, gather_process_states(self.data.get_state()),
+                              self.run.to_dict())
 
 
 def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None) -> TrainSummary:

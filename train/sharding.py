@@ -109,7 +109,7 @@ def param_specs(axes_tree: Any, shapes: Any, mesh: Mesh, cfg: ModelConfig) -> An
         keys = _path_keys(path)
         rules = LOGICAL_RULES
         if piped is not None and keys[:2] == ("layers", f"segment_{piped}"):
-            rules = (("layers", "pipeline"),) + LOGICAL_RULES
+            rules = LOGICAL_RULES + (("layers", "pipeline"),)  # later entries win
         return logical_to_spec(axes, leaf.shape, mesh, rules)
 
     return jax.tree_util.tree_map_with_path(spec, axes_tree, shapes,

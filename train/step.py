@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import optax
 
 from model.lm import CausalLM
+from model.parallel import mesh_axis_size
+from model.pipeline import bubble_fraction, num_microbatches
 from train.balance import has_router_bias, update_router_bias
 from train.config import RunConfig
 from train.losses import chunked_cross_entropy, shifted_targets
@@ -120,6 +122,10 @@ def make_train_step(training: Training, run: RunConfig
                    "lr": current_learning_rate(train, state.opt_state),  # the rate this update used
                    "skipped": (~finite).astype(jnp.int32), "skipped_steps": new_state.skipped,
                    "consecutive_skips": skips, **grouped_rms(updates, labels)}
+        stages = mesh_axis_size("pipeline")
+        if stages > 1:
+            metrics["pipeline/bubble_fraction"] = jnp.float32(
+                bubble_fraction(stages, num_microbatches(run.model, stages)))
         if moe_aux:
             metrics.update(moe_monitors(moe_aux, run.model.moe_layer_indices()))
             metrics.update(expert_param_norms(new_state.params, run.model))

@@ -1,0 +1,210 @@
+"""Runs in a subprocess with 8 CPU devices (tests/test_parallel.py): measures a training step on
+several meshes against the same step on one device, and expert-parallel dispatch against the
+single-device dispatch. Prints one JSON object; the test asserts on it.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/parallel_worker.py MESH...
+
+MESH: comma-separated axis=size, e.g. `pipeline=2,data=4`; the word `ep_skew` runs the skewed
+expert-parallel dispatch check instead.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+from model.expert_parallel import expert_parallel_experts  # noqa: E402
+from model.moe_dispatch import ExpertWeights, routed_experts  # noqa: E402
+from train import step as step_module  # noqa: E402
+from train.config import MeshConfig  # noqa: E402
+from train.sharding import (  # noqa: E402
+    batch_spec, make_mesh, named, replicated, state_specs, use_mesh,
+)
+from train.state import abstract_state, build_training, create_state  # noqa: E402
+from train_helpers import small_run, synthetic_batch  # noqa: E402
+
+# Layers: dense F, then (S F) x 2 MoE: the (S F) segment has 2 repeats, one per pipeline stage.
+RUN_OVERRIDES = (
+    "model.layout=FSFSF", "model.swiglu_limits=0", "model.swiglu_limits_shared=0",
+    "model.moe.num_ep_groups=2", "train.batch_size=16", "train.muon.iteration_dtype=float32",
+    "train.warmup_steps=0",
+)
+BATCH = synthetic_batch(1, 16, 16, vocab=64, seed=3)
+WATCHED = {  # params whose layout the test checks
+    "embedding": ("embed_tokens", "embedding"),
+    "expert_gate": ("layers", "segment_1", "block_0", "moe", "gate_proj"),
+    "q_proj": ("layers", "segment_1", "block_1", "self_attn", "q_proj", "kernel"),
+    "dense_up": ("layers", "segment_0", "block_0", "mlp", "up_proj", "kernel"),
+}
+
+
+def _get(tree, keys):
+    for k in keys:
+        tree = tree[k]
+    return tree
+
+
+def run_step(mesh_sizes: dict, devices) -> dict:
+    run = small_run(*RUN_OVERRIDES)
+    training = build_training(run)
+    mesh = make_mesh(MeshConfig(**{"data": 1, **mesh_sizes}), devices)
+    abstract = abstract_state(training, run.train.seed)
+    shardings = named(mesh, state_specs(abstract, training.variable_axes, mesh, run))
+    batch_sharding = NamedSharding(mesh, batch_spec(mesh))
+    model = training.model
+
+    def loss_and_grads(params, balance, batch):
+        counts = step_module.target_counts(run, batch, False)
+        micro = jax.tree.map(lambda x: x[0], batch)
+        (loss, _), grads = jax.value_and_grad(step_module.loss_fn, argnums=2, has_aux=True)(
+            model, run, params, balance, micro, False, counts, 1)
+        return loss, grads
+
+    with use_mesh(mesh):
+        state = jax.jit(lambda: create_state(model, training.optimizer, run.train.seed),
+                        out_shardings=shardings)()
+        batch = {k: jax.device_put(v, batch_sharding) for k, v in BATCH.items()}
+        loss, grads = jax.jit(loss_and_grads)(state.params, state.balance, batch)
+        step = jax.jit(step_module.make_train_step(training, run),
+                       in_shardings=(shardings, batch_sharding, None),
+                       out_shardings=(shardings, replicated(mesh)))
+        layouts = {name: {"spec": [_entry(e) for e in _get(state.params, keys).sharding.spec],
+                          "shape": list(_get(state.params, keys).shape),
+                          "local_shape": list(_get(state.params, keys)
+                                              .addressable_shards[0].data.shape)}
+                   for name, keys in WATCHED.items()}
+        momentum_spec = _muon_momentum_spec(state.opt_state, WATCHED["expert_gate"])
+        new_state, metrics = step(state, batch, np.bool_(False))
+    return {"loss": float(loss), "grads": [np.asarray(g) for g in jax.tree.leaves(grads)],
+            "step_loss": float(metrics["loss"]), "balance": float(metrics["loss/balance"]),
+            "params": [np.asarray(p) for p in jax.tree.leaves(new_state.params)],
+            "layouts": layouts, "momentum_spec": momentum_spec,
+            "bubble": float(metrics.get("pipeline/bubble_fraction", 0.0))}
+
+
+def _entry(entry):
+    return list(entry) if isinstance(entry, tuple) else entry
+
+
+def _muon_momentum_spec(opt_state, keys):
+    """Spec of the Muon momentum of the param at `keys` (ZeRO-1 check)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        names = tuple(str(getattr(k, "key", getattr(k, "name", ""))) for k in path)
+        if names[-len(keys):] == keys and "momentum" in names:
+            return [_entry(e) for e in leaf.sharding.spec]
+    raise KeyError(keys)
+
+
+def relative_error(got: list, want: list) -> float:
+    return max(float(np.linalg.norm(g - w) / (np.linalg.norm(w) + 1e-12))
+               for g, w in zip(got, want))
+
+
+def ep_skew() -> dict:
+    """Dispatch where most routed copies go to the experts of one device (mesh data=2,
+    expert=4): nothing may be dropped and outputs, statistics and gradients must match."""
+    rng = np.random.default_rng(0)
+    tokens, d_model, hidden, experts, top_k = 64, 8, 16, 8, 2
+    x = jnp.asarray(rng.normal(size=(tokens, d_model)), jnp.float32)
+    indices = rng.integers(0, experts, size=(tokens, top_k))
+    indices[: tokens * 3 // 4] = (0, 1)  # 3/4 of all tokens pick experts 0 and 1 (device 0)
+    indices = jnp.asarray(indices, jnp.int32)
+    combine = jnp.asarray(rng.uniform(size=(tokens, top_k)), jnp.float32)
+    weights = ExpertWeights(*(jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in (
+        (experts, d_model, hidden), (experts, d_model, hidden), (experts, hidden, d_model))))
+    options = dict(limit=0.0, impl="sorted", block_size=8)
+
+    def reference(x, w):
+        return routed_experts(x, indices, combine, w, **options)
+
+    def parallel(x, w):
+        return expert_parallel_experts(x, indices, combine, w, collective="padded", **options)
+
+    def grads(fn):
+        return jax.grad(lambda x, w: jnp.sum(jnp.sin(fn(x, w)[0])), argnums=(0, 1))
+
+    mesh = make_mesh(MeshConfig(data=2, expert=4))
+    want_y, want_stats = reference(x, weights)
+    want_grads = jax.tree.leaves(grads(reference)(x, weights))
+    with use_mesh(mesh):
+        y, stats = jax.jit(parallel)(x, weights)
+        got_grads = jax.tree.leaves(jax.jit(grads(parallel))(x, weights))
+        ragged_hlo = jax.jit(lambda x, w: expert_parallel_experts(
+            x, indices, combine, w, collective="ragged", **options)).lower(x, weights).as_text()
+    return {
+        "y_error": relative_error([np.asarray(y)], [np.asarray(want_y)]),
+        "stats_error": relative_error([np.asarray(stats[k]) for k in sorted(stats)],
+                                      [np.asarray(want_stats[k]) for k in sorted(stats)]),
+        "grad_error": relative_error([np.asarray(g) for g in got_grads],
+                                     [np.asarray(g) for g in want_grads]),
+        "copies_computed": float(jnp.sum(stats["expert_tokens"])),
+        "copies_routed": int(indices.size),
+        "busiest_device_share": float(jnp.sum(stats["expert_tokens"][:2]) / indices.size),
+        "ragged_all_to_all_in_hlo": "ragged_all_to_all" in ragged_hlo,
+    }
+
+
+def pallas_on_mesh() -> dict:
+    """The Pallas kernels (interpret mode) under a mesh, where they run per shard: flash
+    attention on (data=2, tensor=2, expert=2) against the XLA core on one device, and the
+    grouped-matmul MoE inside the expert-parallel dispatch against the `sorted` path."""
+    from model.attention_ops import attention_core
+    from model.parallel import shard_attention_core
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(4, 32, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(4, 32, 2, 8)), jnp.float32) for _ in range(2))
+    segments = jnp.asarray(np.repeat([[1, 2]], 4, 0).repeat(16, 1), jnp.int32)
+    sink = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+    options = dict(window=8, segment_ids=segments, sink=sink)
+    want = attention_core("xla")(q, k, v, **options)
+    mesh = make_mesh(MeshConfig(data=2, tensor=2, expert=2))
+    with use_mesh(mesh):
+        got = jax.jit(lambda q, k, v: shard_attention_core(attention_core("pallas"))(
+            q, k, v, **options))(q, k, v)
+
+    tokens, d_model, hidden, experts, top_k = 32, 8, 16, 8, 2
+    x = jnp.asarray(rng.normal(size=(tokens, d_model)), jnp.float32)
+    indices = jnp.asarray(rng.integers(0, experts, size=(tokens, top_k)), jnp.int32)
+    combine = jnp.asarray(rng.uniform(size=(tokens, top_k)), jnp.float32)
+    weights = ExpertWeights(*(jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in (
+        (experts, d_model, hidden), (experts, d_model, hidden), (experts, hidden, d_model))))
+    want_y, _ = routed_experts(x, indices, combine, weights, limit=0.0, impl="sorted",
+                               block_size=8)
+    with use_mesh(mesh):
+        got_y, _ = jax.jit(lambda x, w: expert_parallel_experts(
+            x, indices, combine, w, limit=0.0, impl="pallas", block_size=8,
+            collective="padded"))(x, weights)
+    return {"attention_error": relative_error([np.asarray(got)], [np.asarray(want)]),
+            "moe_error": relative_error([np.asarray(got_y)], [np.asarray(want_y)])}
+
+
+def main(args: list[str]) -> None:
+    if args == ["ep_skew"]:
+        print(json.dumps({**ep_skew(), **pallas_on_mesh()}))
+        return
+    reference = run_step({"data": 1}, jax.devices()[:1])
+    results = {}
+    for text in args:
+        sizes = {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
+        got = run_step(sizes, jax.devices())
+        results[text] = {
+            "loss_error": abs(got["loss"] - reference["loss"]) / abs(reference["loss"]),
+            "step_loss_error": abs(got["step_loss"] - reference["step_loss"]) / reference["step_loss"],
+            "balance_error": abs(got["balance"] - reference["balance"]) / reference["balance"],
+            "grad_error": relative_error(got["grads"], reference["grads"]),
+            "param_error": relative_error(got["params"], reference["params"]),
+            "layouts": got["layouts"], "momentum_spec": got["momentum_spec"],
+            "bubble": got["bubble"],
+        }
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
