@@ -85,9 +85,12 @@ def pipeline_forward(repeat_fn: Callable, variables: dict, x: jax.Array, positio
     per_stage, rows = repeats // stages, batch // microbatches
     stage_vars = jax.tree.map(lambda a: a.reshape(stages, per_stage, *a.shape[1:]), variables)
     split = lambda a: a.reshape(microbatches, rows, *a.shape[1:])  # noqa: E731
-    xs, pos = split(x), split(positions)
+    activation = logical_spec("batch", "length", "act_embed")
+    buffer_spec = P("pipeline", *activation)  # [S, rows, T, D]: one slot per stage
+    queue_spec = P(None, *activation)  # [M, rows, T, D]: micro-batches in and out
+    xs = jax.lax.with_sharding_constraint(split(x), queue_spec)
+    pos = split(positions)
     seg = None if segment_ids is None else split(segment_ids)
-    buffer_spec = P("pipeline", *logical_spec("batch", "length", "act_embed"))
 
     def stage_fn(vars_s, h, pos_s, seg_s):
         def body(carry, repeat_vars):
@@ -110,9 +113,9 @@ def pipeline_forward(repeat_fn: Callable, variables: dict, x: jax.Array, positio
         buffer, aux = run_stages(stage_vars, buffer, pos[index],
                                  None if seg is None else seg[index])
         done = t - (stages - 1)
-        outputs = jax.lax.dynamic_update_index_in_dim(
+        outputs = jax.lax.with_sharding_constraint(jax.lax.dynamic_update_index_in_dim(
             outputs, jnp.where(done >= 0, buffer[-1], outputs[jnp.maximum(done, 0)]),
-            jnp.maximum(done, 0), 0)
+            jnp.maximum(done, 0), 0), queue_spec)
         aux_acc = jax.tree.map(lambda acc, a: _store(acc, a, index, valid), aux_acc, aux)
         return (buffer, outputs, aux_acc), None
 
@@ -122,8 +125,9 @@ def pipeline_forward(repeat_fn: Callable, variables: dict, x: jax.Array, positio
     aux_init = jax.tree.map(lambda s: jnp.zeros((microbatches, *s.shape), s.dtype), aux_shapes)
     buffer = jax.lax.with_sharding_constraint(jnp.zeros((stages, rows, length, width), x.dtype),
                                               buffer_spec)
+    outputs = jax.lax.with_sharding_constraint(jnp.zeros_like(xs), queue_spec)
     (_, outputs, aux_acc), _ = jax.lax.scan(
-        tick, (buffer, jnp.zeros_like(xs), aux_init), jnp.arange(microbatches + stages - 1))
+        tick, (buffer, outputs, aux_init), jnp.arange(microbatches + stages - 1))
 
     def merge(path, a):  # [M, S, per_stage, ...] -> [R, ...] over the whole batch
         flat = a.reshape(microbatches, repeats, *a.shape[3:])
