@@ -13,6 +13,15 @@ single-process run inside a cluster allocation.
 
 On CPU the processes exchange collectives over TCP with gloo (`jax_cpu_collectives_implementation`,
 unless the environment variable JAX_CPU_COLLECTIVES_IMPLEMENTATION chose another, e.g. "mpi").
+Two limits of CPU multi-process in JAX 0.10 shape what happens here:
+- gloo connects the processes of a collective lazily, at its first use, and gives up (error or
+  hang) if they arrive there more than ~30 s apart; `--xla_cpu_collective_timeout_seconds` does
+  not extend this. So the processes must reach the first step within 30 s of each other.
+- JAX's persistent compilation cache keys CPU executables by a per-process topology fingerprint
+  and only process 0 writes entries, so on a warm cache process 0 loads the train step in
+  seconds while the others compile it for minutes, which breaks the 30 s limit. `initialize`
+  therefore turns the persistent cache off for multi-process CPU runs (all processes compile,
+  in about the same time); GPU/TPU runs keep it.
 
 Per-process values the checkpoint must hold for every process (each process reads its own
 shard of the data, so each has its own data-iterator position) go through
@@ -52,7 +61,8 @@ def _env_int(name: str) -> int | None:
 def _check_address(address: str, source: str) -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise DistributedError(f"{source}: expected HOST:PORT (e.g. 10.0.0.1:1234), got {address!r}")
+        raise DistributedError(f"{source}: expected HOST:PORT (e.g. 10.0.0.1:1234), "
+                               f"got {address!r}")
 
 
 def detected_cluster() -> tuple[str, int | None] | None:
@@ -146,8 +156,11 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         who = (f"process {process_id} of {num_processes}" if process_id is not None
                else "this process")
         reason = " ".join(str(err).split())[:300]
+        where = coordinator or "auto-detected"
         raise DistributedError(f"jax.distributed.initialize failed for {who} "
-                               f"(coordinator {coordinator or 'auto-detected'}): {reason}") from None
+                               f"(coordinator {where}): {reason}") from None
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        jax.config.update("jax_enable_compilation_cache", False)  # see the module doc
     return True
 
 
