@@ -169,6 +169,25 @@ def is_lead() -> bool:
     return jax.process_index() == 0
 
 
+def any_process(flag: bool) -> bool:
+    """True on every process if `flag` is True on any of them (a collective: every process must
+    call it). Lets all processes stop at the same step when one receives SIGTERM."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+    return bool(np.asarray(multihost_utils.process_allgather(np.int32(bool(flag)))).max())
+
+
+def from_lead(value: int | None) -> int | None:
+    """Process 0's `value` on every process (a collective), e.g. the step to resume from, so
+    that processes reading a lagging shared filesystem cannot disagree."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+    shared = int(multihost_utils.broadcast_one_to_all(np.int64(-1 if value is None else value)))
+    return None if shared < 0 else shared
+
+
 # ---- per-process state in checkpoints ----------------------------------------------------------
 
 

@@ -68,7 +68,11 @@ def evaluate_checkpoint(workdir: Path, split: str, batches: int, step: int | Non
             raise CheckpointError(f"no checkpoint in {workdir / 'checkpoints'}")
         run = run_config_from_dict(checkpoints.read_config(step))
         training = build_training(run)
-        state, _ = checkpoints.restore(step, abstract_state(training, run.train.seed))
+        # Onto this process's first device, whatever mesh or process count saved it.
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                              abstract_state(training, run.train.seed))
+        state, _ = checkpoints.restore(step, target)
     finally:
         checkpoints.close()
     tokenizer = load_tokenizer(run.train.data.tokenizer)

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from train.checkpoint import Checkpointer
 from train.config import RunConfig, incompatible_fields
 from train.corpus import load_documents
 from train.data import make_dataset
-from train.distributed import gather_process_states, process_state
+from train.distributed import any_process, from_lead, gather_process_states, process_state
 from train.eval import evaluate, limited, make_eval_step
 from train.metrics import DiscardingWriter, MetricsWriter, ProgressBar
 from train.mfu import measure_matmul_peak, train_flops_per_token
@@ -96,7 +97,7 @@ class Trainer:
         self.run, self.workdir = run, Path(workdir)
         prepare_workdir(self.workdir)
         self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.train.keep_checkpoints)
-        self.resume_step = self.checkpoints.latest_step()
+        self.resume_step = from_lead(self.checkpoints.latest_step())
         if self.resume_step is not None:
             changed = incompatible_fields(self.checkpoints.read_config(self.resume_step), run)
             if changed:
@@ -161,8 +162,12 @@ class Trainer:
         data = make_dataset(cfg.data, self.tokenizer, seq_len=cfg.seq_len,
                             batch_size=cfg.micro_batch(), split="heldout", seed=cfg.seed,
                             documents=self.documents)
+        # Every process reads the same held-out rows; each device evaluates its share of them.
+        rows = NamedSharding(self.mesh, P(*batch_spec(self.mesh)[1:]))
+        shard = lambda batch: {k: jax.make_array_from_callback(  # noqa: E731
+            v.shape, rows, lambda index, v=v: v[index]) for k, v in batch.items()}
         result = evaluate(self._eval_step, state.params, state.balance,
-                          limited(data, cfg.eval_batches))
+                          map(shard, limited(data, cfg.eval_batches)))
         return {"eval/loss": result["loss"], "eval/perplexity": result["perplexity"]}
 
     def train_step(self):
@@ -242,7 +247,9 @@ def _run_steps(trainer: Trainer, state: TrainState, stop_after: int | None) -> T
                 writer.write(step, record)
                 progress.update(step, tokens_per_sec=rate, loss=losses[-1] if losses else None)
                 window_start, window_tokens = time.perf_counter(), 0
-            if stop["signal"] or (stop_after is not None and step - first_step >= stop_after):
+            # Every process stops at the same step, whichever of them got the signal.
+            if any_process(stop["signal"] is not None
+                           or (stop_after is not None and step - first_step >= stop_after)):
                 interrupted = True
                 break
             if step % cfg.checkpoint_every == 0:
