@@ -11,8 +11,8 @@ import jax.numpy as jnp
 
 from model.common import dtype_of, normal_init
 from model.config import ModelConfig
-from model.ffn import SwiGLU
 from model.expert_parallel import expert_parallel_experts
+from model.ffn import SwiGLU
 from model.moe_dispatch import ExpertWeights, routed_experts
 from model.parallel import mesh_size
 from model.router import expert_load, route, routing_confidence
@@ -24,7 +24,7 @@ class MoE(nn.Module):
     aux (per layer): `expert_load` f_e [E], `expert_prob` p_e [E] (with gradient: the EP-group
     balance loss of eq. 1 is formed from f and p by `model.lm.collect_aux`, after pipeline
     micro-batches are merged), `routing_confidence` Σk [B, T], and the per-expert statistics
-    of `moe_dispatch.expert_statistics`.
+    of `moe_dispatch.finalize_statistics`.
     """
 
     config: ModelConfig

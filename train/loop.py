@@ -20,7 +20,9 @@ from train.checkpoint import Checkpointer
 from train.config import RunConfig, incompatible_fields
 from train.corpus import load_documents
 from train.data import make_dataset
-from train.distributed import any_process, from_lead, gather_process_states, process_state
+from train.distributed import (
+    any_process, from_lead, gather_process_states, is_lead, process_state,
+)
 from train.eval import evaluate, limited, make_eval_step
 from train.metrics import DiscardingWriter, MetricsWriter, ProgressBar
 from train.mfu import measure_matmul_peak, train_flops_per_token
@@ -215,7 +217,7 @@ def _run_steps(trainer: Trainer, state: TrainState, stop_after: int | None) -> T
                 f"{cfg.max_consecutive_skips} consecutive steps had a non-finite loss or gradient "
                 f"(up to step {first_step + len(losses)}); stopped, the last checkpoint is intact")
 
-    lead = jax.process_index() == 0  # one process writes metrics and shows progress
+    lead = is_lead()  # one process writes metrics and shows progress
     writer = MetricsWriter(trainer.workdir) if lead else DiscardingWriter()
     with writer, stop_requests() as stop, \
             ProgressBar(cfg.steps, first_step, enabled=cfg.progress and lead) as progress:
