@@ -58,8 +58,11 @@ def sizes_of(mesh: str) -> dict[str, int]:
     return {k: int(v) for k, v in (item.split("=") for item in mesh.split(","))}
 
 
-def check_mesh_result(mesh: str, result: dict) -> None:
-    for key in ("loss_error", "step_loss_error", "balance_error", "grad_error", "param_error"):
+def check_mesh_result(mesh: str, result: dict, whole_step: bool) -> None:
+    keys = ["loss_error", "balance_error", "grad_error"]
+    if whole_step:  # the Muon update under sharding, and the pipeline's bubble metric
+        keys += ["step_loss_error", "param_error"]
+    for key in keys:
         assert result[key] < TOLERANCE, (mesh, key, result[key])
     sizes = sizes_of(mesh)
     for name, want in EXPECTED[mesh].items():
@@ -72,21 +75,26 @@ def check_mesh_result(mesh: str, result: dict) -> None:
                      for a in ([e] if isinstance(e, str) else e)}
     assert {a for a in EXPECTED[mesh]["expert_gate"] if a} <= momentum_axes
     assert ("data" in momentum_axes) == (sizes.get("data", 1) > 1)  # ZeRO-1
-    stages = sizes.get("pipeline", 1)
-    microbatches = 2 * stages
-    assert result["bubble"] == pytest.approx(
-        (stages - 1) / (microbatches + stages - 1) if stages > 1 else 0.0)
+    if whole_step:
+        stages = sizes.get("pipeline", 1)
+        microbatches = 2 * stages
+        assert result["bubble"] == pytest.approx(
+            (stages - 1) / (microbatches + stages - 1) if stages > 1 else 0.0)
+
+
+# The whole step (with the Muon update) runs on the meshes that exercise ZeRO-1 + expert +
+# tensor and both pipeline layouts; loss and gradients are compared on all five. One worker
+# process, so the one-device reference compiles once (compiling dominates: ~20 s a program).
+MESHES = ("data=8", "fsdp=4,expert=2", "step:data=2,expert=2,tensor=2", "step:pipeline=2,data=4",
+          "step:pipeline=2,expert=2,fsdp=2")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("meshes", [
-    ("data=8", "fsdp=4,expert=2", "data=2,expert=2,tensor=2"),
-    ("pipeline=2,data=4", "pipeline=2,expert=2,fsdp=2"),
-], ids=["data-fsdp-expert-tensor", "pipeline"])
-def test_train_step_on_a_mesh_matches_one_device(meshes):
-    results = run_worker(*meshes)
-    for mesh in meshes:
-        check_mesh_result(mesh, results[mesh])
+def test_train_step_on_a_mesh_matches_one_device():
+    results = run_worker(*MESHES)
+    for text in MESHES:
+        mesh = text.removeprefix("step:")
+        check_mesh_result(mesh, results[mesh], whole_step=text.startswith("step:"))
 
 
 @pytest.mark.slow
