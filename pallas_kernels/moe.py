@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from model.ffn import swiglu_activation
-from model.moe_dispatch import ExpertWeights, SortedCopies, expert_statistic_sums, sort_copies
+from model.moe_dispatch import (
+    ExpertWeights, SortedCopies, combine_copies, expert_statistic_sums, sort_copies,
+)
 from pallas_kernels.grouped_matmul import Tiling, default_tiling, gmm, resolve_interpret
 
 
@@ -46,9 +48,7 @@ def unpermute_combine(rows: jax.Array, copies: SortedCopies, combine_weights: ja
     Accumulated in float32 (like `model.moe_dispatch.routed_experts`).
     """
     per_copy = unpermute(rows, copies, combine_weights.shape[1])
-    y = jnp.einsum("nkd,nk->nd", per_copy.astype(jnp.float32),
-                   combine_weights.astype(jnp.float32))
-    return y.astype(out_dtype or rows.dtype)
+    return combine_copies(per_copy, combine_weights.astype(jnp.float32), out_dtype or rows.dtype)
 
 
 def pallas_moe_ffn(x, indices, weights: ExpertWeights, limit, block_size, *,

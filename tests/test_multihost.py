@@ -43,23 +43,21 @@ import pytest
 
 import train.distributed as distributed
 from train.__main__ import main as train_main
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, restore_target
 from train.config import load_run_config
 from train.distributed import DistributedError, gather_process_states, process_state, resolve
 from train.state import abstract_state, build_training
-from train_helpers import REPO, TINY
+from train_helpers import REPO, SMALL_MODEL, TINY
 
 # One xdist worker runs them all: the module fixture's runs are shared, not repeated per worker.
 pytestmark = pytest.mark.xdist_group("multihost")
 
 STEPS = 4
 RESUME_FROM = 2  # the resumed run starts from the straight run's step-2 checkpoint
-# A smaller cousin of train_helpers.SMALL_MODEL (full + sliding-window attention, a dense and a
-# MoE layer, SwiGLU clamps, an MTP head): compile time is most of this file's run time.
+# train_helpers.SMALL_MODEL cut to 3 layers (full + sliding-window attention, a dense and a
+# MoE layer, SwiGLU clamps) and one MTP head: compile time is most of this file's run time.
 MODEL = [
-    "model.num_layers=3", "model.layout=F+SF", "model.d_model=32", "model.window=8",
-    "model.head_dim=8", "model.dense_hidden=64", "model.moe.expert_hidden=16",
-    "model.moe.shared_hidden=16", "model.moe.num_experts=8", "model.moe.top_k=2",
+    *SMALL_MODEL, "model.num_layers=3", "model.layout=F+SF",
     "model.swiglu_limits=[0, 0, 7.0]", "model.swiglu_limits_shared=[0, 0, 16.0]",
     "model.mtp.num_heads=1",
 ]
@@ -210,9 +208,8 @@ def restore(workdir: Path, step: int):
     """(state, data state) of a checkpoint, restored into this process's first device (orbax
     needs target shardings for a checkpoint written on another topology)."""
     run = load_run_config(TINY, RUN)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                          abstract_state(build_training(run), run.train.seed))
+    target = restore_target(abstract_state(build_training(run), run.train.seed),
+                            jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     checkpoints = Checkpointer(workdir / "checkpoints", keep=100)
     try:
         return checkpoints.restore(step, target)

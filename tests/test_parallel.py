@@ -12,10 +12,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from train.config import MESH_AXES, MeshConfig, load_run_config
-from train.sharding import logical_to_spec, zero1_spec
+from train.sharding import abstract_mesh, logical_to_spec, zero1_spec
 from train_helpers import TINY
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
@@ -114,13 +114,8 @@ def test_expert_parallel_dispatch_with_skewed_routing_drops_nothing_and_pallas_s
 # ---- in-process: rules and mesh arithmetic (no devices needed) ---------------------------------
 
 
-def abstract_mesh(**sizes) -> AbstractMesh:
-    shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
-    return AbstractMesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-
-
 def test_rules_skip_axes_that_do_not_divide_or_are_taken():
-    mesh = abstract_mesh(fsdp=4, tensor=2, expert=8)
+    mesh = abstract_mesh({"fsdp": 4, "tensor": 2, "expert": 8})
     assert logical_to_spec(("vocab", "embed"), (64, 32), mesh) == P("tensor", "fsdp")
     assert logical_to_spec(("vocab", "embed"), (63, 30), mesh) == P(None, None)
     assert logical_to_spec(("layers", "expert", "embed", "expert_mlp"), (3, 16, 8, 6),
@@ -131,7 +126,7 @@ def test_rules_skip_axes_that_do_not_divide_or_are_taken():
 
 
 def test_zero1_adds_data_to_the_largest_dimension_it_divides():
-    mesh = abstract_mesh(data=4, fsdp=2)
+    mesh = abstract_mesh({"data": 4, "fsdp": 2})
     assert zero1_spec(P(None, "fsdp"), (6, 16), mesh) == P(None, ("fsdp", "data"))
     assert zero1_spec(P(None, None), (12, 6), mesh) == P("data", None)
     assert zero1_spec(P(None,), (6,), mesh) == P(None,)  # nowhere to put it

@@ -67,6 +67,16 @@ class Checkpointer:
                 f"{reason}); move it away to resume from an earlier one")
 
 
+def restore_target(abstract: Any, shardings: Any) -> Any:
+    """`abstract` (a tree of ShapeDtypeStructs) with shardings attached, what `restore` reads
+    into: `shardings` is a matching tree or one sharding for every leaf (e.g. a single device,
+    to read a checkpoint whatever mesh or process count saved it)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, abstract)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract, shardings)
+
+
 def _check_shapes(restored: Any, expected: Any, where: Path) -> None:
     for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(restored)[0],
                                  jax.tree.leaves(expected)):

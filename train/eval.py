@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from model.cli import ArgumentParser
 from model.lm import CausalLM
-from train.checkpoint import CheckpointError, Checkpointer
+from train.checkpoint import CheckpointError, Checkpointer, restore_target
 from train.config import run_config_from_dict
 from train.data import make_dataset
 from train.losses import chunked_cross_entropy, shifted_targets
@@ -68,10 +68,9 @@ def evaluate_checkpoint(workdir: Path, split: str, batches: int, step: int | Non
         run = run_config_from_dict(checkpoints.read_config(step))
         training = build_training(run)
         # Onto this process's first device, whatever mesh or process count saved it.
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                              abstract_state(training, run.train.seed))
-        state, _ = checkpoints.restore(step, target)
+        state, _ = checkpoints.restore(step, restore_target(
+            abstract_state(training, run.train.seed),
+            jax.sharding.SingleDeviceSharding(jax.devices()[0])))
     finally:
         checkpoints.close()
     tokenizer = load_tokenizer(run.train.data.tokenizer)

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, restore_target
 from train.config import RunConfig, incompatible_fields
 from train.corpus import load_documents
 from train.data import make_dataset
@@ -135,9 +135,8 @@ class Trainer:
             model, optimizer = self.training.model, self.training.optimizer
             return jax.jit(lambda: create_state(model, optimizer, seed),
                            out_shardings=self.state_sharding)()
-        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              self.abstract_state, self.state_sharding)
-        state, data_state = self.checkpoints.restore(self.resume_step, target)
+        state, data_state = self.checkpoints.restore(
+            self.resume_step, restore_target(self.abstract_state, self.state_sharding))
         self.data.set_state(process_state(data_state))  # each process: its own data shard
         return state
 

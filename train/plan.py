@@ -84,7 +84,7 @@ from model.parallel import spec_axes
 from model.pipeline import bubble_fraction, num_microbatches, pipelined_segment
 from model.summary import param_group
 from train.config import MESH_AXES, RunConfig, load_run_config
-from train.sharding import check_batch_fits, data_parallel_size, state_specs
+from train.sharding import abstract_mesh, check_batch_fits, data_parallel_size, state_specs
 from train.state import abstract_state, build_training
 
 GIB = 2**30
@@ -133,11 +133,6 @@ def resolve_mesh(run: RunConfig, devices: int | None) -> dict[str, int]:
     if devices < 1:
         raise PlanError(f"--devices: must be >= 1, got {devices}")
     return run.mesh.axis_sizes(devices)
-
-
-def abstract_mesh(sizes: dict[str, int]) -> jax.sharding.AbstractMesh:
-    """A device-free mesh with axes MESH_AXES; the sharding rules only read its `.shape`."""
-    return jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
 
 
 # ---- state bytes -----------------------------------------------------------------------------

@@ -25,11 +25,11 @@ from typing import Any, Iterator
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
 from model.parallel import spec_axes
-from model.pipeline import pipelined_segment
+from model.pipeline import num_microbatches, pipelined_segment
 from train.config import MESH_AXES, MeshConfig, RunConfig
 
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -64,6 +64,13 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
                              devices=devices)
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
                 axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
+    """A mesh of `sizes` ({axis: size} over MESH_AXES, missing axes 1) without devices: enough
+    for the specs below (planning a pod on one machine)."""
+    return AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES,
+                        axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 @contextlib.contextmanager
@@ -192,7 +199,7 @@ def check_batch_fits(run: RunConfig, mesh: Mesh) -> None:
                          f"{ways} data-parallel devices (mesh data x fsdp x expert)")
     stages = mesh.shape["pipeline"]
     if stages > 1:
-        pieces = run.model.pipeline_microbatches or 2 * stages
+        pieces = num_microbatches(run.model, stages)
         if micro % pieces or (micro // pieces) % ways:
             raise ValueError(
                 f"model.pipeline_microbatches: {micro} sequences per micro-batch do not split "
