@@ -13,6 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 from model.attention_ops import attention_core
 from model.common import dtype_of, normal_init
 from model.config import ModelConfig
+from model.kv_cache import KVCacheSpec, LayerCache, attend_and_update, empty_layer_cache
 from model.norm import RMSNorm
 from model.parallel import mesh_size, shard_attention_core
 from model.rope import apply_rope
@@ -39,10 +40,15 @@ class Projection(nn.Module):
 
 
 class Attention(nn.Module):
-    """x: [B, T, d_model], positions/segment_ids: [B, T] -> ([B, T, d_model], aux)."""
+    """x: [B, T, d_model], positions/segment_ids: [B, T] -> ([B, T, d_model], aux).
+
+    With `kv_cache` set the layer decodes incrementally (model/kv_cache.py): `positions` are
+    absolute (-1 marks padding), `segment_ids` is unused, and the keys/values live in the
+    mutable `cache` collection."""
 
     config: ModelConfig
     attention_type: str  # "F" full causal or "S" sliding window
+    kv_cache: KVCacheSpec | None = None
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
@@ -74,10 +80,13 @@ class Attention(nn.Module):
                 (heads,), param_dtype,
             )
         window = cfg.window if self.attention_type == "S" else None
-        core = attention_core(cfg.attention_impl)
-        if cfg.attention_impl == "pallas" and mesh_size() > 1:
-            core = shard_attention_core(core)  # XLA does not partition a pallas_call
-        y = core(q, k, v, window=window, segment_ids=segment_ids, sink=sink)  # [B, T, H, D]
+        if self.kv_cache is not None:
+            y = self._cached_attention(q, k, v, positions, window, sink)
+        else:
+            core = attention_core(cfg.attention_impl)
+            if cfg.attention_impl == "pallas" and mesh_size() > 1:
+                core = shard_attention_core(core)  # XLA does not partition a pallas_call
+            y = core(q, k, v, window=window, segment_ids=segment_ids, sink=sink)  # [B, T, H, D]
 
         aux = {}
         if cfg.gate == "headwise":
@@ -87,3 +96,16 @@ class Attention(nn.Module):
             aux["gate_mean"] = jax.lax.stop_gradient(jnp.mean(gate, axis=(0, 1)))
         out = projection("o_proj", (cfg.d_model,), ("heads", "head_dim", "embed"), contract=2)(y)
         return checkpoint_name(out, "attention_out"), aux
+
+    def _cached_attention(self, q, k, v, positions, window, sink):
+        """Attends over this layer's cache plus the chunk and writes the chunk into the cache."""
+        batch, _, kv_heads, head_dim = k.shape
+        empty = empty_layer_cache(batch, self.kv_cache.slots(window), kv_heads, head_dim,
+                                  dtype_of(self.config.compute_dtype))
+        cache = [self.variable("cache", name, lambda i=i: empty[i])
+                 for i, name in enumerate(LayerCache._fields)]
+        y, updated = attend_and_update(q, k, v, positions, LayerCache(*(c.value for c in cache)),
+                                       window=window, sink=sink)
+        for variable, value in zip(cache, updated):
+            variable.value = value
+        return y

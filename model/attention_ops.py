@@ -39,7 +39,7 @@ class AttentionCore(Protocol):
     ) -> jax.Array: ...
 
 
-def _masked_softmax(scores: jax.Array, mask: jax.Array, sink: jax.Array | None) -> jax.Array:
+def masked_softmax(scores: jax.Array, mask: jax.Array, sink: jax.Array | None) -> jax.Array:
     """Softmax over the last axis in float32; `sink` broadcasts against scores[..., 0]."""
     scores = jnp.where(mask, scores, _NEG)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
@@ -61,27 +61,33 @@ def _visible(q_idx, k_idx, window: int | None):
     return visible
 
 
-def _sink_for_groups(sink: jax.Array | None, num_kv: int):
+def sink_for_groups(sink: jax.Array | None, num_kv: int):
     """[H] -> [K, G, 1] so it broadcasts against scores [..., K, G, Tq, Tk][..., 0]."""
     if sink is None:
         return None
     return sink.astype(jnp.float32).reshape(num_kv, -1, 1)
 
 
-def dense_attention(q, k, v, *, window, segment_ids, sink):
-    """Materialises [T, T] scores per head: the full-layer path (and SWA when W >= T)."""
+def masked_attention(q, k, v, mask, sink):
+    """Attention with an explicit visibility mask. q: [B, T, H, D]; k/v: [B, S, K, D];
+    mask: [B or 1, T, S] bool (query t sees key s); sink: [H] or None -> [B, T, H, D]."""
     batch, length, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
     qg = q.reshape(batch, length, num_kv, num_heads // num_kv, head_dim)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * head_dim**-0.5
-    idx = jnp.arange(length)
-    mask = _visible(idx[:, None], idx[None, :], window)[None, None, None]
-    if segment_ids is not None:
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
-    probs = _masked_softmax(scores, mask, _sink_for_groups(sink, num_kv))
+    probs = masked_softmax(scores, mask[:, None, None], sink_for_groups(sink, num_kv))
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
     return out.reshape(batch, length, num_heads, head_dim).astype(q.dtype)
+
+
+def dense_attention(q, k, v, *, window, segment_ids, sink):
+    """Materialises [T, T] scores per head: the full-layer path (and SWA when W >= T)."""
+    idx = jnp.arange(q.shape[1])
+    mask = _visible(idx[:, None], idx[None, :], window)[None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return masked_attention(q, k, v, mask, sink)
 
 
 def local_attention(q, k, v, *, window, segment_ids, sink):
@@ -125,7 +131,7 @@ def local_attention(q, k, v, *, window, segment_ids, sink):
         q_seg = chunked(segment_ids, 0)
         k_seg = with_previous_chunk(segment_ids)
         mask = mask & (q_seg[..., :, None] == k_seg[..., None, :])[:, :, None, None]
-    probs = _masked_softmax(scores, mask, _sink_for_groups(sink, num_kv))
+    probs = masked_softmax(scores, mask, sink_for_groups(sink, num_kv))
     out = jnp.einsum("bnkgur,bnrkd->bnukgd", probs.astype(v.dtype), vc)
     out = out.reshape(batch, num_chunks * chunk, num_heads, head_dim)[:, :length]
     return out.astype(q.dtype)

@@ -6,6 +6,7 @@ from model.attention import Attention
 from model.common import dtype_of
 from model.config import ModelConfig
 from model.ffn import SwiGLU
+from model.kv_cache import KVCacheSpec
 from model.moe import MoE
 from model.norm import RMSNorm
 
@@ -19,6 +20,7 @@ class DecoderBlock(nn.Module):
     is_moe: bool
     limit: float = 0.0  # routed-expert clamp
     shared_limit: float = 0.0  # dense FFN / shared-expert clamp
+    kv_cache: KVCacheSpec | None = None  # incremental decoding (model/kv_cache.py)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
@@ -26,7 +28,7 @@ class DecoderBlock(nn.Module):
         norm = dict(eps=cfg.norm_eps, dtype=dtype_of(cfg.compute_dtype),
                     param_dtype=dtype_of(cfg.param_dtype), axis_name="embed")
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
-        attn_out, attn_aux = Attention(cfg, self.attention_type, name="self_attn")(
+        attn_out, attn_aux = Attention(cfg, self.attention_type, self.kv_cache, name="self_attn")(
             RMSNorm(name="input_layernorm", **norm)(x), positions, segment_ids
         )
         x = x + attn_out

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from model.common import dtype_of, normal_init
 from model.config import ModelConfig
+from model.kv_cache import KVCacheSpec
 from model.mtp import MTPHead, shift_tokens_left
 from model.norm import RMSNorm
 from model.parallel import mesh_axis_size
@@ -68,7 +69,11 @@ def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
 
 
 class CausalLM(nn.Module):
+    """`kv_cache` set: the same network with KV caches for incremental decoding, driven
+    through `decode_chunk` / `mtp_chunk` (model/decode.py); params are unchanged."""
+
     config: ModelConfig
+    kv_cache: KVCacheSpec | None = None
 
     def setup(self):
         cfg = self.config
@@ -76,14 +81,14 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embed(
             cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
             embedding_init=normal_init(cfg.init_std, ("vocab", "embed")))
-        self.layers = LayerStack(cfg)
+        self.layers = LayerStack(cfg, self.kv_cache)
         self.norm = RMSNorm(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype,
                             axis_name="embed")
         if not cfg.tie_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype,
                                     param_dtype=param_dtype,
                                     kernel_init=normal_init(cfg.init_std, ("embed", "vocab")))
-        self.mtp = [MTPHead(cfg) for _ in range(cfg.mtp.num_heads)]
+        self.mtp = [MTPHead(cfg, self.kv_cache) for _ in range(cfg.mtp.num_heads)]
 
     def __call__(self, tokens, segment_ids=None, positions=None, *, compute_logits=True,
                  num_mtp_heads=None) -> LMOutput:
@@ -111,6 +116,21 @@ class CausalLM(nn.Module):
         return LMOutput(logits=logits, mtp_logits=mtp_logits or (),
                         aux=collect_aux(self.config, per_layer_aux), hidden=hidden,
                         mtp_hidden=tuple(mtp_hidden))
+
+    def decode_chunk(self, tokens, positions):
+        """The backbone on a chunk of new tokens, reading and extending the `cache` collection.
+
+        tokens, positions: [B, T] (absolute positions, -1 = padding) -> (normed hidden
+        [B, T, D] for `project`, pre-norm hidden [B, T, D]: the h_prev of MTP head 1)."""
+        x, _ = self.layers(self.embed_tokens(tokens), positions, None)
+        return self.norm(x), x
+
+    def mtp_chunk(self, head: int, h_prev, tokens, positions):
+        """MTP head `head` (1-based) on a chunk with its cache: h_prev [B, T, D] (depth head-1,
+        pre-norm), tokens [B, T] = x_{t+head}, positions [B, T] -> (normed, pre-norm) [B, T, D]."""
+        mtp = self.mtp[head - 1]
+        h = mtp(h_prev, self.embed_tokens(tokens), positions, None)
+        return mtp.head_norm(h), h
 
     def project(self, normed_hidden, head: int = 0):
         """Logits in float32 from normed hidden states [..., D] -> [..., V]. head 0 = main LM

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from model.block import DecoderBlock
 from model.common import dtype_of, normal_init
 from model.config import ModelConfig
+from model.kv_cache import KVCacheSpec
 from model.norm import RMSNorm
 
 
@@ -30,6 +31,7 @@ class MTPHead(nn.Module):
     """
 
     config: ModelConfig
+    kv_cache: KVCacheSpec | None = None
 
     def setup(self):
         cfg = self.config
@@ -39,7 +41,7 @@ class MTPHead(nn.Module):
         self.hnorm = RMSNorm(**norm)
         self.eh_proj = nn.Dense(cfg.d_model, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                 kernel_init=normal_init(cfg.init_std, ("mtp_concat", "embed")))
-        self.block = DecoderBlock(cfg, "S", is_moe=False)
+        self.block = DecoderBlock(cfg, "S", is_moe=False, kv_cache=self.kv_cache)
         self.norm = RMSNorm(**norm)
         if not cfg.mtp.share_output_head:
             self.output_head = nn.Dense(

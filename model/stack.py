@@ -12,6 +12,7 @@ import jax
 
 from model.block import DecoderBlock
 from model.config import ModelConfig
+from model.kv_cache import KVCacheSpec
 from model.layer_plan import Segment, layer_kinds, plan_segments
 from model.parallel import mesh_axis_size
 from model.pipeline import num_microbatches, pipeline_forward, pipelined_segment
@@ -35,6 +36,7 @@ class BlockGroup(nn.Module):
 
     config: ModelConfig
     kinds: tuple
+    kv_cache: KVCacheSpec | None = None
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
@@ -42,15 +44,18 @@ class BlockGroup(nn.Module):
         auxes = []
         for j, kind in enumerate(self.kinds):
             x, aux = block(self.config, kind.attention_type, kind.is_moe, kind.limit,
-                           kind.shared_limit, name=f"block_{j}")(x, positions, segment_ids)
+                           kind.shared_limit, self.kv_cache, name=f"block_{j}")(
+                x, positions, segment_ids)
             auxes.append(aux)
         return x, tuple(auxes)
 
 
 class LayerStack(nn.Module):
-    """x: [B, T, d_model] -> (x, per-layer aux list of length num_layers)."""
+    """x: [B, T, d_model] -> (x, per-layer aux list of length num_layers). With `kv_cache` the
+    layers decode incrementally; their caches are the `cache` collection, stacked like params."""
 
     config: ModelConfig
+    kv_cache: KVCacheSpec | None = None
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
@@ -61,11 +66,14 @@ class LayerStack(nn.Module):
             block = block_class(cfg, in_scan=False)
             for i, kind in enumerate(kinds):
                 x, per_layer_aux[i] = block(cfg, kind.attention_type, kind.is_moe, kind.limit,
-                                            kind.shared_limit, name=f"layer_{i}")(
+                                            kind.shared_limit, self.kv_cache, name=f"layer_{i}")(
                     x, positions, segment_ids)
             return x, per_layer_aux
 
         stages = mesh_axis_size("pipeline")
+        if stages > 1 and self.kv_cache is not None:
+            raise ValueError("decoding with KV caches does not run under a pipeline mesh axis; "
+                             "use mesh.pipeline=1 for inference")
         piped = pipelined_segment(cfg, stages) if stages > 1 else None
         for s, seg in enumerate(plan_segments(kinds)):
             unit = tuple(kinds[seg.start:seg.start + seg.period])
@@ -75,13 +83,14 @@ class LayerStack(nn.Module):
                 continue
             scanned = nn.scan(
                 BlockGroup,
-                variable_axes={"params": 0, "balance": 0},
+                variable_axes={"params": 0, "balance": 0, "cache": 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast),
                 length=seg.repeats,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, auxes = scanned(cfg, unit, name=f"segment_{s}")(x, positions, segment_ids)
+            x, auxes = scanned(cfg, unit, self.kv_cache, name=f"segment_{s}")(
+                x, positions, segment_ids)
             _scatter_aux(per_layer_aux, seg, auxes)
         return x, per_layer_aux
 
