@@ -2,6 +2,7 @@
 sampling / speculative), checked against the plain full-sequence forward pass."""
 
 import functools
+import json
 
 import flax.linen as nn
 import jax
@@ -275,3 +276,65 @@ def test_rejection_sampling_preserves_the_target_distribution():
     rate = np.mean(accepted >= 1)
     assert abs(rate - np.minimum(target[0], draft[0]).sum()) < 0.01
     np.testing.assert_array_equal(committed[accepted >= 1, 0], drafts[accepted >= 1, 0])
+
+
+# ---- python -m model.generate ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """CFG's weights as a stepjax model directory, plus a 64-word tokenizer.json."""
+    import tokenizers
+
+    from model.weights import save_model_dir
+
+    root = tmp_path_factory.mktemp("generate")
+    save_model_dir(CFG, VARIABLES, root / "model")
+    words = ["<|endoftext|>", "[UNK]"] + [f"w{i}" for i in range(62)]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)},
+                                                           unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.decoder = tokenizers.decoders.WordPiece()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(root / "tokenizer.json"))
+    return root
+
+
+def run_generate(capsys, *args):
+    from model.generate import main
+
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.slow
+def test_generate_cli_json_and_speculative(model_dir, capsys):
+    common = ["--workdir", str(model_dir / "model"), "--tokenizer",
+              str(model_dir / "tokenizer.json"), "--prompt", "w3 w7 w9 w12 w5",
+              "--max-new-tokens", "12", "--json"]
+    code, out, err = run_generate(capsys, *common)
+    assert code == 0, err
+    plain = json.loads(out)
+    code, out, err = run_generate(capsys, *common, "--speculative")
+    assert code == 0, err
+    speculative = json.loads(out)
+    prompt = [int(w[1:]) + 2 for w in "w3 w7 w9 w12 w5".split()]
+    expected = greedy_decoder().generate([prompt], 12, stop_ids=[0]).tokens[0]
+    assert plain["token_ids"] == speculative["token_ids"] == expected
+    assert plain["prompt_tokens"] == 5 and plain["mean_accepted_length"] == 1.0
+    assert set(plain) >= {"text", "tokens_per_second", "mean_accepted_length"}
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--workdir", "/nonexistent/dir", "--prompt", "w1"], "does not exist"),
+    (["--prompt", "w1", "--workdir", "{model}", "--tokenizer", "{tok}", "--draft", "5",
+      "--speculative"], "--draft"),
+    (["--prompt", "w1", "--workdir", "{model}", "--tokenizer", "{tok}", "--chat"], "--chat"),
+    (["--prompt", "w1", "--workdir", "{model}", "--tokenizer", "{tok}", "--top-p", "0"], "top_p"),
+])
+def test_generate_cli_errors(model_dir, capsys, args, problem):
+    args = [a.format(model=model_dir / "model", tok=model_dir / "tokenizer.json") for a in args]
+    code, out, err = run_generate(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.startswith("error:") and problem in err and err.count("\n") == 1

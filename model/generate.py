@@ -1,0 +1,144 @@
+"""python -m model.generate (--workdir DIR | --hf HF_DIR) --prompt TEXT [--max-new-tokens N]
+    [--temperature T] [--top-k K] [--top-p P] [--speculative] [--draft D] [--chat] [--json]
+
+Generates a continuation of TEXT with KV-cache decoding (model/decode.py).
+- `--workdir`: a `python -m train` workdir (latest checkpoint, the run's tokenizer) or a
+  stepjax model directory from `python -m model.hf import` (give `--tokenizer`).
+- `--hf`: a Hugging Face Step 3.5 directory (weights, tokenizer.json, chat template).
+- `--speculative`: MTP speculative decoding with `--draft` drafted tokens per step (default:
+  every MTP head); greedy output is identical to plain greedy decoding.
+- `--chat`: wrap TEXT as a user message in the chat template (add_generation_prompt).
+`--json` prints one object: text, token_ids, prompt_tokens, tokens_per_second (decode passes
+after the first, which compiles), mean_accepted_length (tokens per main-model pass) and timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import jax
+
+from model.cli import ArgumentParser
+from model.decode import Decoder, required_length
+from model.sampling import Sampling
+
+
+def load_tokenizer_for(args):
+    """-> (encode(text) -> ids, decode(ids) -> text, stop ids, render(text) for --chat or None)."""
+    if args.hf or (args.tokenizer and Path(args.tokenizer).is_dir()):
+        from model.tokenizer import load_chat_tokenizer
+
+        tok = load_chat_tokenizer(args.tokenizer or args.hf)
+        render = lambda text: tok.render([{"role": "user", "content": text}],  # noqa: E731
+                                         add_generation_prompt=True)
+        return tok.encode, lambda ids: tok.decode(ids, skip_special_tokens=True), \
+            set(tok.eos_ids), render
+    from train.tokenizer import load_tokenizer
+
+    spec = args.tokenizer or _workdir_tokenizer(Path(args.workdir))
+    tok = load_tokenizer(spec)
+    return (lambda text: tok.encode(text).tolist(),
+            lambda ids: tok.decode(ids, skip_special_tokens=True), {tok.eos_id}, None)
+
+
+def _workdir_tokenizer(workdir: Path) -> str:
+    from train.checkpoint import Checkpointer
+    from train.config import run_config_from_dict
+
+    if not (workdir / "checkpoints").is_dir():
+        raise ValueError(f"--tokenizer: {workdir} is not a training workdir; name the "
+                         "tokenizer.json (or a directory holding one) to use")
+    checkpoints = Checkpointer(workdir / "checkpoints", keep=1 << 30)
+    try:
+        step = checkpoints.latest_step()
+        if step is None:
+            raise ValueError(f"no checkpoint in {workdir / 'checkpoints'}")
+        return run_config_from_dict(checkpoints.read_config(step)).train.data.tokenizer
+    finally:
+        checkpoints.close()
+
+
+def generate(args) -> dict:
+    from model.weights import load_model
+
+    config, variables = load_model(args.hf or args.workdir)
+    encode, decode, stop_ids, render = load_tokenizer_for(args)
+    if args.chat:
+        if render is None:
+            raise ValueError("--chat needs a chat template: use --hf or a --tokenizer directory "
+                             "with tokenizer_config.json")
+        text = render(args.prompt)
+    else:
+        text = args.prompt
+    prompt = encode(text)
+    if not prompt:
+        raise ValueError("--prompt: encodes to no tokens")
+    draft = 0
+    if args.speculative:
+        draft = config.mtp.num_heads if args.draft is None else args.draft
+        if not 1 <= draft <= config.mtp.num_heads:
+            raise ValueError(f"--draft: {draft} drafted tokens need as many MTP heads; the model "
+                             f"has {config.mtp.num_heads}")
+    decoder = Decoder(config, variables, draft=draft, prefill_chunk=args.prefill_chunk,
+                      max_len=required_length([len(prompt)], args.max_new_tokens, draft))
+    out = decoder.generate([prompt], args.max_new_tokens, speculative=bool(draft),
+                           sampling=Sampling(args.temperature, args.top_k, args.top_p),
+                           key=jax.random.key(args.seed), stop_ids=stop_ids,
+                           progress=not args.json)
+    ids = out.tokens[0]
+    return {"text": decode(ids), "token_ids": ids, "prompt_tokens": len(prompt),
+            "tokens_per_second": out.tokens_per_second, "mean_accepted_length": out.mean_accepted,
+            "forward_passes": out.forward_passes, "prefill_seconds": out.prefill_seconds,
+            "decode_seconds": out.decode_seconds}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m model.generate", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workdir", metavar="DIR",
+                        help="training workdir or stepjax model directory")
+    source.add_argument("--hf", metavar="HF_DIR", help="Hugging Face Step 3.5 directory")
+    parser.add_argument("--prompt", required=True, metavar="TEXT")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="tokenizer.json or a directory with tokenizer(_config).json")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 = off")
+    parser.add_argument("--speculative", action="store_true", help="MTP speculative decoding")
+    parser.add_argument("--draft", type=int, default=None, metavar="D",
+                        help="drafted tokens per step (default: all MTP heads)")
+    parser.add_argument("--chat", action="store_true", help="apply the chat template")
+    parser.add_argument("--prefill-chunk", type=int, default=256, metavar="C")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.prefill_chunk < 1:
+        parser.error(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    from train.checkpoint import CheckpointError
+
+    try:
+        Sampling(args.temperature, args.top_k, args.top_p).validate()
+        result = generate(args)
+    except (ValueError, OSError, CheckpointError) as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(result["text"])
+        print(f"[{len(result['token_ids'])} tokens, {result['tokens_per_second']:.1f} tok/s, "
+              f"{result['mean_accepted_length']:.2f} tokens per pass]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
