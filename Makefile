@@ -21,12 +21,17 @@ TRAIN_DIR ?= runs/tiny
 train: $(STAMP)
 	$(PY) -m train --config configs/tiny.yaml --workdir $(TRAIN_DIR) $(ARGS)
 
+# The decode benchmark needs a tiny model with all three MTP heads trained (re-running resumes).
+DECODE_DIR ?= runs/tiny_mtp3
 bench: $(STAMP)
 	$(PY) -m benchmarks.attention_scaling
 	$(PY) -m benchmarks.moe_dispatch
 	$(PY) -m benchmarks.compile_time
 	$(PY) -m benchmarks.data_pipeline
 	$(PY) -m benchmarks.train_step
+	$(PY) -m train --config configs/tiny.yaml --workdir $(DECODE_DIR) train.steps=480 \
+		"train.mtp_offset_weights=[1.0, 1.0, 1.0]"
+	$(PY) -m benchmarks.decode --workdir $(DECODE_DIR)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -22,6 +22,7 @@ tokens are proposed, never which are committed.
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import NamedTuple, Sequence
 
@@ -78,6 +79,13 @@ class Decoder:
         self._speculate = jax.jit(self._speculative_step, static_argnums=7, donate_argnums=1)
         self._sample = jax.jit(lambda key, logits, sampling: sample(key, token_probs(logits, sampling)),
                                static_argnums=2)
+
+    def with_variables(self, variables: dict) -> "Decoder":
+        """The same decoder (and compiled steps) for other weights of the same shapes, e.g. a
+        policy after an RL update: nothing is traced or compiled again."""
+        other = copy.copy(self)
+        other.variables = variables
+        return other
 
     def init_cache(self, batch: int):
         """Empty caches for `batch` rows: the `cache` collection of the decoding model."""

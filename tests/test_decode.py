@@ -139,8 +139,14 @@ def test_swa_cache_is_flat_in_context_length():
     assert sizes[64]["full"] - sizes[16]["full"] == 48 * per_position
 
 
+@functools.lru_cache(maxsize=1)
+def shared_decoder():
+    return Decoder(CFG, VARIABLES, max_len=48, draft=3, prefill_chunk=8)
+
+
 def greedy_decoder(variables=VARIABLES):
-    return Decoder(CFG, variables, max_len=48, draft=3, prefill_chunk=8)
+    """One compiled decoder for every test, with the given weights."""
+    return shared_decoder().with_variables(variables)
 
 
 def test_greedy_speculative_equals_greedy():
