@@ -38,13 +38,13 @@ MEDIUM = ["d_model=1024", "head_dim=128", "full_attention.num_heads=8",
 
 def heldout_prompts(workdir: str, count: int, length: int) -> list[list[int]]:
     """The first `length` tokens of the first `count` long-enough held-out documents."""
-    from model.generate import _workdir_tokenizer
+    from model.generate import workdir_tokenizer
     from train.config import DataConfig
     from train.corpus import load_documents, split_documents
     from train.tokenizer import load_tokenizer
     from pathlib import Path
 
-    tokenizer = load_tokenizer(_workdir_tokenizer(Path(workdir)))
+    tokenizer = load_tokenizer(workdir_tokenizer(Path(workdir)))
     _, heldout = split_documents(load_documents("stdlib"), DataConfig.heldout_fraction)
     prompts = []
     for doc in heldout:

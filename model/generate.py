@@ -39,27 +39,21 @@ def load_tokenizer_for(args):
             set(tok.eos_ids), render
     from train.tokenizer import load_tokenizer
 
-    spec = args.tokenizer or _workdir_tokenizer(Path(args.workdir))
+    spec = args.tokenizer or workdir_tokenizer(Path(args.workdir))
     tok = load_tokenizer(spec)
     return (lambda text: tok.encode(text).tolist(),
             lambda ids: tok.decode(ids, skip_special_tokens=True), {tok.eos_id}, None)
 
 
-def _workdir_tokenizer(workdir: Path) -> str:
-    from train.checkpoint import Checkpointer
+def workdir_tokenizer(workdir: Path) -> str:
+    """The tokenizer a training workdir's latest checkpoint was trained with."""
+    from train.checkpoint import latest_run_config
     from train.config import run_config_from_dict
 
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"--tokenizer: {workdir} is not a training workdir; name the "
                          "tokenizer.json (or a directory holding one) to use")
-    checkpoints = Checkpointer(workdir / "checkpoints", keep=1 << 30)
-    try:
-        step = checkpoints.latest_step()
-        if step is None:
-            raise ValueError(f"no checkpoint in {workdir / 'checkpoints'}")
-        return run_config_from_dict(checkpoints.read_config(step)).train.data.tokenizer
-    finally:
-        checkpoints.close()
+    return run_config_from_dict(latest_run_config(workdir)[1]).train.data.tokenizer
 
 
 def generate(args) -> dict:

@@ -140,28 +140,14 @@ def _load_model_dir(path: Path, mesh) -> tuple[ModelConfig, dict]:
 
 
 def _load_workdir(path: Path, mesh) -> tuple[ModelConfig, dict]:
-    """Reads the latest step's run config, then restores only `params` and `balance` of its
-    `state` item (orbax partial restore: the optimizer state is never read)."""
-    from train.checkpoint import CheckpointError, Checkpointer
+    """The latest step's `params` and `balance` only: the optimizer state is never read."""
+    from train.checkpoint import Checkpointer, latest_run_config
     from train.config import run_config_from_dict
 
+    step, run = latest_run_config(path)
+    config = run_config_from_dict(run).model
     checkpoints = Checkpointer(path / "checkpoints", keep=1 << 30)
     try:
-        step = checkpoints.latest_step()
-        if step is None:
-            raise CheckpointError(f"no checkpoint in {path / 'checkpoints'}")
-        config = run_config_from_dict(checkpoints.read_config(step)).model
+        return config, checkpoints.restore_subset(step, restore_target(config, mesh))
     finally:
         checkpoints.close()
-    target = restore_target(config, mesh)
-    state_dir = checkpoints.directory / str(step) / "state"
-    try:
-        with ocp.PyTreeCheckpointer() as checkpointer:
-            variables = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
-                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                partial_restore=True))
-    except Exception as err:  # orbax raises many types for damaged or foreign files
-        reason = " ".join(str(err).split())[:300]
-        raise CheckpointError(f"checkpoint {state_dir} is unreadable "
-                              f"({type(err).__name__}: {reason})") from None
-    return config, variables

@@ -44,6 +44,18 @@ class Checkpointer:
         except Exception as err:  # orbax raises many types for damaged files
             raise CheckpointError(self._unreadable(step, err)) from None
 
+    def restore_subset(self, step: int, target: Any) -> Any:
+        """Only the leaves of the `state` item that `target` names (orbax partial restore),
+        e.g. {"params": ..., "balance": ...} without the optimizer state."""
+        state_dir = self.directory / str(step) / "state"
+        try:
+            with ocp.PyTreeCheckpointer() as checkpointer:
+                return checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
+                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    partial_restore=True))
+        except Exception as err:  # orbax raises many types for damaged or foreign files
+            raise CheckpointError(self._unreadable(step, err)) from None
+
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """-> (state with the structure/dtypes of `abstract_state`, data-iterator state)."""
         try:
@@ -65,6 +77,18 @@ class Checkpointer:
         reason = " ".join(str(err).split())[:300]
         return (f"checkpoint {self.directory / str(step)} is unreadable ({type(err).__name__}: "
                 f"{reason}); move it away to resume from an earlier one")
+
+
+def latest_run_config(workdir: Path) -> tuple[int, dict]:
+    """(step, resolved run config dict) of the newest checkpoint of a `python -m train` workdir."""
+    checkpoints = Checkpointer(Path(workdir) / "checkpoints", keep=1 << 30)
+    try:
+        step = checkpoints.latest_step()
+        if step is None:
+            raise CheckpointError(f"no checkpoint in {checkpoints.directory}")
+        return step, checkpoints.read_config(step)
+    finally:
+        checkpoints.close()
 
 
 def restore_target(abstract: Any, shardings: Any) -> Any:
