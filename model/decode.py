@@ -5,6 +5,8 @@
                            speculative=True, key=jax.random.key(0))
     out.tokens          # generated ids per prompt (stop token included if one was produced)
     out.mean_accepted   # tokens committed per main-model forward pass (speculative)
+    out.logprobs        # log-probability of each generated token under the sampling
+                        # distribution (plain decoding; RL records it as pi_infer)
 
 Caches (model/kv_cache.py) hold max_len positions on full layers and a W + draft ring on SWA
 layers. Prompts of different lengths share a batch: each row has its own positions, padding has
@@ -35,7 +37,7 @@ from model.config import ModelConfig
 from model.kv_cache import KVCacheSpec
 from model.layer_plan import layer_kinds, plan_segments
 from model.lm import CausalLM
-from model.sampling import Sampling, sample, token_probs
+from model.sampling import Sampling, sample, sample_with_logprob, token_probs
 from model.speculative import accept_drafts
 
 
@@ -46,6 +48,9 @@ class Generation(NamedTuple):
     prefill_seconds: float
     decode_seconds: float  # wall time of the passes after the first (which includes compiling)
     decode_tokens: int  # tokens committed by those passes
+    # per prompt, log-probability of each generated token under the sampling distribution it
+    # was drawn from (plain decoding); None with speculative decoding
+    logprobs: list[list[float]] | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -77,8 +82,8 @@ class Decoder:
         self._draft = jax.jit(self._draft_step, static_argnums=8, donate_argnums=1)
         self._decode = jax.jit(self._decode_step, static_argnums=5, donate_argnums=1)
         self._speculate = jax.jit(self._speculative_step, static_argnums=7, donate_argnums=1)
-        self._sample = jax.jit(lambda key, logits, sampling: sample(key, token_probs(logits, sampling)),
-                               static_argnums=2)
+        self._sample = jax.jit(lambda key, logits, sampling: sample_with_logprob(
+            key, token_probs(logits, sampling)), static_argnums=2)
 
     def with_variables(self, variables: dict) -> "Decoder":
         """The same decoder (and compiled steps) for other weights of the same shapes, e.g. a
@@ -140,10 +145,12 @@ class Decoder:
         return cache, drafts, jnp.stack(draft_probs, axis=1)
 
     def _decode_step(self, variables, cache, token, position, key, sampling):
-        """token/position [B] (position -1 = frozen row) -> (cache, next token [B])."""
+        """token/position [B] (position -1 = frozen row) -> (cache, next token [B], its
+        log-probability [B])."""
         (normed, _), cache = self._apply(variables, cache, CausalLM.decode_chunk, token[:, None],
                                          position[:, None])
-        return cache, sample(key, token_probs(self._logits(variables, normed[:, 0]), sampling))
+        probs = token_probs(self._logits(variables, normed[:, 0]), sampling)
+        return cache, *sample_with_logprob(key, probs)
 
     def _speculative_step(self, variables, cache, token, position, drafts, draft_probs, key,
                           sampling):
@@ -180,7 +187,7 @@ class Decoder:
         key, first_key, draft_key = jax.random.split(key, 3)
         cache, last_logits, hidden, padded, positions = self._prefill_prompts(cache, prompts,
                                                                               lengths)
-        first = self._sample(first_key, last_logits, sampling)
+        first, first_logprob = self._sample(first_key, last_logits, sampling)
         if draft:
             cache, drafts, draft_probs = self._draft_prompts(cache, hidden, padded, positions,
                                                              lengths, first, draft_key, sampling)
@@ -188,6 +195,7 @@ class Decoder:
         prefill_seconds = time.perf_counter() - started
 
         outputs = [[int(t)] for t in first]
+        logprobs = None if draft else [[float(p)] for p in np.asarray(first_logprob)]
         done = np.array([t in stop_ids for t in first]) | (max_new_tokens <= 1)
         current, position = first.astype(np.int32), lengths.astype(np.int32)
         passes = row_passes = row_tokens = timed_tokens = 0
@@ -204,9 +212,10 @@ class Decoder:
                 accepted, committed = np.asarray(accepted), np.asarray(committed)
                 new = [committed[b, :accepted[b] + 1] for b in range(batch)]
             else:
-                cache, token = self._decode(self.variables, cache, current, frozen_position,
-                                            step_key, sampling)
+                cache, token, token_logprob = self._decode(self.variables, cache, current,
+                                                           frozen_position, step_key, sampling)
                 new = [[t] for t in np.asarray(token)]
+                new_logprobs = np.asarray(token_logprob)
             passes += 1
             step_tokens = 0
             for b in np.flatnonzero(~done):
@@ -218,6 +227,8 @@ class Decoder:
                 if stops:
                     taken = taken[:stops[0] + 1]
                 outputs[b].extend(taken)
+                if logprobs is not None and taken:
+                    logprobs[b].append(float(new_logprobs[b]))
                 step_tokens += len(taken)
                 position[b] += len(new[b])
                 current[b] = new[b][-1]
@@ -230,7 +241,7 @@ class Decoder:
         bar.close()
         decode_seconds = time.perf_counter() - timer if timer is not None else 0.0
         return Generation(outputs, passes, row_tokens / row_passes if row_passes else 0.0,
-                          prefill_seconds, decode_seconds, timed_tokens)
+                          prefill_seconds, decode_seconds, timed_tokens, logprobs)
 
     def _check_prompts(self, prompts, max_new_tokens: int, speculative: bool) -> np.ndarray:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \

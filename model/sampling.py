@@ -57,3 +57,9 @@ def token_probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
     """One token per row from probabilities [..., V] -> int32 [...]."""
     return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+
+
+def sample_with_logprob(key: jax.Array, probs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`sample`, plus the log-probability of each drawn token under `probs` (float32 [...])."""
+    token = sample(key, probs)
+    return token, jnp.log(jnp.take_along_axis(probs, token[..., None], axis=-1)[..., 0])

@@ -29,9 +29,11 @@ class DataConfig:
     """Where tokens come from (train/data).
 
     `source`: `stdlib` (the running Python's standard-library `.py` files: real text on every
-    machine, no download) or a comma-separated list of `.txt`/`.jsonl` paths or globs.
-    `tokenizer`: `default` (byte-level BPE trained once on the stdlib corpus and cached) or the
-    path of a Hugging Face `tokenizer.json`.
+    machine, no download), `arith` (procedural arithmetic problems, rl/tasks.py) or a
+    comma-separated list of `.txt`/`.jsonl` paths or globs.
+    `tokenizer`: `default` (byte-level BPE trained once on the stdlib corpus and shipped),
+    `arith_chars` (one token per character of the arithmetic task) or the path of a Hugging
+    Face `tokenizer.json`.
     """
 
     source: str = "stdlib"
@@ -48,7 +50,8 @@ class DataConfig:
         if not isinstance(self.source, str) or not self.source.strip():
             raise ValueError("train.data.source: must be 'stdlib' or paths/globs of .txt/.jsonl files")
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
-            raise ValueError("train.data.tokenizer: must be 'default' or a tokenizer.json path")
+            raise ValueError("train.data.tokenizer: must be 'default', 'arith_chars' or a "
+                             "tokenizer.json path")
         check_fraction("train.data.heldout_fraction", self.heldout_fraction)
         if not 0 < self.heldout_fraction < 1:
             raise ValueError("train.data.heldout_fraction: must be strictly between 0 and 1")

@@ -1,6 +1,6 @@
 """Documents for training: the embedded stdlib corpus and local `.txt` / `.jsonl` files.
 
-    docs = load_documents("stdlib")                      # or "a.jsonl,books/*.txt"
+    docs = load_documents("stdlib")                      # or "a.jsonl,books/*.txt", "arith"
     train, heldout = split_documents(docs, 0.05)
 
 A `Document` is its text plus human-readable metadata (report A.3: content type, language,
@@ -136,7 +136,8 @@ def _read_text(path: Path) -> str:
 
 
 def load_documents(source: str) -> list[Document]:
-    """`source`: `stdlib` and/or comma-separated `.txt`/`.jsonl` paths, directories, globs."""
+    """`source`: `stdlib`, `arith` (the procedural arithmetic task of rl/tasks.py: SFT warm-start
+    data for RL) and/or comma-separated `.txt`/`.jsonl` paths, directories, globs."""
     entries = [e.strip() for e in source.split(",") if e.strip()]
     if not entries:
         raise ValueError("train.data.source: empty; use 'stdlib' or paths/globs of .txt/.jsonl")
@@ -144,6 +145,11 @@ def load_documents(source: str) -> list[Document]:
     for entry in entries:
         if entry == "stdlib":
             docs += stdlib_documents()
+            continue
+        if entry == "arith":
+            from rl.tasks import arithmetic_documents  # rl builds on train: import on use
+
+            docs += arithmetic_documents()
             continue
         files = [(p, name) for p, name in resolve_files(entry) if p.resolve() not in seen]
         seen.update(p.resolve() for p, _ in files)

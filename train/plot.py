@@ -1,5 +1,7 @@
 """Plots a run's metrics.jsonl: losses, learning rate, gradient norm, throughput and the MoE
-stability monitors (report 4.1.2-4.1.3, 5.2.1) against the step, as one PNG.
+stability monitors (report 4.1.2-4.1.3, 5.2.1) against the step, as one PNG; for an RL run
+(`python -m rl`) reward, held-out accuracy, MIS-PO kept fractions, KL, entropy and gradient norms
+against the iteration.
 
     python -m train.plot --workdir runs/tiny [--out FILE.png]
 
@@ -34,7 +36,15 @@ PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("expert param norm / median (4.1.2)",
      ("moe/param_norm_max_over_median", "moe/param_norm_min_over_median"), False),
     ("expert load / mean", ("moe/load_max_over_mean", "moe/load_min_over_mean"), False),
-    ("routing confidence Σk (5.2.1)", ("moe/routing_confidence",), False),
+    ("routing confidence Σk (5.2.1)", ("moe/routing_confidence", "routing_confidence"), False),
+    # RL runs (python -m rl, report 5.2)
+    ("reward and accuracy", ("reward", "eval/accuracy", "eval/sample_accuracy"), False),
+    ("MIS-PO kept fraction (eq. 2)", ("token_keep_frac", "traj_keep_frac"), False),
+    ("KL to the initial policy", ("kl",), False),
+    ("entropy of sampled tokens", ("entropy",), False),
+    ("RL gradient norms", ("actor/grad_norm", "critic/grad_norm"), True),
+    ("critic loss", ("critic/loss",), True),
+    ("truncation rate", ("truncation_rate",), False),
 )
 # One line per MoE layer: the report's Figure 4 view of where a blow-up starts.
 PER_LAYER = (("act RMS max / median per layer", "act_rms_max_over_median"),

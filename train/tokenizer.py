@@ -29,6 +29,8 @@ SPECIAL_TOKENS = (EOS, META_OPEN, META_CLOSE)
 # End-of-document tokens of common tokenizers, tried in order for a foreign tokenizer.json.
 EOS_CANDIDATES = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|end▁of▁sentence|>")
 DEFAULT_PATH = Path(__file__).parent / "assets" / "stdlib_bpe_4096.json"
+# Tokenizers shipped under train/assets, by name (rl/tasks.py builds `arith_chars`).
+SHIPPED = {"default": DEFAULT_PATH, "arith_chars": DEFAULT_PATH.parent / "arith_chars.json"}
 
 
 class TextTokenizer:
@@ -75,13 +77,14 @@ def _from_json(text: str, name: str) -> TextTokenizer:
 
 
 def load_tokenizer(spec: str = "default") -> TextTokenizer:
-    """`default` -> the shipped stdlib BPE; otherwise the path of a Hugging Face tokenizer.json
-    (or of a directory holding one, e.g. a downloaded model)."""
-    path = DEFAULT_PATH if spec == "default" else Path(spec)
+    """`default` -> the shipped stdlib BPE, `arith_chars` -> the shipped character tokenizer of
+    the arithmetic task; otherwise the path of a Hugging Face tokenizer.json (or of a directory
+    holding one, e.g. a downloaded model)."""
+    path = SHIPPED.get(spec, Path(spec))
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        hint = " (the shipped tokenizer asset is missing)" if spec == "default" else ""
+        hint = " (the shipped tokenizer asset is missing)" if spec in SHIPPED else ""
         raise ValueError(f"train.data.tokenizer: {spec!r} does not exist{hint}")
     try:
         hf = tokenizers.Tokenizer.from_file(str(path))

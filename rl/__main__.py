@@ -1,0 +1,67 @@
+"""python -m rl --config configs/rl_arith.yaml --workdir DIR [--init-from DIR_or_HF] [key=value ...]
+
+Reinforcement learning with verifiable rewards (report 5.2): MIS-PO by default, or PPO, GRPO
+(DAPO-style) and GSPO with `rl.algorithm=...`. `--init-from` takes the starting policy: a
+`python -m train` workdir (e.g. the SFT warm start of configs/sft_arith.yaml), a stepjax model
+directory or a Hugging Face Step 3.5 checkpoint. Re-running the same command resumes from the
+latest checkpoint in DIR (then --init-from is not needed). Writes DIR/metrics.jsonl,
+DIR/tensorboard/ and DIR/checkpoints/; SIGTERM/SIGINT save a checkpoint and exit cleanly.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from model.cli import ArgumentParser
+from rl.config import load_rl_config
+from rl.loop import run_rl
+from train.checkpoint import CheckpointError
+from train.loop import TrainingError
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m rl", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, metavar="PATH",
+                        help="RL YAML (rl:, task: and optionally model: sections)")
+    parser.add_argument("--workdir", required=True, metavar="DIR",
+                        help="where checkpoints and metrics go; an existing run there is resumed")
+    parser.add_argument("--init-from", metavar="DIR_or_HF", default=None,
+                        help="starting policy: training workdir, model directory or HF checkpoint")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides, e.g. rl.algorithm=ppo rl.iterations=20")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)
+    try:
+        run = load_rl_config(args.config, args.overrides)
+    except ValueError as err:
+        parser.error(str(err))
+    workdir = Path(args.workdir)
+    try:
+        summary = run_rl(run, workdir, init_from=args.init_from)
+    except (TrainingError, CheckpointError, ValueError) as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    if summary.first_iteration == summary.last_iteration and not summary.interrupted:
+        print(f"nothing to do: {workdir} is already at iteration {summary.last_iteration} "
+              f"(rl.iterations={run.rl.iterations}); raise rl.iterations to continue")
+        return 0
+    state = "interrupted" if summary.interrupted else "finished"
+    print(f"{state} at iteration {summary.last_iteration} (started at {summary.first_iteration})")
+    if summary.accuracy_before is not None and summary.accuracy_after is not None:
+        print(f"held-out accuracy (greedy): {summary.accuracy_before:.3f} -> "
+              f"{summary.accuracy_after:.3f}")
+    print(f"metrics:     {workdir / 'metrics.jsonl'} (plot: python -m train.plot --workdir {workdir})")
+    print(f"checkpoints: {workdir / 'checkpoints'}")
+    if summary.interrupted:
+        print("re-run the same command to resume")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""The RL loop (report 5.2): rollouts -> rewards -> advantages -> actor and critic updates.
+
+    summary = run_rl(run, workdir, init_from="runs/sft_arith")
+
+Each iteration draws P training problems (deterministically from the seed and the iteration),
+samples N responses for each with the inference path (its own dtype: pi_infer), recomputes
+pi_old with the training path, scores the responses with the verifier, bootstraps truncated
+ones with the critic (eq. 3), forms advantages (GAE, or group-normalised rewards for GRPO) and
+runs one epoch of actor and critic minibatch updates. Metrics go to `DIR/metrics.jsonl` and
+TensorBoard; checkpoints (actor and critic with optimizer states, the reference policy) to
+`DIR/checkpoints/<iteration>/`. Re-running the same command resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from model.decode import Decoder
+from model.lm import CausalLM
+from model.sampling import Sampling
+from model.weights import load_model
+from rl import losses
+from rl.advantages import bootstrapped_rewards, gae, terminal_rewards
+from rl.config import RLRunConfig, rl_config_from_dict
+from rl.evaluate import heldout_accuracy
+from rl.models import ValueModel, critic_variables_from_policy, shift_right, token_logprobs
+from rl.rewards import arithmetic_rewards
+from rl.rollout import Rollouts, collect_rollouts
+from rl.tasks import arithmetic_problems, sample_problems, split_problems
+from rl.update import make_actor_step, make_critic_step, minibatches
+from train.checkpoint import Checkpointer
+from train.loop import TrainingError, enable_compilation_cache, prepare_workdir, stop_requests
+from train.metrics import METRICS_FILE, MetricsWriter, read_metrics
+from train.optimizer import build_optimizer, param_axes
+from train.state import TrainState
+from train.tokenizer import load_tokenizer
+
+# Fields a resumed run may change: run length, logging, evaluation and checkpoint cadence.
+RESUMABLE_CHANGES = {"iterations", "log_every", "eval_every", "eval_prompts",
+                     "checkpoint_every", "keep_checkpoints", "progress", "xla_cache_dir"}
+
+
+class RLState(flax.struct.PyTreeNode):
+    actor: TrainState
+    critic: TrainState | None  # None for GRPO
+    reference: Any  # params of the initial policy (KL anchor), {} when rl.kl_coef == 0
+    iteration: jax.Array  # int32 []: iterations completed
+
+
+@dataclasses.dataclass
+class RLSummary:
+    workdir: Path
+    first_iteration: int
+    last_iteration: int
+    accuracy_before: float | None  # held-out greedy accuracy at first_iteration
+    accuracy_after: float | None
+    interrupted: bool
+
+
+def _train_state(params, balance, optimizer, seed: int) -> TrainState:
+    zero = jnp.zeros((), jnp.int32)
+    return TrainState(step=zero, params=params, balance=balance, opt_state=optimizer.init(params),
+                      rng=jax.random.key_data(jax.random.key(seed)), skipped=zero,
+                      consecutive_skips=zero)
+
+
+class RLTrainer:
+    def __init__(self, run: RLRunConfig, workdir: Path, init_from: str | None = None):
+        self.workdir = Path(workdir)
+        prepare_workdir(self.workdir)
+        self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.rl.keep_checkpoints)
+        self.resume_step = self.checkpoints.latest_step()
+        self.initial_variables = None
+        if self.resume_step is not None:
+            run = self._resumable(run, self.checkpoints.read_config(self.resume_step))
+        elif init_from:
+            config, self.initial_variables = load_model(init_from)
+            run = run.with_model(config)
+        elif run.model is None:
+            raise TrainingError("no policy to start from: pass --init-from (a training workdir, "
+                                "model directory or HF checkpoint) or give a model: section")
+        self.run, rl = run, run.rl
+        self.tokenizer = load_tokenizer(rl.tokenizer)
+        if self.tokenizer.get_vocab_size() > run.model.vocab_size:
+            raise TrainingError(f"tokenizer {rl.tokenizer!r} has {self.tokenizer.get_vocab_size()} "
+                                f"tokens but the model's vocab_size is {run.model.vocab_size}")
+        task = run.task
+        self.train_problems, self.heldout_problems = split_problems(
+            arithmetic_problems(task.max_operand, task.ops), task.heldout_fraction)
+        if not self.train_problems or not self.heldout_problems:
+            raise TrainingError("task: the train or held-out split is empty; change "
+                                "task.heldout_fraction or task.max_operand")
+        self.prompt_ids = {p.prompt: self.tokenizer.encode(p.prompt).tolist()
+                           for p in self.train_problems + self.heldout_problems}
+        self.row_length = max(map(len, self.prompt_ids.values())) + rl.max_new_tokens
+
+        self.actor = CausalLM(run.model)
+        self.critic = ValueModel(run.model) if rl.uses_critic else None
+        boxed = jax.eval_shape(lambda: self.actor.init(jax.random.key(0),
+                                                       jnp.zeros((1, 8), jnp.int32)))
+        # Only the main head is trained: the MTP heads are frozen (no loss reaches them).
+        self.actor_optimizer = build_optimizer(rl.actor.train_config(), param_axes(boxed), 0)
+        if self.critic is not None:
+            critic_boxed = jax.eval_shape(lambda: self.critic.init(
+                jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+            self.critic_optimizer = build_optimizer(rl.critic.train_config(),
+                                                    param_axes(critic_boxed))
+        self.decoder = Decoder(run.model.replace(compute_dtype=rl.inference_dtype),
+                               jax.eval_shape(lambda: nn.meta.unbox(boxed)),
+                               max_len=self.row_length)
+        self._score = jax.jit(lambda variables, tokens, segments: token_logprobs(
+            self.actor, variables, tokens, segments, rl.temperature))
+        self._actor_step = jax.jit(make_actor_step(self.actor, self.actor_optimizer, rl),
+                                   donate_argnums=0)
+        if self.critic is not None:
+            self._values = jax.jit(self.critic.apply)
+            self._critic_step = jax.jit(make_critic_step(self.critic, self.critic_optimizer),
+                                        donate_argnums=0)
+
+    def _resumable(self, run: RLRunConfig, saved: dict) -> RLRunConfig:
+        """The saved run's config (its model included) with this run's resumable fields."""
+        saved_run = rl_config_from_dict(saved)
+        changed = sorted(
+            f"{section}.{k}" for section in ("rl", "task")
+            for k, v in dataclasses.asdict(getattr(run, section)).items()
+            if k not in RESUMABLE_CHANGES
+            and _jsonish(v) != _jsonish(dataclasses.asdict(getattr(saved_run, section))[k]))
+        if changed:
+            raise TrainingError(f"cannot resume {self.workdir}: the config differs from the "
+                                f"checkpoint's in {', '.join(changed)}; use another --workdir")
+        rl = dataclasses.replace(saved_run.rl, **{k: getattr(run.rl, k)
+                                                  for k in RESUMABLE_CHANGES})
+        return dataclasses.replace(saved_run, rl=rl)
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def _fresh_state(self, variables: dict) -> RLState:
+        rl = self.run.rl
+        balance = variables.get("balance", {})
+        actor = _train_state(variables["params"], balance, self.actor_optimizer, rl.seed)
+        critic = None
+        if self.critic is not None:
+            critic_init = nn.meta.unbox(self.critic.init(jax.random.key(rl.seed),
+                                                         jnp.zeros((1, 8), jnp.int32)))
+            critic_vars = critic_variables_from_policy(variables, critic_init)
+            critic = _train_state(critic_vars["params"], critic_vars.get("balance", {}),
+                                  self.critic_optimizer, rl.seed + 1)
+        reference = variables["params"] if rl.kl_coef else {}
+        return RLState(actor=actor, critic=critic, reference=reference,
+                       iteration=jnp.zeros((), jnp.int32))
+
+    def initial_state(self) -> RLState:
+        if self.resume_step is not None:
+            abstract = jax.eval_shape(lambda: self._fresh_state(self._random_variables()))
+            state, _ = self.checkpoints.restore(self.resume_step, abstract)
+            return state
+        variables = self.initial_variables or self._random_variables()
+        return jax.jit(self._fresh_state)(variables)
+
+    def _random_variables(self) -> dict:
+        return nn.meta.unbox(self.actor.init(jax.random.key(self.run.rl.seed),
+                                             jnp.zeros((1, 8), jnp.int32)))
+
+    def save(self, state: RLState) -> None:
+        iteration = int(state.iteration)
+        self.checkpoints.save(iteration, state, {"iteration": iteration}, self.run.to_dict())
+
+    # ---- one iteration ----------------------------------------------------------------------
+
+    def rollouts(self, state: RLState, iteration: int) -> tuple[Rollouts, np.ndarray]:
+        """P problems x N samples -> (rollouts, the answers of their problems)."""
+        rl = self.run.rl
+        rng = np.random.default_rng([rl.seed, iteration])
+        problems = sample_problems(self.train_problems, rl.prompts_per_iteration, rng)
+        repeated = [p for p in problems for _ in range(rl.samples_per_prompt)]
+        decoder = self.decoder.with_variables(_variables(state.actor))
+        key = jax.random.fold_in(jax.random.key(rl.seed), iteration)
+        rollouts = collect_rollouts(
+            decoder, [self.prompt_ids[p.prompt] for p in repeated], length=self.row_length,
+            max_new_tokens=rl.max_new_tokens, sampling=Sampling(rl.temperature, top_p=rl.top_p),
+            stop_id=self.tokenizer.eos_id, key=key)
+        return rollouts, np.array([p.answer for p in repeated])
+
+    def iteration(self, state: RLState, iteration: int) -> tuple[RLState, dict]:
+        rl = self.run.rl
+        started = time.perf_counter()
+        rollouts, answers = self.rollouts(state, iteration)
+        rollout_seconds = time.perf_counter() - started
+        texts = [self.tokenizer.decode(r) for r in rollouts.responses]
+        rewards = arithmetic_rewards(texts, answers)
+        tokens, segments = jnp.asarray(rollouts.tokens), jnp.asarray(rollouts.segment_ids)
+        mask = jnp.asarray(rollouts.mask)
+
+        old = self._score(_variables(state.actor), tokens, segments)
+        ref_logp = (self._score({**_variables(state.actor), "params": state.reference}, tokens,
+                                segments)["logp"] if rl.kl_coef else old["logp"])
+        if self.critic is not None:
+            after = self._values(_variables(state.critic), tokens, segments)
+            values = shift_right(after) * mask
+            last = jnp.asarray(rollouts.tokens.shape[1] - 1 - np.argmax(
+                rollouts.mask[:, ::-1], axis=1))
+            final_values = after[jnp.arange(len(last)), last]
+            scored = (bootstrapped_rewards(jnp.asarray(rewards), jnp.asarray(rollouts.truncated),
+                                           final_values)
+                      if rl.truncation_bootstrap else jnp.asarray(rewards))
+            advantages, returns = gae(terminal_rewards(scored, mask), values, mask, rl.gamma,
+                                      rl.lam)
+        else:
+            advantages = losses.group_advantages(jnp.asarray(rewards),
+                                                 rl.samples_per_prompt)[:, None] * mask
+        select = (losses.high_entropy_mask(old["entropy"], mask, rl.entropy_top_frac)
+                  if rl.entropy_top_frac < 1 else mask)
+        batch = {"tokens": tokens, "segment_ids": segments, "mask": mask,
+                 "old_logp": old["logp"], "infer_logp": jnp.asarray(rollouts.infer_logp),
+                 "advantages": advantages, "ref_logp": ref_logp, "select": select}
+        batch = jax.tree.map(np.asarray, batch)
+
+        shuffle = np.random.default_rng([rl.seed, iteration, 1])
+        actor, actor_metrics = state.actor, []
+        for mb in minibatches(batch, rl.actor_minibatches, shuffle):
+            actor, m = self._actor_step(actor, mb)
+            actor_metrics.append(m)
+        critic, critic_metrics = state.critic, []
+        if self.critic is not None:
+            critic_batch = {k: batch[k] for k in ("tokens", "segment_ids", "mask")}
+            critic_batch["returns"] = np.asarray(returns)
+            for mb in minibatches(critic_batch, rl.critic_minibatches, shuffle):
+                critic, m = self._critic_step(critic, mb)
+                critic_metrics.append(m)
+        state = state.replace(actor=actor, critic=critic, iteration=state.iteration + 1)
+
+        _, _, filters = losses.mis_filters(old["logp"], jnp.asarray(rollouts.infer_logp), mask,
+                                           rl.token_bounds, rl.traj_bounds)
+        lengths = rollouts.response_lengths
+        metrics = {
+            "reward": float(rewards.mean()),
+            "accuracy": float(np.mean(rewards == 1.0)),
+            "truncation_rate": float(rollouts.truncated.mean()),
+            "response_length": float(lengths.mean()),
+            "entropy": _masked_mean(old["entropy"], mask),
+            "routing_confidence": _masked_mean(old["routing_confidence"], mask),
+            "kl": float(losses.kl_penalty(old["logp"], ref_logp, mask)),
+            **{k: float(v) for k, v in filters.items()},
+            **_mean_metrics(actor_metrics, "actor/"),
+            **_mean_metrics(critic_metrics, "critic/"),
+            "advantage_std": float(jnp.sqrt(jnp.sum(advantages ** 2 * mask) / jnp.sum(mask))),
+            "rollout_seconds": rollout_seconds,
+            "rollout_tokens_per_sec": float(lengths.sum()) / max(rollout_seconds, 1e-9),
+            "iteration_seconds": time.perf_counter() - started,
+        }
+        if self.critic is not None:
+            metrics["value_mean"] = _masked_mean(values, mask)
+        return state, metrics
+
+    def evaluate(self, state: RLState) -> dict[str, float]:
+        """Held-out exact-match accuracy: greedy and sampled (the rollout temperature)."""
+        rl = self.run.rl
+        problems = self.heldout_problems[:rl.eval_prompts or None]
+        decoder = self.decoder.with_variables(_variables(state.actor))
+        common = dict(prompt_ids=self.prompt_ids, tokenizer=self.tokenizer,
+                      max_new_tokens=rl.max_new_tokens, batch_size=rl.batch_size)
+        return {
+            "eval/accuracy": heldout_accuracy(decoder, problems, Sampling(), **common),
+            "eval/sample_accuracy": heldout_accuracy(
+                decoder, problems, Sampling(rl.temperature, top_p=rl.top_p),
+                key=jax.random.key(rl.seed), **common),
+        }
+
+
+def _variables(state: TrainState) -> dict:
+    return {"params": state.params, "balance": state.balance} if state.balance \
+        else {"params": state.params}
+
+
+def _masked_mean(x, mask) -> float:
+    mask = jnp.broadcast_to(jnp.asarray(mask, jnp.float32), jnp.shape(x))
+    return float(jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0))
+
+
+def _mean_metrics(records: list[dict], prefix: str) -> dict[str, float]:
+    if not records:
+        return {}
+    return {prefix + k: float(np.mean([float(r[k]) for r in records])) for k in records[0]}
+
+
+def _initial_accuracy(workdir: Path) -> float | None:
+    """The held-out accuracy of the initial policy, as a resumed run's metrics recorded it."""
+    path = workdir / METRICS_FILE
+    records = read_metrics(path) if path.is_file() else []
+    return next((r["eval/accuracy"] for r in records if r["step"] == 0
+                 and r.get("eval/accuracy") is not None), None)
+
+
+def _jsonish(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def run_rl(run: RLRunConfig, workdir: Path, *, init_from: str | None = None,
+           stop_after: int | None = None) -> RLSummary:
+    """Runs to `rl.iterations`, resuming from `workdir`'s latest checkpoint. `stop_after`:
+    leave (with a checkpoint) after this many iterations, as SIGTERM would (tests)."""
+    enable_compilation_cache(run.rl.xla_cache_dir)
+    trainer = RLTrainer(run, Path(workdir), init_from)
+    try:
+        return _iterate(trainer, trainer.initial_state(), stop_after)
+    finally:
+        trainer.checkpoints.close()
+
+
+def _iterate(trainer: RLTrainer, state: RLState, stop_after: int | None) -> RLSummary:
+    rl = trainer.run.rl
+    first = iteration = saved = int(state.iteration)
+    before = after = None
+    interrupted = False
+    bar = tqdm(total=rl.iterations, initial=first, desc="rl", unit="it", dynamic_ncols=True,
+               disable=not rl.progress)
+    with MetricsWriter(trainer.workdir) as writer, stop_requests() as stop, bar:
+        writer.truncate_after(first)
+        if first == 0:
+            scores = trainer.evaluate(state)
+            writer.write(0, scores)
+            bar.write(f"iteration 0: held-out accuracy {scores['eval/accuracy']:.3f} (greedy), "
+                      f"{scores['eval/sample_accuracy']:.3f} (sampled)")
+        before = _initial_accuracy(trainer.workdir) if first else scores["eval/accuracy"]
+        while iteration < rl.iterations:
+            state, metrics = trainer.iteration(state, iteration)
+            iteration += 1
+            if rl.eval_every and iteration % rl.eval_every == 0 or iteration == rl.iterations:
+                metrics.update(trainer.evaluate(state))
+                after = metrics["eval/accuracy"]
+                bar.write(f"iteration {iteration}: held-out accuracy {after:.3f} (greedy), "
+                          f"{metrics['eval/sample_accuracy']:.3f} (sampled)")
+            if iteration % rl.log_every == 0 or "eval/accuracy" in metrics:
+                writer.write(iteration, metrics)
+            bar.set_postfix(reward=f"{metrics['reward']:.3f}",
+                            keep=f"{metrics['token_keep_frac']:.3f}", refresh=False)
+            bar.update(1)
+            if stop["signal"] is not None or (stop_after is not None
+                                              and iteration - first >= stop_after):
+                interrupted = True
+                break
+            if iteration % rl.checkpoint_every == 0:
+                trainer.save(state)
+                saved = iteration
+        if iteration != saved:
+            trainer.save(state)
+    return RLSummary(trainer.workdir, first, iteration, before, after, interrupted)

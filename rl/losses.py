@@ -1,0 +1,143 @@
+"""Actor losses for RL on sampled responses: MIS-PO (report 5.2.1, eq. 2) and its baselines.
+
+Every input is [B, T] over the tokens of B rollouts: `logp` = log pi_theta(a_t|s_t) of the
+sampled token under the policy being trained (differentiated), `old_logp` = the same under the
+pre-update policy recomputed by the training path (pi_old), `infer_logp` = as recorded by the
+inference path that sampled it (pi_vllm in the report), `advantages` (treated as constants) and
+`mask` (1 on response tokens, 0 on prompt and padding). `select` (optional, [B, T]) removes
+further tokens from the gradient, e.g. all but the high-entropy ones; like every filter here it
+leaves the denominator unchanged. Each loss returns (scalar loss, stats dict of scalars).
+
+| loss | per-token term | normalised by |
+|---|---|---|
+| `mis_po_loss` (eq. 2) | I(x_t) I(rho(tau)) * -logp * A | all response tokens |
+| `ppo_clip_loss` | -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = pi/pi_old | all response tokens |
+| `grpo_loss` (DAPO) | PPO-clip with clip-higher (0.2, 0.28) on group-normalised rewards | all tokens of the batch |
+| `gspo_loss` (App. D, eq. 16) | MIS masks * -min(r_tau A, clip(r_tau, 1-eps, 1+eps) A) | all response tokens |
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+TOKEN_BOUNDS = (0.5, 2.0)  # report 5.2.3: rho_min, rho_max of the token-level filter
+TRAJ_BOUNDS = (0.996, 1.001)  # ... of the trajectory-level (geometric mean) filter
+
+
+def _masked_mean(x, weights):
+    return jnp.sum(x * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def _denominator(mask):
+    return jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def mis_filters(old_logp, infer_logp, mask, token_bounds=TOKEN_BOUNDS, traj_bounds=TRAJ_BOUNDS):
+    """The two binary masks of eq. 2 -> (token keep [B, T], trajectory keep [B], stats).
+
+    x_t = pi_old / pi_infer per token; the trajectory ratio is the geometric mean of x_t over
+    its response tokens, exp(mean log x_t). Both are kept iff inside their closed bounds."""
+    mask = mask.astype(jnp.float32)
+    log_x = jnp.where(mask > 0, old_logp - infer_logp, 0.0)
+    x = jnp.exp(log_x)
+    token_keep = (x >= token_bounds[0]) & (x <= token_bounds[1])
+    tokens_per_row = jnp.sum(mask, axis=1)
+    traj_ratio = jnp.exp(jnp.sum(log_x, axis=1) / jnp.maximum(tokens_per_row, 1.0))
+    traj_keep = (traj_ratio >= traj_bounds[0]) & (traj_ratio <= traj_bounds[1])
+    rows = (tokens_per_row > 0).astype(jnp.float32)
+    keep = token_keep & traj_keep[:, None]
+    stats = {
+        "token_keep_frac": _masked_mean(keep.astype(jnp.float32), mask),
+        "token_filter_frac": _masked_mean(token_keep.astype(jnp.float32), mask),
+        "traj_keep_frac": _masked_mean(traj_keep.astype(jnp.float32), rows),
+        "mismatch/log_ratio_mean": _masked_mean(log_x, mask),
+        "mismatch/traj_ratio_mean": _masked_mean(traj_ratio, rows),
+    }
+    return keep, traj_keep, stats
+
+
+def mis_po_loss(logp, old_logp, infer_logp, advantages, mask, token_bounds=TOKEN_BOUNDS,
+                traj_bounds=TRAJ_BOUNDS, select=None):
+    """Eq. 2: sum(keep * mask * -logp * A) / sum(mask); kept samples count as on-policy (no
+    importance weight), filtered ones contribute nothing but stay in the denominator."""
+    mask = mask.astype(jnp.float32)
+    keep, _, stats = mis_filters(old_logp, infer_logp, mask, token_bounds, traj_bounds)
+    weights = keep * mask * _select(select, mask)
+    advantages = jax.lax.stop_gradient(advantages)
+    loss = jnp.sum(weights * -logp * advantages) / _denominator(mask)
+    return loss, stats
+
+
+def ppo_clip_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, select=None):
+    """PPO's clipped surrogate with token ratios r = pi_theta / pi_old, mean over response
+    tokens. `clip_high` > `clip_low` is DAPO's clip-higher."""
+    mask = mask.astype(jnp.float32)
+    advantages = jax.lax.stop_gradient(advantages)
+    ratio = jnp.exp(jnp.where(mask > 0, logp - jax.lax.stop_gradient(old_logp), 0.0))
+    clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    surrogate = jnp.minimum(ratio * advantages, clipped * advantages)
+    weights = mask * _select(select, mask)
+    loss = -jnp.sum(weights * surrogate) / _denominator(mask)
+    clipped_away = (ratio * advantages != surrogate).astype(jnp.float32)
+    return loss, {"clip_frac": _masked_mean(clipped_away, mask),
+                  "ratio_mean": _masked_mean(jax.lax.stop_gradient(ratio), mask)}
+
+
+def group_advantages(rewards, group_size: int, eps: float = 1e-6, scale: bool = True):
+    """GRPO: each reward minus its group's mean (divided by the group's std if `scale`).
+    rewards [B] with B = prompts * group_size, the samples of a prompt adjacent -> [B]."""
+    groups = rewards.reshape(-1, group_size)
+    centred = groups - jnp.mean(groups, axis=1, keepdims=True)
+    if scale:
+        centred = centred / (jnp.std(groups, axis=1, keepdims=True) + eps)
+    return centred.reshape(rewards.shape)
+
+
+def grpo_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28, select=None):
+    """GRPO as DAPO runs it: clip-higher (0.2, 0.28) and token-level normalisation (every token
+    of the batch weighs the same, whatever its response's length); `advantages` from
+    `group_advantages`, broadcast over each response's tokens."""
+    return ppo_clip_loss(logp, old_logp, advantages, mask, clip_low, clip_high, select)
+
+
+def gspo_loss(logp, old_logp, infer_logp, advantages, mask, clip=1e-4,
+              token_bounds=TOKEN_BOUNDS, traj_bounds=TRAJ_BOUNDS, select=None):
+    """Report App. D, eqs. 14-16: the sequence ratio r_tau = (prod pi_theta / pi_old)^(1/T)
+    (geometric mean over the response) replaces the token ratio in PPO's clipped surrogate,
+    under the same MIS token and trajectory masks; clip eps = 1e-4 as in the report."""
+    mask = mask.astype(jnp.float32)
+    keep, _, stats = mis_filters(old_logp, infer_logp, mask, token_bounds, traj_bounds)
+    advantages = jax.lax.stop_gradient(advantages)
+    log_r = jnp.where(mask > 0, logp - jax.lax.stop_gradient(old_logp), 0.0)
+    seq_ratio = jnp.exp(jnp.sum(log_r, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0))
+    ratio = seq_ratio[:, None]
+    clipped = jnp.clip(ratio, 1.0 - clip, 1.0 + clip)
+    surrogate = jnp.minimum(ratio * advantages, clipped * advantages)
+    weights = keep * mask * _select(select, mask)
+    loss = -jnp.sum(weights * surrogate) / _denominator(mask)
+    clipped_away = (ratio * advantages != surrogate).astype(jnp.float32)
+    return loss, {**stats, "clip_frac": _masked_mean(clipped_away, mask)}
+
+
+def kl_penalty(logp, ref_logp, mask):
+    """Unbiased estimator of KL(pi_theta || pi_ref) ("k3"): r - log r - 1 with r = pi_ref /
+    pi_theta on tokens sampled from pi_theta; >= 0 per token. Mean over response tokens."""
+    log_r = jnp.where(mask > 0, ref_logp - logp, 0.0)
+    return _masked_mean(jnp.exp(log_r) - log_r - 1.0, mask.astype(jnp.float32))
+
+
+def high_entropy_mask(entropy, mask, top_frac: float):
+    """1 on the top `top_frac` of response tokens of the batch by entropy (the "forking tokens"
+    of seed 003, rho = 0.2 there), 0 elsewhere: the k-th largest entropy with k = ceil(top_frac
+    * N) is the threshold, ties included. entropy, mask: [B, T] -> float32 [B, T]."""
+    mask = mask > 0
+    count = jnp.sum(mask)
+    k = jnp.clip(jnp.ceil(top_frac * count), 1, None).astype(jnp.int32)
+    ranked = jnp.sort(jnp.where(mask, entropy, -jnp.inf).reshape(-1))[::-1]
+    threshold = ranked[k - 1]
+    return (mask & (entropy >= threshold)).astype(jnp.float32)
+
+
+def _select(select, mask):
+    return jnp.ones_like(mask) if select is None else select.astype(jnp.float32)

@@ -1,0 +1,66 @@
+"""Rollouts: sample responses with the inference path (KV-cache decoding, model/decode.py),
+record its log-probabilities as pi_infer, and lay prompts and responses out as [B, T] rows.
+
+    rollouts = collect_rollouts(decoder, prompt_ids, length=T, max_new_tokens=8,
+                                sampling=Sampling(1.0), stop_id=eos, key=key)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from model.decode import Decoder
+from model.sampling import Sampling
+
+
+@dataclasses.dataclass
+class Rollouts:
+    tokens: np.ndarray  # int32 [B, T]: prompt, response (its stop token included), padding 0
+    segment_ids: np.ndarray  # int32 [B, T]: 1 on prompt and response, 0 on padding
+    mask: np.ndarray  # float32 [B, T]: 1 on response tokens
+    infer_logp: np.ndarray  # float32 [B, T]: inference-path log-prob of each response token
+    truncated: np.ndarray  # bool [B]: hit max_new_tokens without the stop token
+    responses: list[list[int]]  # response ids without the stop token
+
+    @property
+    def response_lengths(self) -> np.ndarray:
+        return self.mask.sum(axis=1)
+
+
+def layout_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[prompt; response; padding] rows -> (tokens, segment_ids, response mask), each [B, T]."""
+    batch = len(prompts)
+    tokens = np.zeros((batch, length), np.int32)
+    segment_ids = np.zeros((batch, length), np.int32)
+    mask = np.zeros((batch, length), np.float32)
+    for b, (prompt, response) in enumerate(zip(prompts, responses)):
+        end = len(prompt) + len(response)
+        if end > length:
+            raise ValueError(f"rollout {b}: {end} tokens do not fit rows of {length}")
+        tokens[b, :end] = [*prompt, *response]
+        segment_ids[b, :end] = 1
+        mask[b, len(prompt):end] = 1.0
+    return tokens, segment_ids, mask
+
+
+def collect_rollouts(decoder: Decoder, prompts: Sequence[Sequence[int]], *, length: int,
+                     max_new_tokens: int, sampling: Sampling, stop_id: int,
+                     key: jax.Array) -> Rollouts:
+    """One response per prompt (repeat a prompt N times for N samples), sampled with
+    `decoder`'s weights and dtype; rows are `length` tokens."""
+    generation = decoder.generate(prompts, max_new_tokens, sampling=sampling, key=key,
+                                  stop_ids=(stop_id,))
+    responses = generation.tokens
+    tokens, segment_ids, mask = layout_rows(prompts, responses, length)
+    infer_logp = np.zeros_like(mask)
+    for b, (prompt, logprobs) in enumerate(zip(prompts, generation.logprobs)):
+        infer_logp[b, len(prompt):len(prompt) + len(logprobs)] = logprobs
+    finished = np.array([bool(r) and r[-1] == stop_id for r in responses])
+    return Rollouts(tokens=tokens, segment_ids=segment_ids, mask=mask, infer_logp=infer_logp,
+                    truncated=~finished,
+                    responses=[r[:-1] if f else r for r, f in zip(responses, finished)])

@@ -1,0 +1,111 @@
+"""One optimizer update of the actor or the critic on a minibatch of rollouts (report 5.2.3:
+one epoch over each iteration's rollouts, 4 actor and 12 critic minibatches).
+
+A minibatch is a dict of [b, T] arrays: `tokens`, `segment_ids`, `mask`, and for the actor
+`old_logp`, `infer_logp`, `advantages`, `ref_logp`, `select`; for the critic `returns`.
+Updates with a non-finite loss or gradient are skipped, as in pre-training (train/step.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from model.lm import CausalLM
+from rl import losses
+from rl.config import RLConfig
+from rl.models import ValueModel, shift_right, token_logprobs
+from train.state import TrainState
+
+
+def actor_loss(rl: RLConfig, logp, mb) -> tuple[jax.Array, dict]:
+    """The configured algorithm's loss (rl/losses.py) plus the KL penalty."""
+    args = (logp, mb["old_logp"])
+    if rl.algorithm == "mis_po":
+        loss, stats = losses.mis_po_loss(logp, mb["old_logp"], mb["infer_logp"],
+                                         mb["advantages"], mb["mask"], rl.token_bounds,
+                                         rl.traj_bounds, select=mb["select"])
+    elif rl.algorithm == "gspo":
+        loss, stats = losses.gspo_loss(*args, mb["infer_logp"], mb["advantages"], mb["mask"],
+                                       rl.gspo_clip, rl.token_bounds, rl.traj_bounds,
+                                       select=mb["select"])
+    else:
+        clip = rl.grpo_clip if rl.algorithm == "grpo" else rl.ppo_clip
+        loss, stats = losses.ppo_clip_loss(*args, mb["advantages"], mb["mask"], *clip,
+                                           select=mb["select"])
+    kl = losses.kl_penalty(logp, mb["ref_logp"], mb["mask"])
+    if rl.kl_coef:
+        loss = loss + rl.kl_coef * kl
+    return loss, {**stats, "kl": kl}
+
+
+def _apply_update(state: TrainState, optimizer, loss, grads) -> tuple[TrainState, dict]:
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    state = state.replace(step=state.step + 1, params=keep(params, state.params),
+                          opt_state=keep(opt_state, state.opt_state),
+                          skipped=state.skipped + (~finite).astype(jnp.int32))
+    return state, {"loss": loss, "grad_norm": grad_norm}
+
+
+def make_actor_step(model: CausalLM, optimizer: optax.GradientTransformation, rl: RLConfig
+                    ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    def step(state: TrainState, mb: dict):
+        def loss_fn(params):
+            variables = {"params": params, "balance": state.balance} if state.balance \
+                else {"params": params}
+            logp = token_logprobs(model, variables, mb["tokens"], mb["segment_ids"],
+                                  rl.temperature)["logp"]
+            return actor_loss(rl, logp, mb)
+
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        state, metrics = _apply_update(state, optimizer, loss, grads)
+        return state, {**metrics, **stats}
+
+    return step
+
+
+def value_loss(values, returns, mask):
+    """0.5 * mean squared error of V(s_t) against the returns, over response tokens."""
+    mask = mask.astype(jnp.float32)
+    return 0.5 * jnp.sum(mask * (values - returns) ** 2) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def make_critic_step(critic: ValueModel, optimizer: optax.GradientTransformation
+                     ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    def step(state: TrainState, mb: dict):
+        def loss_fn(params):
+            variables = {"params": params, "balance": state.balance} if state.balance \
+                else {"params": params}
+            values = shift_right(critic.apply(variables, mb["tokens"], mb["segment_ids"]))
+            return value_loss(values, mb["returns"], mb["mask"])
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return _apply_update(state, optimizer, loss, grads)
+
+    return step
+
+
+def minibatches(batch: dict, count: int, rng: np.random.Generator) -> list[dict]:
+    """Shuffles the rows of `batch` (dict of [B, ...] arrays) into `count` minibatches of equal
+    size ceil(B / count); the short ones are topped up with copies of a row whose `mask` is 0,
+    which change no loss (every loss divides by the mask's sum)."""
+    rows = len(batch["mask"])
+    size = -(-rows // count)
+    order = rng.permutation(rows)
+    order = np.concatenate([order, np.full(size * count - rows, order[0])])
+    real = np.arange(size * count) < rows
+    out = []
+    for i in range(count):
+        index, keep = order[i * size:(i + 1) * size], real[i * size:(i + 1) * size]
+        mb = {k: v[index] for k, v in batch.items()}
+        mb["mask"] = mb["mask"] * keep[:, None]
+        out.append(mb)
+    return out

@@ -1,0 +1,220 @@
+"""RL plumbing on a small random model: inference-path log-probs, rollout layout, the training
+path's log-probs/entropy/values, minibatches, the loop (metrics, resume, algorithms) and the
+`python -m rl` command line."""
+
+import json
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.decode import Decoder
+from model.lm import CausalLM
+from model.sampling import Sampling
+from rl.config import rl_config_from_dict
+from rl.loop import run_rl
+from rl.models import ValueModel, critic_variables_from_policy, token_logprobs
+from rl.rollout import collect_rollouts, layout_rows
+from rl.update import minibatches
+from train.config import load_run_config
+from train.metrics import read_metrics
+
+from train_helpers import REPO, SMALL_MODEL
+
+VOCAB = 32
+
+
+def small_model_dict() -> dict:
+    run = load_run_config(REPO / "configs" / "sft_arith.yaml", SMALL_MODEL)
+    return run.to_dict()["model"]
+
+
+def small_run(**rl_overrides):
+    rl = {"iterations": 2, "prompts_per_iteration": 2, "samples_per_prompt": 2,
+          "max_new_tokens": 3, "actor_minibatches": 2, "critic_minibatches": 2,
+          "eval_prompts": 4, "eval_every": 0, "checkpoint_every": 1, "progress": False,
+          "actor": {"lr": 1e-3, "warmup_steps": 0}, "critic": {"lr": 1e-3, "warmup_steps": 0},
+          **rl_overrides}
+    return rl_config_from_dict({"model": small_model_dict(), "rl": rl,
+                                "task": {"max_operand": 9}})
+
+
+@pytest.fixture(scope="module")
+def policy():
+    cfg = rl_config_from_dict({"model": small_model_dict()}).model
+    variables = nn.meta.unbox(CausalLM(cfg).init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32)))
+    return cfg, variables
+
+
+def full_forward_logprobs(cfg, variables, row):
+    """Reference: log-softmax of the plain forward pass's logits over one row [T]."""
+    logits = CausalLM(cfg).apply(variables, jnp.asarray(row)[None]).logits[0]
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1))
+
+
+def test_decoder_records_logprobs_of_sampled_tokens(policy):
+    cfg, variables = policy
+    decoder = Decoder(cfg, variables, max_len=16)
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    out = decoder.generate(prompts, 5, sampling=Sampling(temperature=1.0),
+                           key=jax.random.key(1))
+    for prompt, tokens, logprobs in zip(prompts, out.tokens, out.logprobs):
+        row = prompt + tokens
+        reference = full_forward_logprobs(cfg, variables, row)
+        expected = [reference[len(prompt) - 1 + i, t] for i, t in enumerate(tokens)]
+        np.testing.assert_allclose(logprobs, expected, atol=2e-5)
+
+
+def test_speculative_generation_has_no_logprobs(policy):
+    cfg, variables = policy
+    decoder = Decoder(cfg, variables, max_len=16, draft=1)
+    assert decoder.generate([[3, 4]], 3, speculative=True).logprobs is None
+
+
+def test_rollout_layout_mask_and_truncation(policy):
+    cfg, variables = policy
+    decoder = Decoder(cfg, variables, max_len=12)
+    prompts = [[3, 4, 5], [6, 7]]
+    tokens_of = decoder.generate(prompts, 4, sampling=Sampling(1.0), key=jax.random.key(5))
+    stop = tokens_of.tokens[0][0]  # make the first row stop at once
+    rollouts = collect_rollouts(decoder, prompts, length=10, max_new_tokens=4,
+                                sampling=Sampling(1.0), stop_id=stop, key=jax.random.key(5))
+    assert rollouts.tokens.shape == (2, 10)
+    assert rollouts.responses[0] == [] and not rollouts.truncated[0]
+    np.testing.assert_array_equal(rollouts.mask[0], [0, 0, 0, 1, 0, 0, 0, 0, 0, 0])
+    assert rollouts.tokens[0, 3] == stop
+    generated = len(rollouts.responses[1]) + (not rollouts.truncated[1])
+    assert rollouts.mask[1].sum() == generated
+    assert rollouts.truncated[1] == (generated == 4 and stop not in rollouts.responses[1])
+    np.testing.assert_array_equal(rollouts.segment_ids[1, :2 + generated], 1)
+    assert (rollouts.infer_logp[rollouts.mask == 0] == 0).all()
+    assert (rollouts.infer_logp[rollouts.mask == 1] < 0).all()
+
+
+def test_layout_rows_rejects_rows_that_do_not_fit():
+    with pytest.raises(ValueError, match="do not fit"):
+        layout_rows([[1, 2, 3]], [[4, 5]], 4)
+
+
+def test_token_logprobs_and_entropy_match_the_full_forward(policy):
+    cfg, variables = policy
+    tokens, segments, _ = layout_rows([[3, 4, 5], [6]], [[7, 8], [9, 10, 11]], 7)
+    reference = [full_forward_logprobs(cfg, variables, row[:s.sum()])
+                 for row, s in zip(tokens, segments)]
+    for chunk in (1024, 3):  # chunking the vocabulary projection changes nothing
+        out = jax.jit(lambda v, t, s: token_logprobs(CausalLM(cfg), v, t, s, chunk_size=chunk))(
+            variables, jnp.asarray(tokens), jnp.asarray(segments))
+        for b, ref in enumerate(reference):
+            n = len(ref)
+            expected = [ref[t - 1, tokens[b, t]] for t in range(1, n)]
+            np.testing.assert_allclose(out["logp"][b, 1:n], expected, atol=2e-5)
+            probs = np.exp(ref[:n - 1].astype(np.float64))
+            entropy = -(probs * np.log(probs)).sum(-1)
+            np.testing.assert_allclose(out["entropy"][b, 1:n], entropy, atol=2e-5)
+            assert out["logp"][b, 0] == 0
+        confidence = np.asarray(out["routing_confidence"])
+        assert ((confidence[:, 1:] > 0) & (confidence[:, 1:] <= 1 + 1e-6)).all()
+
+
+def test_critic_starts_from_the_policy_backbone_with_zero_values(policy):
+    cfg, variables = policy
+    critic = ValueModel(cfg)
+    init = nn.meta.unbox(critic.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    critic_vars = critic_variables_from_policy(variables, init)
+    for name, value in critic_vars["params"]["backbone"].items():
+        assert jax.tree.all(jax.tree.map(np.array_equal, value, variables["params"][name]))
+    assert not any(k.startswith("mtp_") for k in critic_vars["params"]["backbone"])
+    values = critic.apply(critic_vars, jnp.ones((2, 6), jnp.int32))
+    assert values.shape == (2, 6) and float(jnp.abs(values).max()) == 0.0
+
+
+def test_minibatches_cover_every_row_once_and_pad_with_masked_rows():
+    rows = 10
+    batch = {"id": np.arange(rows), "mask": np.ones((rows, 3), np.float32)}
+    parts = minibatches(batch, 4, np.random.default_rng(0))
+    assert [len(p["id"]) for p in parts] == [3, 3, 3, 3]
+    real = np.concatenate([p["id"][p["mask"].sum(1) > 0] for p in parts])
+    assert sorted(real.tolist()) == list(range(rows))
+    assert sum(int((p["mask"].sum(1) == 0).sum()) for p in parts) == 2
+
+
+def test_matched_dtypes_keep_every_token_and_bfloat16_inference_shows_mismatch(tmp_path):
+    matched = run_rl(small_run(iterations=1, inference_dtype="float32"), tmp_path / "f32")
+    bf16 = run_rl(small_run(iterations=1), tmp_path / "bf16")
+    f32_record = [r for r in read_metrics(matched.workdir / "metrics.jsonl") if r["step"] == 1][0]
+    bf16_record = [r for r in read_metrics(bf16.workdir / "metrics.jsonl") if r["step"] == 1][0]
+    assert f32_record["token_keep_frac"] == 1.0 and f32_record["traj_keep_frac"] == 1.0
+    assert abs(f32_record["mismatch/log_ratio_mean"]) < 1e-4
+    assert abs(bf16_record["mismatch/log_ratio_mean"]) > 10 * abs(
+        f32_record["mismatch/log_ratio_mean"])
+
+
+@pytest.mark.slow
+def test_loop_writes_metrics_and_resumes_exactly(tmp_path):
+    straight = run_rl(small_run(), tmp_path / "straight")
+    assert (straight.first_iteration, straight.last_iteration) == (0, 2)
+    records = read_metrics(straight.workdir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for key in ("reward", "accuracy", "token_keep_frac", "traj_keep_frac", "entropy", "kl",
+                "truncation_rate", "routing_confidence", "actor/grad_norm",
+                "critic/grad_norm", "critic/loss"):
+        assert key in records[1], key
+    assert "eval/accuracy" in records[0] and "eval/accuracy" in records[2]
+
+    first = run_rl(small_run(), tmp_path / "resumed", stop_after=1)
+    assert first.interrupted and first.last_iteration == 1
+    second = run_rl(small_run(), tmp_path / "resumed")
+    assert (second.first_iteration, second.last_iteration) == (1, 2)
+    resumed = read_metrics(second.workdir / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    final_straight, final_resumed = records[-1], resumed[-1]
+    for key in ("reward", "actor/loss", "critic/loss", "eval/accuracy"):
+        assert final_resumed[key] == pytest.approx(final_straight[key], rel=1e-5), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo", "gspo"])
+def test_baseline_algorithms_run(tmp_path, algorithm):
+    summary = run_rl(small_run(iterations=1, algorithm=algorithm, entropy_top_frac=0.5),
+                     tmp_path / algorithm)
+    record = [r for r in read_metrics(summary.workdir / "metrics.jsonl") if r["step"] == 1][0]
+    assert np.isfinite(record["actor/loss"])
+    assert ("critic/loss" in record) == (algorithm != "grpo")
+
+
+def run_cli(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "rl", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=600)
+
+
+def test_cli_help_and_one_line_errors(tmp_path):
+    assert "MIS-PO" in run_cli("--help").stdout
+    bad = run_cli("--config", "configs/rl_arith.yaml", "--workdir", str(tmp_path / "x"),
+                  "rl.algorithm=reinforce")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "rl.algorithm" in bad.stderr
+    missing = run_cli("--config", "configs/rl_arith.yaml", "--workdir", str(tmp_path / "y"))
+    assert missing.returncode == 2 and "--init-from" in missing.stderr
+    assert missing.stderr.count("\n") == 1
+    nowhere = run_cli("--config", "configs/rl_arith.yaml", "--workdir", str(tmp_path / "z"),
+                      "--init-from", str(tmp_path / "absent"))
+    assert nowhere.returncode == 2 and "does not exist" in nowhere.stderr
+
+
+@pytest.mark.slow
+def test_cli_trains_and_refuses_an_incompatible_resume(tmp_path):
+    config = tmp_path / "rl.yaml"
+    run = small_run(iterations=1)
+    config.write_text(json.dumps(run.to_dict()))  # JSON is YAML
+    workdir = tmp_path / "run"
+    done = run_cli("--config", str(config), "--workdir", str(workdir))
+    assert done.returncode == 0, done.stderr
+    assert "held-out accuracy (greedy)" in done.stdout
+    again = run_cli("--config", str(config), "--workdir", str(workdir))
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+    changed = run_cli("--config", str(config), "--workdir", str(workdir), "rl.iterations=2",
+                      "rl.algorithm=ppo")
+    assert changed.returncode == 2 and "rl.algorithm" in changed.stderr
