@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stepjax-installed
 
-.PHONY: test train bench clean-venv
+.PHONY: test train rl bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,14 @@ test: $(STAMP)
 TRAIN_DIR ?= runs/tiny
 train: $(STAMP)
 	$(PY) -m train --config configs/tiny.yaml --workdir $(TRAIN_DIR) $(ARGS)
+
+# RL acceptance run (README, "Reinforcement learning"): SFT warm start on the arithmetic task,
+# then MIS-PO; ARGS go to `python -m rl` (e.g. ARGS="rl.algorithm=ppo" RL_DIR=runs/ppo_arith).
+SFT_DIR ?= runs/sft_arith
+RL_DIR ?= runs/rl_arith
+rl: $(STAMP)
+	$(PY) -m train --config configs/sft_arith.yaml --workdir $(SFT_DIR)
+	$(PY) -m rl --config configs/rl_arith.yaml --workdir $(RL_DIR) --init-from $(SFT_DIR) $(ARGS)
 
 # The decode benchmark needs a tiny model with all three MTP heads trained (re-running resumes).
 DECODE_DIR ?= runs/tiny_mtp3

@@ -22,6 +22,7 @@ from model.config import (
 from train.config import OPTIMIZERS, TrainConfig
 
 ALGORITHMS = ("mis_po", "ppo", "grpo", "gspo")
+ADVANTAGES = ("gae", "group")
 TASKS = ("arithmetic",)
 INFERENCE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -36,6 +37,7 @@ class OptimizerConfig:
     optimizer: str = "muon"
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    freeze_router: bool = False  # keep the MoE router weights fixed (as in mid-training, 3.2)
 
     def validate(self, prefix: str) -> None:
         check_positive(f"{prefix}.lr", self.lr)
@@ -43,13 +45,15 @@ class OptimizerConfig:
         check_choice(f"{prefix}.optimizer", self.optimizer, OPTIMIZERS)
         check_nonnegative(f"{prefix}.weight_decay", self.weight_decay)
         check_nonnegative(f"{prefix}.grad_clip", self.grad_clip)
+        check_bool(f"{prefix}.freeze_router", self.freeze_router)
 
     def train_config(self) -> TrainConfig:
         """The training optimizer's settings for `train.optimizer.build_optimizer`."""
         return dataclasses.replace(
             TrainConfig(), optimizer=self.optimizer, lr=self.lr, min_lr=self.lr,
             warmup_steps=self.warmup_steps, schedule="constant",
-            weight_decay=self.weight_decay, grad_clip=self.grad_clip)
+            weight_decay=self.weight_decay, grad_clip=self.grad_clip,
+            freeze_router=self.freeze_router)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +69,9 @@ class RLConfig:
     critic_minibatches: int = 12
     actor: OptimizerConfig = OptimizerConfig(lr=2e-6, warmup_steps=20)
     critic: OptimizerConfig = OptimizerConfig(lr=5e-6, warmup_steps=50)
+    # gae: critic + GAE (report 5.2.1-5.2.3); group: each reward minus its prompt group's mean,
+    # over the group's std (GRPO's estimator, no critic). GRPO always uses group.
+    advantages: str = "gae"
     gamma: float = 1.0
     lam: float = 1.0
     token_bounds: tuple = (0.5, 2.0)  # MIS-PO token filter on pi_old / pi_infer (eq. 2)
@@ -97,11 +104,12 @@ class RLConfig:
 
     @property
     def uses_critic(self) -> bool:
-        """GRPO's advantages come from the group; the other algorithms train a value model."""
-        return self.algorithm != "grpo"
+        """GAE needs a value model; group advantages (always for GRPO) do not."""
+        return self.algorithm != "grpo" and self.advantages == "gae"
 
     def validate(self) -> None:
         check_choice("rl.algorithm", self.algorithm, ALGORITHMS)
+        check_choice("rl.advantages", self.advantages, ADVANTAGES)
         for name in ("iterations", "prompts_per_iteration", "samples_per_prompt",
                      "max_new_tokens", "actor_minibatches", "critic_minibatches", "log_every",
                      "checkpoint_every", "keep_checkpoints"):

@@ -116,8 +116,7 @@ class RLTrainer:
             self.critic_optimizer = build_optimizer(rl.critic.train_config(),
                                                     param_axes(critic_boxed))
         self.decoder = Decoder(run.model.replace(compute_dtype=rl.inference_dtype),
-                               jax.eval_shape(lambda: nn.meta.unbox(boxed)),
-                               max_len=self.row_length)
+                               nn.meta.unbox(boxed), max_len=self.row_length)
         self._score = jax.jit(lambda variables, tokens, segments: token_logprobs(
             self.actor, variables, tokens, segments, rl.temperature))
         self._actor_step = jax.jit(make_actor_step(self.actor, self.actor_optimizer, rl),
@@ -192,39 +191,77 @@ class RLTrainer:
         return rollouts, np.array([p.answer for p in repeated])
 
     def iteration(self, state: RLState, iteration: int) -> tuple[RLState, dict]:
+        """Rollouts -> rewards -> advantages -> one epoch of updates. -> (state, metrics)."""
         rl = self.run.rl
         started = time.perf_counter()
         rollouts, answers = self.rollouts(state, iteration)
         rollout_seconds = time.perf_counter() - started
-        texts = [self.tokenizer.decode(r) for r in rollouts.responses]
-        rewards = arithmetic_rewards(texts, answers)
+        rewards = arithmetic_rewards([self.tokenizer.decode(r) for r in rollouts.responses],
+                                     answers)
         tokens, segments = jnp.asarray(rollouts.tokens), jnp.asarray(rollouts.segment_ids)
-        mask = jnp.asarray(rollouts.mask)
+        mask, infer_logp = jnp.asarray(rollouts.mask), jnp.asarray(rollouts.infer_logp)
 
-        old = self._score(_variables(state.actor), tokens, segments)
+        old = self._score(_variables(state.actor), tokens, segments)  # pi_old: training path
         ref_logp = (self._score({**_variables(state.actor), "params": state.reference}, tokens,
                                 segments)["logp"] if rl.kl_coef else old["logp"])
-        if self.critic is not None:
-            after = self._values(_variables(state.critic), tokens, segments)
-            values = shift_right(after) * mask
-            last = jnp.asarray(rollouts.tokens.shape[1] - 1 - np.argmax(
-                rollouts.mask[:, ::-1], axis=1))
-            final_values = after[jnp.arange(len(last)), last]
-            scored = (bootstrapped_rewards(jnp.asarray(rewards), jnp.asarray(rollouts.truncated),
-                                           final_values)
-                      if rl.truncation_bootstrap else jnp.asarray(rewards))
-            advantages, returns = gae(terminal_rewards(scored, mask), values, mask, rl.gamma,
-                                      rl.lam)
-        else:
-            advantages = losses.group_advantages(jnp.asarray(rewards),
-                                                 rl.samples_per_prompt)[:, None] * mask
+        advantages, returns, values = self._advantages(state, rollouts, rewards)
         select = (losses.high_entropy_mask(old["entropy"], mask, rl.entropy_top_frac)
                   if rl.entropy_top_frac < 1 else mask)
-        batch = {"tokens": tokens, "segment_ids": segments, "mask": mask,
-                 "old_logp": old["logp"], "infer_logp": jnp.asarray(rollouts.infer_logp),
-                 "advantages": advantages, "ref_logp": ref_logp, "select": select}
-        batch = jax.tree.map(np.asarray, batch)
+        batch = jax.tree.map(np.asarray, {
+            "tokens": tokens, "segment_ids": segments, "mask": mask, "old_logp": old["logp"],
+            "infer_logp": infer_logp, "advantages": advantages, "ref_logp": ref_logp,
+            "select": select})
+        state, update_metrics = self._update(state, batch, returns, iteration)
 
+        _, _, filters = losses.mis_filters(old["logp"], infer_logp, mask, rl.token_bounds,
+                                           rl.traj_bounds)
+        lengths = rollouts.response_lengths
+        per_rollout_confidence = (jnp.sum(old["routing_confidence"] * mask, axis=1)
+                                  / jnp.maximum(jnp.sum(mask, axis=1), 1.0))
+        metrics = {
+            "reward": float(rewards.mean()),
+            "accuracy": float(np.mean(rewards == 1.0)),
+            "truncation_rate": float(rollouts.truncated.mean()),
+            "response_length": float(lengths.mean()),
+            "entropy": _masked_mean(old["entropy"], mask),
+            "routing_confidence": float(per_rollout_confidence.mean()),
+            "routing_confidence_hist": np.asarray(per_rollout_confidence),  # TensorBoard only
+            "kl": float(losses.kl_penalty(old["logp"], ref_logp, mask)),
+            **{k: float(v) for k, v in filters.items()},
+            **update_metrics,
+            "advantage_rms": float(jnp.sqrt(jnp.sum(advantages ** 2 * mask) / jnp.sum(mask))),
+            "rollout_seconds": rollout_seconds,
+            "rollout_tokens_per_sec": float(lengths.sum()) / max(rollout_seconds, 1e-9),
+            "iteration_seconds": time.perf_counter() - started,
+        }
+        if values is not None:
+            metrics["value_mean"] = _masked_mean(values, mask)
+        return state, metrics
+
+    def _advantages(self, state: RLState, rollouts: Rollouts, rewards: np.ndarray):
+        """-> (advantages [B, T], critic targets [B, T] or None, V(s_t) [B, T] or None).
+        With a critic: eq. 3's bootstrapped rewards and GAE; without (GRPO, or
+        rl.advantages=group): group-normalised rewards."""
+        rl = self.run.rl
+        mask = jnp.asarray(rollouts.mask)
+        if self.critic is None:
+            group = losses.group_advantages(jnp.asarray(rewards), rl.samples_per_prompt)
+            return group[:, None] * mask, None, None
+        after = self._values(_variables(state.critic), jnp.asarray(rollouts.tokens),
+                             jnp.asarray(rollouts.segment_ids))
+        values = shift_right(after) * mask
+        last = rollouts.tokens.shape[1] - 1 - np.argmax(rollouts.mask[:, ::-1], axis=1)
+        final_values = after[jnp.arange(len(last)), jnp.asarray(last)]  # V(s_T)
+        scored = jnp.asarray(rewards)
+        if rl.truncation_bootstrap:
+            scored = bootstrapped_rewards(scored, jnp.asarray(rollouts.truncated), final_values)
+        advantages, returns = gae(terminal_rewards(scored, mask), values, mask, rl.gamma, rl.lam)
+        return advantages, returns, values
+
+    def _update(self, state: RLState, batch: dict, returns, iteration: int
+                ) -> tuple[RLState, dict]:
+        """One epoch: `rl.actor_minibatches` actor and `rl.critic_minibatches` critic updates."""
+        rl = self.run.rl
         shuffle = np.random.default_rng([rl.seed, iteration, 1])
         actor, actor_metrics = state.actor, []
         for mb in minibatches(batch, rl.actor_minibatches, shuffle):
@@ -238,29 +275,8 @@ class RLTrainer:
                 critic, m = self._critic_step(critic, mb)
                 critic_metrics.append(m)
         state = state.replace(actor=actor, critic=critic, iteration=state.iteration + 1)
-
-        _, _, filters = losses.mis_filters(old["logp"], jnp.asarray(rollouts.infer_logp), mask,
-                                           rl.token_bounds, rl.traj_bounds)
-        lengths = rollouts.response_lengths
-        metrics = {
-            "reward": float(rewards.mean()),
-            "accuracy": float(np.mean(rewards == 1.0)),
-            "truncation_rate": float(rollouts.truncated.mean()),
-            "response_length": float(lengths.mean()),
-            "entropy": _masked_mean(old["entropy"], mask),
-            "routing_confidence": _masked_mean(old["routing_confidence"], mask),
-            "kl": float(losses.kl_penalty(old["logp"], ref_logp, mask)),
-            **{k: float(v) for k, v in filters.items()},
-            **_mean_metrics(actor_metrics, "actor/"),
-            **_mean_metrics(critic_metrics, "critic/"),
-            "advantage_std": float(jnp.sqrt(jnp.sum(advantages ** 2 * mask) / jnp.sum(mask))),
-            "rollout_seconds": rollout_seconds,
-            "rollout_tokens_per_sec": float(lengths.sum()) / max(rollout_seconds, 1e-9),
-            "iteration_seconds": time.perf_counter() - started,
-        }
-        if self.critic is not None:
-            metrics["value_mean"] = _masked_mean(values, mask)
-        return state, metrics
+        return state, {**_mean_metrics(actor_metrics, "actor/"),
+                       **_mean_metrics(critic_metrics, "critic/")}
 
     def evaluate(self, state: RLState) -> dict[str, float]:
         """Held-out exact-match accuracy: greedy and sampled (the rollout temperature)."""

@@ -52,6 +52,7 @@ def mis_filters(old_logp, infer_logp, mask, token_bounds=TOKEN_BOUNDS, traj_boun
         "token_filter_frac": _masked_mean(token_keep.astype(jnp.float32), mask),
         "traj_keep_frac": _masked_mean(traj_keep.astype(jnp.float32), rows),
         "mismatch/log_ratio_mean": _masked_mean(log_x, mask),
+        "mismatch/abs_log_ratio_mean": _masked_mean(jnp.abs(log_x), mask),
         "mismatch/traj_ratio_mean": _masked_mean(traj_ratio, rows),
     }
     return keep, traj_keep, stats
@@ -133,7 +134,9 @@ def high_entropy_mask(entropy, mask, top_frac: float):
     * N) is the threshold, ties included. entropy, mask: [B, T] -> float32 [B, T]."""
     mask = mask > 0
     count = jnp.sum(mask)
-    k = jnp.clip(jnp.ceil(top_frac * count), 1, None).astype(jnp.int32)
+    # (1 - 1e-6): top_frac * count is rounded up in float32 (0.3 * 100 -> 30.000002), which
+    # must not add a token.
+    k = jnp.clip(jnp.ceil(top_frac * count * (1 - 1e-6)), 1, None).astype(jnp.int32)
     ranked = jnp.sort(jnp.where(mask, entropy, -jnp.inf).reshape(-1))[::-1]
     threshold = ranked[k - 1]
     return (mask & (entropy >= threshold)).astype(jnp.float32)

@@ -24,19 +24,19 @@ from train.state import TrainState
 
 def actor_loss(rl: RLConfig, logp, mb) -> tuple[jax.Array, dict]:
     """The configured algorithm's loss (rl/losses.py) plus the KL penalty."""
-    args = (logp, mb["old_logp"])
+    common = {"mask": mb["mask"], "select": mb["select"]}
     if rl.algorithm == "mis_po":
         loss, stats = losses.mis_po_loss(logp, mb["old_logp"], mb["infer_logp"],
-                                         mb["advantages"], mb["mask"], rl.token_bounds,
-                                         rl.traj_bounds, select=mb["select"])
+                                         mb["advantages"], token_bounds=rl.token_bounds,
+                                         traj_bounds=rl.traj_bounds, **common)
     elif rl.algorithm == "gspo":
-        loss, stats = losses.gspo_loss(*args, mb["infer_logp"], mb["advantages"], mb["mask"],
-                                       rl.gspo_clip, rl.token_bounds, rl.traj_bounds,
-                                       select=mb["select"])
+        loss, stats = losses.gspo_loss(logp, mb["old_logp"], mb["infer_logp"], mb["advantages"],
+                                       clip=rl.gspo_clip, token_bounds=rl.token_bounds,
+                                       traj_bounds=rl.traj_bounds, **common)
     else:
-        clip = rl.grpo_clip if rl.algorithm == "grpo" else rl.ppo_clip
-        loss, stats = losses.ppo_clip_loss(*args, mb["advantages"], mb["mask"], *clip,
-                                           select=mb["select"])
+        clip_low, clip_high = rl.grpo_clip if rl.algorithm == "grpo" else rl.ppo_clip
+        loss, stats = losses.ppo_clip_loss(logp, mb["old_logp"], mb["advantages"],
+                                           clip_low=clip_low, clip_high=clip_high, **common)
     kl = losses.kl_penalty(logp, mb["ref_logp"], mb["mask"])
     if rl.kl_coef:
         loss = loss + rl.kl_coef * kl
