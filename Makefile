@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup -q
+	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=15
 
 # Tiny Step 3.5 Flash on the embedded stdlib corpus; re-running resumes from the last checkpoint.
 TRAIN_DIR ?= runs/tiny

@@ -22,7 +22,11 @@ from model.config import (
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
 STEP35 = REPO / "configs" / "step35_flash.yaml"
-PRESETS = sorted((REPO / "configs").glob("*.yaml")) + sorted((REPO / "configs" / "ablation").glob("*.yaml"))
+# Model presets and training runs; RL runs (an `rl:` section, rl/config.py) are tested in
+# tests/test_rl_loop.py.
+PRESETS = [p for p in sorted((REPO / "configs").glob("*.yaml"))
+           + sorted((REPO / "configs" / "ablation").glob("*.yaml"))
+           if "rl" not in yaml.safe_load(p.read_text())]
 
 
 def _names_field(message: str, field: str) -> bool:
