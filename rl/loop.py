@@ -62,8 +62,8 @@ class RLSummary:
     workdir: Path
     first_iteration: int
     last_iteration: int
-    accuracy_before: float | None  # held-out greedy accuracy at first_iteration
-    accuracy_after: float | None
+    accuracy_before: float | None  # held-out greedy accuracy of the initial policy (iteration 0)
+    accuracy_after: float | None  # ... at the last evaluation of this invocation
     interrupted: bool
 
 
