@@ -6,6 +6,7 @@ name the offending field.
 """
 
 import argparse
+import sys
 from typing import NoReturn, Sequence
 
 from model.config import ModelConfig, load_config
@@ -16,6 +17,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {' '.join(message.split())}\n")
+
+
+def report_error(err: BaseException) -> int:
+    """Prints `err` as one line `error: ...` on stderr; returns the exit code 2."""
+    print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+    return 2
 
 
 def config_parser(module: str, doc: str) -> ArgumentParser:

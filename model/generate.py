@@ -22,7 +22,7 @@ from typing import Sequence
 
 import jax
 
-from model.cli import ArgumentParser
+from model.cli import ArgumentParser, report_error
 from model.decode import Decoder, required_length
 from model.sampling import Sampling
 
@@ -123,8 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         Sampling(args.temperature, args.top_k, args.top_p).validate()
         result = generate(args)
     except (ValueError, OSError, CheckpointError) as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return report_error(err)
     if args.json:
         print(json.dumps(result))
     else:

@@ -46,7 +46,7 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from model import weights
-from model.cli import ArgumentParser
+from model.cli import ArgumentParser, report_error
 from model.config import (
     DTYPES, AttentionTypeConfig, ModelConfig, MoEConfig, MTPConfig, RopeScaling,
 )
@@ -732,8 +732,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             save_hf_checkpoint(config, variables, args.out, dtype=args.dtype,
                                max_shard_bytes=int(args.max_shard_gib * 2**30))
     except (ValueError, OSError, CheckpointError) as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return report_error(err)
     print(f"wrote {args.out}")
     return 0
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from model.cli import ArgumentParser
+from model.cli import ArgumentParser, report_error
 from rl.config import load_rl_config
 from rl.loop import run_rl
 from train.checkpoint import CheckpointError
@@ -45,8 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         summary = run_rl(run, workdir, init_from=args.init_from)
     except (TrainingError, CheckpointError, ValueError) as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return report_error(err)
     if summary.first_iteration == summary.last_iteration and not summary.interrupted:
         print(f"nothing to do: {workdir} is already at iteration {summary.last_iteration} "
               f"(rl.iterations={run.rl.iterations}); raise rl.iterations to continue")

@@ -19,7 +19,7 @@ from model.config import (
     ModelConfig, apply_overrides, build_dataclass, check_bool, check_choice, check_fraction,
     check_int, check_nonnegative, check_positive, config_from_dict, config_to_dict, read_yaml,
 )
-from train.config import OPTIMIZERS, TrainConfig
+from train.config import OPTIMIZERS, TrainConfig, check_override_sections
 
 ALGORITHMS = ("mis_po", "ppo", "grpo", "gspo")
 ADVANTAGES = ("gae", "group")
@@ -203,9 +203,5 @@ def rl_config_from_dict(values: Mapping[str, Any]) -> RLRunConfig:
 
 def load_rl_config(path: str | Path, overrides: Sequence[str] = ()) -> RLRunConfig:
     values = read_yaml(path)
-    for override in overrides:
-        key = override.partition("=")[0].strip()
-        if key.split(".")[0] not in SECTIONS:
-            raise ValueError(f"override {override!r}: prefix the key with 'rl.', 'task.' or "
-                             f"'model.', e.g. rl.{key}=...")
+    check_override_sections(overrides, ("rl", "task", "model"))
     return rl_config_from_dict(apply_overrides(values, overrides))

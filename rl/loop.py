@@ -39,10 +39,11 @@ from rl.rollout import Rollouts, collect_rollouts
 from rl.tasks import arithmetic_problems, sample_problems, split_problems
 from rl.update import make_actor_step, make_critic_step, minibatches
 from train.checkpoint import Checkpointer
+from train.config import incompatible_fields
 from train.loop import TrainingError, enable_compilation_cache, prepare_workdir, stop_requests
 from train.metrics import METRICS_FILE, MetricsWriter, read_metrics
 from train.optimizer import build_optimizer, param_axes
-from train.state import TrainState
+from train.state import TrainState, state_from_variables
 from train.tokenizer import load_tokenizer
 
 # Fields a resumed run may change: run length, logging, evaluation and checkpoint cadence.
@@ -65,13 +66,6 @@ class RLSummary:
     accuracy_before: float | None  # held-out greedy accuracy of the initial policy (iteration 0)
     accuracy_after: float | None  # ... at the last evaluation of this invocation
     interrupted: bool
-
-
-def _train_state(params, balance, optimizer, seed: int) -> TrainState:
-    zero = jnp.zeros((), jnp.int32)
-    return TrainState(step=zero, params=params, balance=balance, opt_state=optimizer.init(params),
-                      rng=jax.random.key_data(jax.random.key(seed)), skipped=zero,
-                      consecutive_skips=zero)
 
 
 class RLTrainer:
@@ -129,11 +123,9 @@ class RLTrainer:
     def _resumable(self, run: RLRunConfig, saved: dict) -> RLRunConfig:
         """The saved run's config (its model included) with this run's resumable fields."""
         saved_run = rl_config_from_dict(saved)
-        changed = sorted(
-            f"{section}.{k}" for section in ("rl", "task")
-            for k, v in dataclasses.asdict(getattr(run, section)).items()
-            if k not in RESUMABLE_CHANGES
-            and _jsonish(v) != _jsonish(dataclasses.asdict(getattr(saved_run, section))[k]))
+        sections = lambda values: {k: values[k] for k in ("rl", "task")}  # noqa: E731
+        changed = incompatible_fields(sections(saved), sections(run.to_dict()),
+                                      {f"rl.{k}" for k in RESUMABLE_CHANGES})
         if changed:
             raise TrainingError(f"cannot resume {self.workdir}: the config differs from the "
                                 f"checkpoint's in {', '.join(changed)}; use another --workdir")
@@ -145,15 +137,14 @@ class RLTrainer:
 
     def _fresh_state(self, variables: dict) -> RLState:
         rl = self.run.rl
-        balance = variables.get("balance", {})
-        actor = _train_state(variables["params"], balance, self.actor_optimizer, rl.seed)
+        actor = state_from_variables(variables, self.actor_optimizer, jax.random.key(rl.seed))
         critic = None
         if self.critic is not None:
             critic_init = nn.meta.unbox(self.critic.init(jax.random.key(rl.seed),
                                                          jnp.zeros((1, 8), jnp.int32)))
             critic_vars = critic_variables_from_policy(variables, critic_init)
-            critic = _train_state(critic_vars["params"], critic_vars.get("balance", {}),
-                                  self.critic_optimizer, rl.seed + 1)
+            critic = state_from_variables(critic_vars, self.critic_optimizer,
+                                          jax.random.key(rl.seed + 1))
         reference = variables["params"] if rl.kl_coef else {}
         return RLState(actor=actor, critic=critic, reference=reference,
                        iteration=jnp.zeros((), jnp.int32))
@@ -223,19 +214,19 @@ class RLTrainer:
             "accuracy": float(np.mean(rewards == 1.0)),
             "truncation_rate": float(rollouts.truncated.mean()),
             "response_length": float(lengths.mean()),
-            "entropy": _masked_mean(old["entropy"], mask),
+            "entropy": float(losses.masked_mean(old["entropy"], mask)),
             "routing_confidence": float(per_rollout_confidence.mean()),
             "routing_confidence_hist": np.asarray(per_rollout_confidence),  # TensorBoard only
             "kl": float(losses.kl_penalty(old["logp"], ref_logp, mask)),
             **{k: float(v) for k, v in filters.items()},
             **update_metrics,
-            "advantage_rms": float(jnp.sqrt(jnp.sum(advantages ** 2 * mask) / jnp.sum(mask))),
+            "advantage_rms": float(jnp.sqrt(losses.masked_mean(advantages ** 2, mask))),
             "rollout_seconds": rollout_seconds,
             "rollout_tokens_per_sec": float(lengths.sum()) / max(rollout_seconds, 1e-9),
             "iteration_seconds": time.perf_counter() - started,
         }
         if values is not None:
-            metrics["value_mean"] = _masked_mean(values, mask)
+            metrics["value_mean"] = float(losses.masked_mean(values, mask))
         return state, metrics
 
     def _advantages(self, state: RLState, rollouts: Rollouts, rewards: np.ndarray):
@@ -298,11 +289,6 @@ def _variables(state: TrainState) -> dict:
         else {"params": state.params}
 
 
-def _masked_mean(x, mask) -> float:
-    mask = jnp.broadcast_to(jnp.asarray(mask, jnp.float32), jnp.shape(x))
-    return float(jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0))
-
-
 def _mean_metrics(records: list[dict], prefix: str) -> dict[str, float]:
     if not records:
         return {}
@@ -315,10 +301,6 @@ def _initial_accuracy(workdir: Path) -> float | None:
     records = read_metrics(path) if path.is_file() else []
     return next((r["eval/accuracy"] for r in records if r["step"] == 0
                  and r.get("eval/accuracy") is not None), None)
-
-
-def _jsonish(value):
-    return list(value) if isinstance(value, tuple) else value
 
 
 def run_rl(run: RLRunConfig, workdir: Path, *, init_from: str | None = None,

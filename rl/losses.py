@@ -25,7 +25,8 @@ TOKEN_BOUNDS = (0.5, 2.0)  # report 5.2.3: rho_min, rho_max of the token-level f
 TRAJ_BOUNDS = (0.996, 1.001)  # ... of the trajectory-level (geometric mean) filter
 
 
-def _masked_mean(x, weights):
+def masked_mean(x, weights):
+    """sum(x * weights) / sum(weights), 0 when the weights are all 0."""
     return jnp.sum(x * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
@@ -48,12 +49,12 @@ def mis_filters(old_logp, infer_logp, mask, token_bounds=TOKEN_BOUNDS, traj_boun
     rows = (tokens_per_row > 0).astype(jnp.float32)
     keep = token_keep & traj_keep[:, None]
     stats = {
-        "token_keep_frac": _masked_mean(keep.astype(jnp.float32), mask),
-        "token_filter_frac": _masked_mean(token_keep.astype(jnp.float32), mask),
-        "traj_keep_frac": _masked_mean(traj_keep.astype(jnp.float32), rows),
-        "mismatch/log_ratio_mean": _masked_mean(log_x, mask),
-        "mismatch/abs_log_ratio_mean": _masked_mean(jnp.abs(log_x), mask),
-        "mismatch/traj_ratio_mean": _masked_mean(traj_ratio, rows),
+        "token_keep_frac": masked_mean(keep.astype(jnp.float32), mask),
+        "token_filter_frac": masked_mean(token_keep.astype(jnp.float32), mask),
+        "traj_keep_frac": masked_mean(traj_keep.astype(jnp.float32), rows),
+        "mismatch/log_ratio_mean": masked_mean(log_x, mask),
+        "mismatch/abs_log_ratio_mean": masked_mean(jnp.abs(log_x), mask),
+        "mismatch/traj_ratio_mean": masked_mean(traj_ratio, rows),
     }
     return keep, traj_keep, stats
 
@@ -81,8 +82,8 @@ def ppo_clip_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2,
     weights = mask * _select(select, mask)
     loss = -jnp.sum(weights * surrogate) / _denominator(mask)
     clipped_away = (ratio * advantages != surrogate).astype(jnp.float32)
-    return loss, {"clip_frac": _masked_mean(clipped_away, mask),
-                  "ratio_mean": _masked_mean(jax.lax.stop_gradient(ratio), mask)}
+    return loss, {"clip_frac": masked_mean(clipped_away, mask),
+                  "ratio_mean": masked_mean(jax.lax.stop_gradient(ratio), mask)}
 
 
 def group_advantages(rewards, group_size: int, eps: float = 1e-6, scale: bool = True):
@@ -118,14 +119,14 @@ def gspo_loss(logp, old_logp, infer_logp, advantages, mask, clip=1e-4,
     weights = keep * mask * _select(select, mask)
     loss = -jnp.sum(weights * surrogate) / _denominator(mask)
     clipped_away = (ratio * advantages != surrogate).astype(jnp.float32)
-    return loss, {**stats, "clip_frac": _masked_mean(clipped_away, mask)}
+    return loss, {**stats, "clip_frac": masked_mean(clipped_away, mask)}
 
 
 def kl_penalty(logp, ref_logp, mask):
     """Unbiased estimator of KL(pi_theta || pi_ref) ("k3"): r - log r - 1 with r = pi_ref /
     pi_theta on tokens sampled from pi_theta; >= 0 per token. Mean over response tokens."""
     log_r = jnp.where(mask > 0, ref_logp - logp, 0.0)
-    return _masked_mean(jnp.exp(log_r) - log_r - 1.0, mask.astype(jnp.float32))
+    return masked_mean(jnp.exp(log_r) - log_r - 1.0, mask.astype(jnp.float32))
 
 
 def high_entropy_mask(entropy, mask, top_frac: float):

@@ -20,6 +20,7 @@ from rl import losses
 from rl.config import RLConfig
 from rl.models import ValueModel, shift_right, token_logprobs
 from train.state import TrainState
+from train.step import tree_where
 
 
 def actor_loss(rl: RLConfig, logp, mb) -> tuple[jax.Array, dict]:
@@ -48,9 +49,8 @@ def _apply_update(state: TrainState, optimizer, loss, grads) -> tuple[TrainState
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-    state = state.replace(step=state.step + 1, params=keep(params, state.params),
-                          opt_state=keep(opt_state, state.opt_state),
+    state = state.replace(step=state.step + 1, params=tree_where(finite, params, state.params),
+                          opt_state=tree_where(finite, opt_state, state.opt_state),
                           skipped=state.skipped + (~finite).astype(jnp.int32))
     return state, {"loss": loss, "grad_norm": grad_norm}
 
@@ -74,8 +74,7 @@ def make_actor_step(model: CausalLM, optimizer: optax.GradientTransformation, rl
 
 def value_loss(values, returns, mask):
     """0.5 * mean squared error of V(s_t) against the returns, over response tokens."""
-    mask = mask.astype(jnp.float32)
-    return 0.5 * jnp.sum(mask * (values - returns) ** 2) / jnp.maximum(jnp.sum(mask), 1.0)
+    return 0.5 * losses.masked_mean((values - returns) ** 2, mask.astype(jnp.float32))
 
 
 def make_critic_step(critic: ValueModel, optimizer: optax.GradientTransformation

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from model.cli import ArgumentParser
+from model.cli import ArgumentParser, report_error
 from train.checkpoint import CheckpointError
 from train.config import load_run_config
 from train.distributed import DistributedError, initialize, is_lead
@@ -60,8 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         summary = train(run, workdir)
     except (TrainingError, CheckpointError, ValueError) as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return report_error(err)
     if not is_lead():  # process 0 reports for all
         return 0
     if not summary.losses and not summary.interrupted:

@@ -295,12 +295,18 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfi
     values = read_yaml(path)
     if not (set(SECTIONS) & set(values)):
         values = {"model": values}
+    check_override_sections(overrides, SECTIONS)
+    return run_config_from_dict(apply_overrides(values, overrides))
+
+
+def check_override_sections(overrides: Sequence[str], sections: Sequence[str]) -> None:
+    """Every dotted override must start with one of the run YAML's `sections`."""
     for override in overrides:
         key = override.partition("=")[0].strip()
-        if key.split(".")[0] not in SECTIONS:
-            raise ValueError(f"override {override!r}: prefix the key with 'model.', 'train.' or "
-                             f"'mesh.', e.g. model.{key}=... or train.{key}=...")
-    return run_config_from_dict(apply_overrides(values, overrides))
+        if key.split(".")[0] not in sections:
+            prefixes = ", ".join(f"'{s}.'" for s in sections)
+            raise ValueError(f"override {override!r}: prefix the key with one of {prefixes}, "
+                             f"e.g. {sections[0]}.{key}=...")
 
 
 # Fields that may change between a checkpoint and its resumption: implementation switches,
@@ -326,13 +332,14 @@ def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def incompatible_fields(saved: Mapping[str, Any], current: RunConfig) -> list[str]:
-    """Dotted names of fields whose saved value differs from `current` and that a resumed run
-    may not change (state shapes, data stream, optimizer)."""
-    old, new = flatten(saved), flatten(current.to_dict())
-    jsonish = flatten(_json_roundtrip(current.to_dict()))
-    return sorted(k for k in set(old) | set(new)
-                  if k not in RESUMABLE_CHANGES and old.get(k) != jsonish.get(k))
+def incompatible_fields(saved: Mapping[str, Any], current: Mapping[str, Any],
+                        resumable: frozenset[str] | set[str] = frozenset(RESUMABLE_CHANGES)
+                        ) -> list[str]:
+    """Dotted names of fields whose saved value differs from `current` (a run's `to_dict()`,
+    compared after a JSON round trip, as the checkpoint stores it) and that a resumed run may
+    not change (`resumable` lists those it may: by default a training run's)."""
+    old, new = flatten(saved), flatten(_json_roundtrip(current))
+    return sorted(k for k in set(old) | set(new) if k not in resumable and old.get(k) != new.get(k))
 
 
 def _json_roundtrip(values: Any) -> Any:

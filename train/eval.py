@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from model.cli import ArgumentParser
+from model.cli import ArgumentParser, report_error
 from model.lm import CausalLM
 from train.checkpoint import CheckpointError, Checkpointer, restore_target
 from train.config import run_config_from_dict
@@ -97,8 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = evaluate_checkpoint(Path(args.workdir), args.split, args.batches, args.step,
                                      progress=not args.json)
     except (CheckpointError, ValueError) as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return report_error(err)
     if args.json:
         print(json.dumps(result))
     else:

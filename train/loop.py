@@ -101,7 +101,8 @@ class Trainer:
         self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.train.keep_checkpoints)
         self.resume_step = from_lead(self.checkpoints.latest_step())
         if self.resume_step is not None:
-            changed = incompatible_fields(self.checkpoints.read_config(self.resume_step), run)
+            changed = incompatible_fields(self.checkpoints.read_config(self.resume_step),
+                                          run.to_dict())
             if changed:
                 raise TrainingError(
                     f"cannot resume {self.workdir}: the config differs from the checkpoint's in "

@@ -51,11 +51,18 @@ def build_training(run: RunConfig) -> Training:
 
 def create_state(model: CausalLM, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
     init_key, state_key = jax.random.split(jax.random.key(seed))
-    variables = nn.meta.unbox(init_variables(model, init_key))
+    return state_from_variables(nn.meta.unbox(init_variables(model, init_key)), optimizer,
+                                state_key)
+
+
+def state_from_variables(variables: dict, optimizer: optax.GradientTransformation,
+                         key: jax.Array) -> TrainState:
+    """A step-0 state around existing (unboxed) variables {"params", "balance"?}, e.g. a
+    checkpoint RL starts from; `key` seeds the state's RNG."""
     params = variables["params"]
     zero = jnp.zeros((), jnp.int32)
     return TrainState(step=zero, params=params, balance=variables.get("balance", {}),
-                      opt_state=optimizer.init(params), rng=jax.random.key_data(state_key),
+                      opt_state=optimizer.init(params), rng=jax.random.key_data(key),
                       skipped=zero, consecutive_skips=zero)
 
 
