@@ -1,8 +1,11 @@
 """python -m train --config configs/tiny.yaml --workdir DIR [model.x=... train.y=...]
+python -m train --recipe configs/recipes/tiny_staged.yaml --workdir DIR [overrides]
 
-Trains a model from a run YAML (`model:` and `train:` sections). Re-running the same command
-resumes from the latest checkpoint in DIR. Writes DIR/metrics.jsonl, DIR/tensorboard/ and
-DIR/checkpoints/. SIGTERM/SIGINT save a checkpoint and exit cleanly.
+Trains a model from a run YAML (`model:` and `train:` sections), or runs a staged recipe: each
+stage a training run in DIR/stages/<kk>-<name> starting from the previous stage's weights
+(train/recipe.py documents the format). Re-running the same command resumes from the latest
+checkpoint in DIR (for a recipe: skips finished stages). Writes DIR/metrics.jsonl,
+DIR/tensorboard/ and DIR/checkpoints/. SIGTERM/SIGINT save a checkpoint and exit cleanly.
 
 Multi-host: start the same command once per host with --coordinator HOST:PORT (process 0's
 address and a free port), --num-processes N and --process-id 0..N-1 (or the environment variables
@@ -20,13 +23,17 @@ from model.cli import ArgumentParser, report_error
 from train.checkpoint import CheckpointError
 from train.config import load_run_config
 from train.distributed import DistributedError, initialize, is_lead
-from train.loop import TrainingError, train
+from train.loop import TrainingError, TrainSummary, train
+from train.recipe import load_recipe, run_recipe
 
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m train", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, metavar="PATH", help="run YAML")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", metavar="PATH", help="run YAML")
+    source.add_argument("--recipe", metavar="PATH",
+                        help="staged recipe YAML; overrides apply to every stage")
     parser.add_argument("--workdir", required=True, metavar="DIR",
                         help="where checkpoints and metrics go; an existing run there is resumed")
     multi = parser.add_argument_group(
@@ -49,7 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
     try:
-        run = load_run_config(args.config, args.overrides)
+        if args.recipe:
+            recipe = load_recipe(args.recipe, args.overrides)
+        else:
+            run = load_run_config(args.config, args.overrides)
     except ValueError as err:
         parser.error(str(err))
     try:  # before anything touches devices
@@ -58,26 +68,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     workdir = Path(args.workdir)
     try:
-        summary = train(run, workdir)
+        if args.recipe:
+            outcome = run_recipe(recipe, workdir, args.overrides,
+                                 log=print if is_lead() else lambda _: None)
+        else:
+            summary = train(run, workdir)
     except (TrainingError, CheckpointError, ValueError) as err:
         return report_error(err)
     if not is_lead():  # process 0 reports for all
+        return 0
+    if args.recipe:
+        for name, stage_summary in outcome.summaries.items():
+            report(stage_summary, f"stage {name}: ")
+        if not outcome.summaries:
+            print(f"nothing to do: every stage in {workdir} is finished")
         return 0
     if not summary.losses and not summary.interrupted:
         print(f"nothing to do: {workdir} is already at step {summary.last_step} "
               f"(train.steps={run.train.steps}); raise train.steps to train further")
         return 0
+    report(summary)
+    return 0
+
+
+def report(summary: TrainSummary, prefix: str = "") -> None:
+    """What a finished or interrupted run did and where its outputs are."""
+    workdir = summary.workdir
     state = "interrupted" if summary.interrupted else "finished"
     first = summary.losses[0] if summary.losses else float("nan")
     last = summary.losses[-1] if summary.losses else float("nan")
-    print(f"{state} at step {summary.last_step} (started at {summary.first_step}); "
+    print(f"{prefix}{state} at step {summary.last_step} (started at {summary.first_step}); "
           f"loss {first:.3f} -> {last:.3f}; skipped updates: {summary.skipped}")
     print(f"metrics:     {workdir / 'metrics.jsonl'} (TensorBoard: {workdir / 'tensorboard'}; "
           f"plot: python -m train.plot --workdir {workdir})")
     print(f"checkpoints: {workdir / 'checkpoints'}")
     if summary.interrupted:
         print("re-run the same command to resume")
-    return 0
 
 
 if __name__ == "__main__":

@@ -79,6 +79,17 @@ class Checkpointer:
                 f"{reason}); move it away to resume from an earlier one")
 
 
+def latest_checkpoint_step(workdir: Path) -> int | None:
+    """Latest checkpointed step of a `python -m train` workdir (None: nothing saved yet)."""
+    if not (Path(workdir) / "checkpoints").is_dir():
+        return None
+    checkpoints = Checkpointer(Path(workdir) / "checkpoints", keep=1 << 30)
+    try:
+        return checkpoints.latest_step()
+    finally:
+        checkpoints.close()
+
+
 def latest_run_config(workdir: Path) -> tuple[int, dict]:
     """(step, resolved run config dict) of the newest checkpoint of a `python -m train` workdir."""
     checkpoints = Checkpointer(Path(workdir) / "checkpoints", keep=1 << 30)

@@ -29,7 +29,9 @@ from train.mfu import measure_matmul_peak, train_flops_per_token
 from train.sharding import (
     batch_spec, check_batch_fits, make_mesh, named, replicated, state_specs, use_mesh,
 )
-from train.state import TrainState, abstract_state, build_training, create_state
+from train.state import (
+    TrainState, abstract_state, build_training, create_state, state_from_variables,
+)
 from train.step import make_train_step
 from train.tokenizer import load_tokenizer
 
@@ -128,18 +130,33 @@ class Trainer:
             seed=run.train.seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
             documents=self.documents)
 
-    def initial_state(self) -> TrainState:
+    def initial_state(self, start_from: dict | None = None) -> TrainState:
         """A fresh state, created directly in its shardings, or the latest checkpoint restored
-        into them (whatever mesh it was saved from)."""
+        into them (whatever mesh it was saved from). `start_from`: variables {"params",
+        "balance"} a fresh state takes instead of a random init (optimizer state new)."""
         seed = self.run.train.seed
         if self.resume_step is None:
             model, optimizer = self.training.model, self.training.optimizer
-            return jax.jit(lambda: create_state(model, optimizer, seed),
-                           out_shardings=self.state_sharding)()
+            if start_from is None:
+                return jax.jit(lambda: create_state(model, optimizer, seed),
+                               out_shardings=self.state_sharding)()
+            self._check_start_variables(start_from)
+            key = jax.random.split(jax.random.key(seed))[1]
+            return jax.jit(lambda v: state_from_variables(v, optimizer, key),
+                           out_shardings=self.state_sharding)(start_from)
         state, data_state = self.checkpoints.restore(
             self.resume_step, restore_target(self.abstract_state, self.state_sharding))
         self.data.set_state(process_state(data_state))  # each process: its own data shard
         return state
+
+    def _check_start_variables(self, variables: dict) -> None:
+        expected = {"params": self.abstract_state.params, "balance": self.abstract_state.balance}
+        got = {"params": variables["params"], "balance": variables.get("balance", {})}
+        if jax.tree.structure(got) != jax.tree.structure(expected) or any(
+                a.shape != b.shape for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))):
+            raise TrainingError("the starting weights do not fit this run's model (a different "
+                                "shape or set of parameters); only shape-preserving model "
+                                "changes can continue from them")
 
     def next_batch(self, step: int) -> tuple[dict, int]:
         """([num_micro, micro, T] global arrays for optimizer step `step` (batch-size warm-up),
@@ -185,15 +202,18 @@ class Trainer:
                               self.run.to_dict())
 
 
-def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None) -> TrainSummary:
+def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
+          start_from: dict | None = None) -> TrainSummary:
     """Trains to `run.train.steps`, resuming from `workdir` if it holds checkpoints.
     `stop_after`: leave (with a checkpoint) after this many steps of this invocation, as a
-    SIGTERM would; used to test resumption."""
+    SIGTERM would; used to test resumption. `start_from`: unboxed variables {"params",
+    "balance"} a run without checkpoints starts from instead of a random init (a recipe stage
+    continuing the previous one, train/recipe.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)
     trainer = Trainer(run, Path(workdir))
     try:
         with use_mesh(trainer.mesh):
-            return _run_steps(trainer, trainer.initial_state(), stop_after)
+            return _run_steps(trainer, trainer.initial_state(start_from), stop_after)
     finally:
         trainer.checkpoints.close()
 
