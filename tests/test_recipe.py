@@ -1,5 +1,5 @@
 """Tests of staged recipes (`train.recipe`, `python -m train --recipe`): the recipe file, MTP
-cloning, and one real three-stage recipe (frozen router across a stage, MTP-2 equal to MTP-1 at
+cloning, and one real two-stage recipe (frozen router across a stage, MTP-2 equal to MTP-1 at
 the clone point, resumption mid-recipe in the right stage)."""
 
 from __future__ import annotations
@@ -14,16 +14,12 @@ import yaml
 from model.weights import load_model
 from train.__main__ import main as train_main
 from train.recipe import clone_mtp_heads, load_recipe, run_recipe, stage_start_variables
-from train_helpers import SMALL_MODEL, TINY
-
-SMALL = [*SMALL_MODEL, "model.vocab_size=4096", "train.seq_len=16", "train.batch_size=4",
-         "train.warmup_steps=1", "train.log_every=1", "train.eval_every=0",
-         "train.progress=false", "train.peak_flops=1e9"]
+from train_helpers import SMALL_LOOP, TINY
 
 
 def write_recipe(tmp_path: Path, stages, **values) -> Path:
     path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump({"base": str(TINY), "overrides": SMALL, "stages": stages,
+    path.write_text(yaml.safe_dump({"base": str(TINY), "overrides": SMALL_LOOP, "stages": stages,
                                     **values}))
     return path
 
@@ -92,44 +88,43 @@ def test_clone_mtp_heads_copies_mtp_1_into_the_others():
 
 @pytest.mark.slow
 def test_recipe_freezes_clones_and_resumes_in_the_right_stage(tmp_path, capsys):
+    # Stage 1 has the sweep test's exact settings, so the two share one compiled step.
     path = write_recipe(tmp_path, [
-        {"name": "pre", "overrides": ["train.steps=2"]},
-        {"name": "frozen", "overrides": ["train.steps=2", "train.freeze_router=true",
-                                         "train.lr=0.01"]},
+        {"name": "pre"},
         {"name": "mtp", "clone_mtp": True,
-         "overrides": ["train.steps=2", "train.freeze_router=true",
+         "overrides": ["train.steps=2", "train.freeze_router=true", "train.lr=0.01",
                        "train.mtp_offset_weights=[1.0, 1.0]"]},
     ])
     recipe, workdir = load_recipe(path), tmp_path / "run"
-    first = run_recipe(recipe, workdir, stop_after=5, log=lambda _: None)
+    first = run_recipe(recipe, workdir, stop_after=4, log=lambda _: None)
     assert first.interrupted and first.skipped == []
     assert {n: (s.first_step, s.last_step) for n, s in first.summaries.items()} == {
-        "pre": (0, 2), "frozen": (0, 2), "mtp": (0, 1)}
+        "pre": (0, 3), "mtp": (0, 1)}
 
+    # MTP-2 starts as a copy of the pre-training stage's MTP-1.
     _, pre = load_model(recipe.stage_dir(workdir, 0))
-    _, frozen = load_model(recipe.stage_dir(workdir, 1))
-    routers = leaves_named(pre["params"], "router")
-    assert routers, "the small model has MoE routers"
-    for before, after in zip(routers, leaves_named(frozen["params"], "router")):
-        np.testing.assert_array_equal(before, after)
-    experts_moved = [not np.array_equal(a, b) for a, b in zip(
-        leaves_named(pre["params"]["layers"], "up_proj"),
-        leaves_named(frozen["params"]["layers"], "up_proj"))]
-    assert all(experts_moved), "the frozen-router stage still trains everything else"
-
-    start = stage_start_variables(recipe, workdir, 2)["params"]
-    for a, b, c in zip(jax.tree.leaves(frozen["params"]["mtp_0"]),
+    start = stage_start_variables(recipe, workdir, 1)["params"]
+    for a, b, c in zip(jax.tree.leaves(pre["params"]["mtp_0"]),
                        jax.tree.leaves(start["mtp_0"]), jax.tree.leaves(start["mtp_1"])):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
 
-    # Re-running skips the finished stages and resumes the third at its checkpoint.
+    # Re-running skips the finished stage and resumes the second at its checkpoint.
     assert train_main(["--recipe", str(path), "--workdir", str(workdir)]) == 0
     out = capsys.readouterr().out
-    assert "[stage 1/3] pre: finished (step 2), skipped" in out
-    assert "[stage 3/3] mtp: resuming at step 1" in out
+    assert "[stage 1/2] pre: finished (step 3), skipped" in out
+    assert "[stage 2/2] mtp: resuming at step 1" in out
     assert "stage mtp: finished at step 2 (started at 1)" in out
-    _, final = load_model(recipe.stage_dir(workdir, 2))
+    _, final = load_model(recipe.stage_dir(workdir, 1))
+
+    routers = leaves_named(pre["params"], "router")
+    assert routers, "the small model has MoE routers"
+    for before, after in zip(routers, leaves_named(final["params"], "router")):
+        np.testing.assert_array_equal(before, after)
+    moved = [not np.array_equal(a, b) for a, b in zip(
+        leaves_named(pre["params"]["layers"], "up_proj"),
+        leaves_named(final["params"]["layers"], "up_proj"))]
+    assert all(moved), "a frozen router leaves the rest of the model training"
     for cloned, trained in zip(jax.tree.leaves(start["mtp_1"]),
                                jax.tree.leaves(final["params"]["mtp_1"])):
         if cloned.ndim == 2:  # the cloned MTP-2 trains in the clone stage

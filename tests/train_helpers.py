@@ -39,3 +39,10 @@ def synthetic_batch(num_micro: int, micro: int, length: int, vocab: int, seed: i
         "positions": np.broadcast_to(positions.astype(np.int32), shape).copy(),
         "meta_mask": np.broadcast_to(positions < 3, shape).copy(),
     }
+
+
+# Sweep and recipe tests: the small model on the real corpus (the shipped 4096-token tokenizer),
+# 3 steps. Both test files use exactly these settings, so they share one compiled train step.
+SMALL_LOOP = [*SMALL_MODEL, "model.vocab_size=4096", "train.seq_len=16", "train.batch_size=4",
+              "train.warmup_steps=1", "train.steps=3", "train.log_every=1", "train.eval_every=0",
+              "train.eval_batches=1", "train.progress=false", "train.peak_flops=1e9"]
