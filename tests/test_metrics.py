@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from train.metrics import MetricsWriter, ProgressBar, read_metrics
-from train.plot import main as plot_main
+from train.plot import main as plot_main, stage_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,6 +137,18 @@ def test_plot_writes_png(tmp_path, capsys):
     out = tmp_path / "other.png"
     assert plot_main(["--workdir", str(tmp_path), "--out", str(out)]) == 0
     assert out.stat().st_size > 0
+
+
+def test_recipe_stages_share_one_step_axis(tmp_path, capsys):
+    write_run(tmp_path / "stages" / "01-pre", steps=5)
+    write_run(tmp_path / "stages" / "02-long", steps=3)
+    (tmp_path / "stages" / "03-not-started").mkdir()
+    records, boundaries = stage_records(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert records[5]["loss"] == 5.0  # step 1 of the second stage
+    assert boundaries == [(5, "02-long")]
+    assert plot_main(["--workdir", str(tmp_path)]) == 0
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("content", [None, "", '{"step": 1, "unknown": 2}\n'])

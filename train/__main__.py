@@ -79,9 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.recipe:
         for name, stage_summary in outcome.summaries.items():
-            report(stage_summary, f"stage {name}: ")
+            print(f"stage {name}: {outcome_line(stage_summary)} ({stage_summary.workdir})")
+        if outcome.interrupted:
+            print("re-run the same command to resume")
         if not outcome.summaries:
             print(f"nothing to do: every stage in {workdir} is finished")
+        print(f"all stages on one plot: python -m train.plot --workdir {workdir}")
         return 0
     if not summary.losses and not summary.interrupted:
         print(f"nothing to do: {workdir} is already at step {summary.last_step} "
@@ -91,14 +94,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def report(summary: TrainSummary, prefix: str = "") -> None:
-    """What a finished or interrupted run did and where its outputs are."""
-    workdir = summary.workdir
+def outcome_line(summary: TrainSummary) -> str:
     state = "interrupted" if summary.interrupted else "finished"
     first = summary.losses[0] if summary.losses else float("nan")
     last = summary.losses[-1] if summary.losses else float("nan")
-    print(f"{prefix}{state} at step {summary.last_step} (started at {summary.first_step}); "
-          f"loss {first:.3f} -> {last:.3f}; skipped updates: {summary.skipped}")
+    return (f"{state} at step {summary.last_step} (started at {summary.first_step}); "
+            f"loss {first:.3f} -> {last:.3f}; skipped updates: {summary.skipped}")
+
+
+def report(summary: TrainSummary) -> None:
+    """What a finished or interrupted run did and where its outputs are."""
+    workdir = summary.workdir
+    print(outcome_line(summary))
     print(f"metrics:     {workdir / 'metrics.jsonl'} (TensorBoard: {workdir / 'tensorboard'}; "
           f"plot: python -m train.plot --workdir {workdir})")
     print(f"checkpoints: {workdir / 'checkpoints'}")

@@ -5,6 +5,8 @@ against the iteration.
 
     python -m train.plot --workdir runs/tiny [--out FILE.png]
 
+For a staged recipe's workdir (`python -m train --recipe`, DIR/stages/<kk>-<name>/) the stages
+are drawn one after another on a common step axis, with a line at every stage boundary.
 Panels without data in the file are left out; `null` values (non-finite) leave gaps.
 """
 
@@ -75,8 +77,25 @@ def panels_with_data(records: list[dict]) -> list[tuple[str, list[str], bool]]:
     return [p for p in panels if p[1]]
 
 
-def plot_metrics(records: list[dict], out: Path) -> int:
-    """Draws the panels that have data into `out`; returns the number of panels."""
+def stage_records(workdir: Path) -> tuple[list[dict], list[tuple[int, str]]]:
+    """The metrics of a recipe workdir's stages, in order, with steps counted from the start of
+    the first stage; and (first step, stage directory name) of every stage after the first."""
+    records, boundaries, offset = [], [], 0
+    for stage in sorted(p for p in (workdir / "stages").iterdir() if (p / METRICS_FILE).is_file()):
+        stage_metrics = read_metrics(stage / METRICS_FILE)
+        if not stage_metrics:
+            continue
+        if records:
+            boundaries.append((offset, stage.name))
+        records += [{**r, "step": r["step"] + offset} for r in stage_metrics]
+        offset += stage_metrics[-1]["step"]
+    return records, boundaries
+
+
+def plot_metrics(records: list[dict], out: Path,
+                 boundaries: Sequence[tuple[int, str]] = ()) -> int:
+    """Draws the panels that have data into `out`, with a vertical line at each (step, label)
+    of `boundaries`; returns the number of panels."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -98,6 +117,11 @@ def plot_metrics(records: list[dict], out: Path) -> int:
         ax.grid(alpha=0.3)
         if log:
             ax.set_yscale("log")
+        for step, label in boundaries:
+            ax.axvline(step, color="grey", linestyle=":", linewidth=1)
+            if ax is axes.flat[0]:
+                ax.annotate(label, (step, 1), xycoords=("data", "axes fraction"), fontsize=7,
+                            rotation=90, va="top", ha="right", color="grey")
         if 1 < len(names) <= 8:
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
@@ -114,14 +138,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m train.plot", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True, metavar="DIR",
-                        help=f"training run directory holding {METRICS_FILE}")
+                        help=f"training run directory holding {METRICS_FILE}, or a recipe's")
     parser.add_argument("--out", metavar="FILE.png", help="output image (default DIR/metrics.png)")
     args = parser.parse_args(argv)
-    path = Path(args.workdir) / METRICS_FILE
-    if not path.is_file():
-        parser.error(f"--workdir: no {METRICS_FILE} in {args.workdir}")
+    workdir = Path(args.workdir)
+    path, boundaries = workdir / METRICS_FILE, []
     try:
-        records = read_metrics(path)
+        if not path.is_file() and (workdir / "stages").is_dir():  # a staged recipe
+            records, boundaries = stage_records(workdir)
+            path = workdir / "stages"
+        elif not path.is_file():
+            parser.error(f"--workdir: no {METRICS_FILE} (or stages/ of a recipe) in {workdir}")
+        else:
+            records = read_metrics(path)
     except (OSError, UnicodeDecodeError) as err:
         parser.error(f"cannot read {path}: {err}")
     if not records:
@@ -130,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"{path} holds none of the metrics this tool plots")
     out = Path(args.out) if args.out else Path(args.workdir) / "metrics.png"
     try:
-        plot_metrics(records, out)
+        plot_metrics(records, out, boundaries)
     except (OSError, ValueError) as err:  # unwritable path, unknown image format
         parser.error(f"--out: cannot write {out}: {getattr(err, 'strerror', None) or err}")
     print(out)

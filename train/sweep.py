@@ -193,6 +193,7 @@ def run_sweep(sweep: Sweep, workdir: Path, only: Sequence[str] = (),
             done = latest_checkpoint_step(run_dir)
         except CheckpointError as err:
             outcome.failed[run.name] = str(err)
+            log(f"[{index}/{len(selected)}] {run.name}: FAILED: {err}")
             continue
         if done is not None and done >= config.train.steps:
             log(f"[{index}/{len(selected)}] {run.name}: finished (step {done}), skipped")
