@@ -181,13 +181,14 @@ def run_recipe(recipe: Recipe, workdir: Path, extra: Sequence[str] = (), *,
             outcome.interrupted = True
             break
         start = None
-        if done is None:
-            start = stage_start_variables(recipe, workdir, index)
-            if start is not None:
-                log(f"{label}: starting from {recipe.stage_dir(workdir, index - 1)}"
-                    + (" with MTP-1 cloned into every MTP head" if stage.clone_mtp else ""))
-        else:
+        if done is not None:
             log(f"{label}: resuming at step {done}")
+        elif index == 0:
+            log(f"{label}: training -> {stage_dir}")
+        else:
+            start = stage_start_variables(recipe, workdir, index)
+            log(f"{label}: starting from {recipe.stage_dir(workdir, index - 1)}"
+                + (" with MTP-1 cloned into every MTP head" if stage.clone_mtp else ""))
         summary = train(run, stage_dir, stop_after=budget, start_from=start)
         outcome.summaries[stage.name] = summary
         if summary.interrupted:

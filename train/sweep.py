@@ -30,7 +30,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from model.cli import ArgumentParser, report_error
 from model.config import read_yaml, yaml_load
@@ -177,7 +177,7 @@ class SweepOutcome:
 
 
 def run_sweep(sweep: Sweep, workdir: Path, only: Sequence[str] = (),
-              log=print) -> SweepOutcome:
+              log: Callable[[str], None] = print) -> SweepOutcome:
     """Trains the runs of `sweep` (those named in `only`, if given) under `workdir`/runs, then
     writes the report of every run that has metrics."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -189,12 +189,7 @@ def run_sweep(sweep: Sweep, workdir: Path, only: Sequence[str] = (),
     outcome = SweepOutcome([], [], {}, False)
     for index, run in enumerate(selected, 1):
         config, run_dir = sweep.run_config(run), workdir / "runs" / run.name
-        try:
-            done = latest_checkpoint_step(run_dir)
-        except CheckpointError as err:
-            outcome.failed[run.name] = str(err)
-            log(f"[{index}/{len(selected)}] {run.name}: FAILED: {err}")
-            continue
+        done = latest_checkpoint_step(run_dir)
         if done is not None and done >= config.train.steps:
             log(f"[{index}/{len(selected)}] {run.name}: finished (step {done}), skipped")
             outcome.skipped.append(run.name)
