@@ -163,6 +163,7 @@ def plot_quality_vs_flops(results: list[dict], path: Path) -> None:
                     xytext=(4, 4), textcoords="offset points")
     if points and max(r["train_flops"] for r in points) > 3 * min(r["train_flops"] for r in points):
         ax.set_xscale("log")
+    ax.margins(x=0.15, y=0.1)  # room for the labels of the outermost points
     ax.set_xlabel("training FLOPs (model, forward + backward)")
     ax.set_ylabel("final held-out loss")
     ax.set_title("quality vs compute", fontsize=10)
