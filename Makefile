@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stepjax-installed
 
-.PHONY: test train rl bench clean-venv
+.PHONY: test train rl sweep bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ RL_DIR ?= runs/rl_arith
 rl: $(STAMP)
 	$(PY) -m train --config configs/sft_arith.yaml --workdir $(SFT_DIR)
 	$(PY) -m rl --config configs/rl_arith.yaml --workdir $(RL_DIR) --init-from $(SFT_DIR) $(ARGS)
+
+# Ablation sweep (README, "Experiments"): SWEEP=layout|gate|optimizer|balance; re-running skips
+# finished runs and resumes unfinished ones.
+SWEEP ?= layout
+SWEEP_DIR ?= runs/sweep_$(SWEEP)
+sweep: $(STAMP)
+	$(PY) -m train.sweep --sweep configs/sweeps/$(SWEEP).yaml --workdir $(SWEEP_DIR)
 
 # The decode benchmark needs a tiny model with all three MTP heads trained (re-running resumes).
 DECODE_DIR ?= runs/tiny_mtp3
