@@ -47,18 +47,18 @@ from train.checkpoint import Checkpointer, restore_target
 from train.config import load_run_config
 from train.distributed import DistributedError, gather_process_states, process_state, resolve
 from train.state import abstract_state, build_training
-from train_helpers import REPO, SMALL_MODEL, TINY
+from train_helpers import REPO, SMALL_MODEL, SUBPROCESS_XLA_FLAGS, TINY
 
 # One xdist worker runs them all: the module fixture's runs are shared, not repeated per worker.
 pytestmark = pytest.mark.xdist_group("multihost")
 
 STEPS = 4
 RESUME_FROM = 2  # the 2-process run stops here and a second launch resumes it
-# train_helpers.SMALL_MODEL cut to 3 layers (full + sliding-window attention, a dense and a
-# MoE layer, SwiGLU clamps) and one MTP head: compile time is most of this file's run time.
+# train_helpers.SMALL_MODEL cut to 2 layers (a dense full-attention layer, a sliding-window MoE
+# layer with the SwiGLU clamps) and one MTP head: compile time is most of this file's run time.
 MODEL = [
-    *SMALL_MODEL, "model.num_layers=3", "model.layout=F+SF",
-    "model.swiglu_limits=[0, 0, 7.0]", "model.swiglu_limits_shared=[0, 0, 16.0]",
+    *SMALL_MODEL, "model.num_layers=2", "model.layout=F+S",
+    "model.swiglu_limits=[0, 7.0]", "model.swiglu_limits_shared=[0, 16.0]",
     "model.mtp.num_heads=1",
 ]
 # 8 sequences per step over mesh data=4 x fsdp=2: 4 rows per process; ZeRO-1 (the default)
@@ -128,8 +128,7 @@ def child_env(devices: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"))
            and "proxy" not in k.lower()}  # gRPC to 127.0.0.1 must not go through a proxy
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-                         "--xla_backend_optimization_level=0",  # as tests/conftest.py
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {SUBPROCESS_XLA_FLAGS}",
                JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     return env
 

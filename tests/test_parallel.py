@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from train.config import MESH_AXES, MeshConfig, load_run_config
 from train.sharding import abstract_mesh, logical_to_spec, zero1_spec
-from train_helpers import TINY
+from train_helpers import SUBPROCESS_XLA_FLAGS, TINY
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 TOLERANCE = 1e-5  # relative, float32 with a different reduction order
@@ -24,7 +24,7 @@ TOLERANCE = 1e-5  # relative, float32 with a different reduction order
 # Expected layouts, read off the rules table by hand: vocab/heads/mlp/expert_mlp -> tensor,
 # embed -> fsdp, expert -> expert, the pipelined segment's layers -> pipeline. Shapes:
 # embedding [64, 32], expert_gate [2, 8, 32, 16] and q_proj [2, 32, 4, 8] in the pipelined
-# (S F) x 2 segment, dense_up [1, 32, 64] in the leading dense layer's segment.
+# F x 2 segment, dense_up [1, 32, 64] in the leading dense layer's segment.
 EXPECTED = {
     "data=8": {"embedding": [None, None], "expert_gate": [None, None, None, None],
                "q_proj": [None, None, None, None], "dense_up": [None, None, None]},
@@ -44,8 +44,7 @@ EXPECTED = {
 
 def run_worker(*args: str) -> dict:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8 "
-                        "--xla_backend_optimization_level=0",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {SUBPROCESS_XLA_FLAGS}",
            "JAX_COMPILATION_CACHE_DIR": str(
                Path(tempfile.gettempdir()) / f"stepjax-test-xla-cache-{os.getuid()}")}
     done = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True,
@@ -84,7 +83,8 @@ def check_mesh_result(mesh: str, result: dict, whole_step: bool) -> None:
 
 # The whole step (with the Muon update) runs on the meshes that exercise ZeRO-1 + expert +
 # tensor and pipeline + expert + fsdp; loss and gradients are compared on all five. One worker
-# process, so the one-device reference compiles once (compiling dominates: ~20 s a program).
+# process, so the one-device reference compiles once (tracing and compiling dominate: ~10 s a
+# program).
 MESHES = ("data=8", "fsdp=4,expert=2", "step:data=2,expert=2,tensor=2", "pipeline=2,data=4",
           "step:pipeline=2,expert=2,fsdp=2")
 
