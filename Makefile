@@ -30,11 +30,12 @@ rl: $(STAMP)
 	$(PY) -m rl --config configs/rl_arith.yaml --workdir $(RL_DIR) --init-from $(SFT_DIR) $(ARGS)
 
 # Ablation sweep (README, "Experiments"): SWEEP=layout|gate|optimizer|balance; re-running skips
-# finished runs and resumes unfinished ones.
+# finished runs and resumes unfinished ones. ARGS override every run, e.g.
+# ARGS="train.seed=1" SWEEP_DIR=runs/sweep_layout_seed1.
 SWEEP ?= layout
 SWEEP_DIR ?= runs/sweep_$(SWEEP)
 sweep: $(STAMP)
-	$(PY) -m train.sweep --sweep configs/sweeps/$(SWEEP).yaml --workdir $(SWEEP_DIR)
+	$(PY) -m train.sweep --sweep configs/sweeps/$(SWEEP).yaml --workdir $(SWEEP_DIR) $(ARGS)
 
 # The decode benchmark needs a tiny model with all three MTP heads trained (re-running resumes).
 DECODE_DIR ?= runs/tiny_mtp3

@@ -73,6 +73,14 @@ def test_bad_recipes_name_the_problem(tmp_path, stages, needle):
     assert needle in str(err.value)
 
 
+def test_recipe_base_is_found_next_to_the_recipe(tmp_path):
+    (tmp_path / "run.yaml").write_text(TINY.read_text())
+    recipe = load_recipe(write_recipe(tmp_path, [{"name": "a"}], base="run.yaml"))
+    assert recipe.base == tmp_path / "run.yaml"
+    with pytest.raises(ValueError, match="recipe base: missing.yaml not found"):
+        load_recipe(write_recipe(tmp_path, [{"name": "a"}], base="missing.yaml"))
+
+
 def test_clone_mtp_heads_copies_mtp_1_into_the_others():
     params = {"mtp_0": {"w": np.ones(3)}, "mtp_1": {"w": np.zeros(3)},
               "mtp_2": {"w": np.full(3, 5.0)}, "layers": {"w": np.full(2, 7.0)}}

@@ -156,12 +156,27 @@ def test_help_and_list(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out == ["optimizer=muon: train.optimizer=muon",
                    "optimizer=adamw: train.optimizer=adamw"]
+    assert main(["--sweep", str(path), "train.seed=1", "--workdir", str(tmp_path / "w"),
+                 "--list"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "optimizer=muon: train.optimizer=muon train.seed=1"
     assert not (tmp_path / "w").exists()
+
+
+def test_command_line_overrides_apply_to_every_run_last(tmp_path):
+    path = write_sweep(tmp_path, overrides=["train.seed=3"],
+                       runs=[{"name": "a", "overrides": ["model.gate=sink"]}, {"name": "b"}])
+    sweep = load_sweep(path, ["model.gate=none", "train.seed=1"])
+    configs = [sweep.run_config(run) for run in sweep.runs]
+    assert [(c.model.gate, c.train.seed) for c in configs] == [("none", 1), ("none", 1)]
+    with pytest.raises(ValueError, match="command-line overrides"):
+        load_sweep(path, ["train.seed"])
 
 
 @pytest.mark.parametrize("args, needle", [
     (["--only", "nope"], "--only: no run named nope"),
     (["--sweep-file-is-missing"], "unrecognized arguments"),
+    (["model.no_such_field=1"], "sweep run optimizer=muon:"),
 ])
 def test_cli_errors_are_one_line(tmp_path, capsys, args, needle):
     path = write_sweep(tmp_path, grid={"train.optimizer": ["muon"]})

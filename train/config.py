@@ -309,6 +309,28 @@ def check_override_sections(overrides: Sequence[str], sections: Sequence[str]) -
                              f"e.g. {sections[0]}.{key}=...")
 
 
+def override_list(values: Any, where: str) -> tuple[str, ...]:
+    """The `overrides:` list of a sweep or recipe file (None: none), checked to be `key=value`
+    strings; `where` names it in the error."""
+    if values is None:
+        return ()
+    if not isinstance(values, list) or not all(isinstance(v, str) and "=" in v for v in values):
+        raise ValueError(f"{where}: expected a list of 'key=value' strings, got {values!r}")
+    return tuple(values)
+
+
+def resolve_base(base: Any, spec_file: Path, kind: str) -> Path:
+    """The run YAML that a sweep or recipe file (`kind`) names as `base`: a relative path is
+    tried from the current directory, then from the file's own directory."""
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"{kind} base: expected the path of a run YAML, e.g. configs/tiny.yaml")
+    for candidate in (Path(base), spec_file.parent / base):
+        if candidate.is_file():
+            return candidate
+    raise ValueError(f"{kind} base: {base} not found (relative paths are tried from the current "
+                     f"directory, then from {spec_file.parent})")
+
+
 # Fields that may change between a checkpoint and its resumption: implementation switches,
 # run-length/logging knobs and the mesh (checkpoints are restored into any sharding).
 # Everything else shapes the state or the data stream.

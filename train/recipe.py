@@ -43,7 +43,9 @@ import jax
 from model.config import read_yaml
 from model.weights import load_model
 from train.checkpoint import latest_checkpoint_step, latest_run_config
-from train.config import RunConfig, incompatible_fields, load_run_config
+from train.config import (
+    RunConfig, incompatible_fields, load_run_config, override_list, resolve_base,
+)
 from train.loop import TrainingError, TrainSummary, train
 
 RECIPE_KEYS = ("base", "overrides", "stages", "description")
@@ -75,14 +77,6 @@ class Recipe:
         return Path(workdir) / "stages" / f"{index + 1:02d}-{self.stages[index].name}"
 
 
-def _strings(values, where: str) -> tuple[str, ...]:
-    if values is None:
-        return ()
-    if not isinstance(values, list) or not all(isinstance(v, str) and "=" in v for v in values):
-        raise ValueError(f"{where}: expected a list of 'key=value' strings, got {values!r}")
-    return tuple(values)
-
-
 def load_recipe(path: str | Path, extra: Sequence[str] = ()) -> Recipe:
     """Reads and checks a recipe file; every stage's config (with the command line's `extra`
     overrides) is resolved here, so a mistake in a late stage fails before the first trains."""
@@ -92,13 +86,7 @@ def load_recipe(path: str | Path, extra: Sequence[str] = ()) -> Recipe:
     if unknown:
         raise ValueError(f"recipe {path}: unknown key(s) {sorted(unknown)}; expected "
                          f"{', '.join(RECIPE_KEYS)}")
-    base = values.get("base")
-    if not isinstance(base, str) or not base:
-        raise ValueError(f"recipe {path}: 'base' must name a run YAML, e.g. configs/tiny.yaml")
-    base_path = next((p for p in (Path(base), path.parent / base) if p.is_file()), None)
-    if base_path is None:
-        raise ValueError(f"recipe base: {base} not found (relative paths are tried from the "
-                         f"current directory, then from {path.parent})")
+    base = resolve_base(values.get("base"), path, "recipe")
     entries = values.get("stages")
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"recipe {path}: 'stages' must be a non-empty list")
@@ -115,9 +103,9 @@ def load_recipe(path: str | Path, extra: Sequence[str] = ()) -> Recipe:
             raise ValueError(f"recipe stages[{i}].clone_mtp: expected true or false, got {clone!r}")
         if clone and i == 0:
             raise ValueError("recipe stages[0].clone_mtp: the first stage has no MTP-1 to clone")
-        stages.append(Stage(name, _strings(entry.get("overrides"), f"recipe stages[{i}].overrides"),
-                            clone))
-    recipe = Recipe(base_path, _strings(values.get("overrides"), "recipe overrides"),
+        overrides = override_list(entry.get("overrides"), f"recipe stages[{i}].overrides")
+        stages.append(Stage(name, overrides, clone))
+    recipe = Recipe(base, override_list(values.get("overrides"), "recipe overrides"),
                     tuple(stages), str(values.get("description") or ""))
     for i, stage in enumerate(recipe.stages):
         try:

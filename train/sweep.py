@@ -1,6 +1,7 @@
 """Ablation sweeps: one base run config, a grid and/or a list of overridden runs.
 
-    python -m train.sweep --sweep configs/sweeps/layout.yaml --workdir runs/sweep_layout
+    python -m train.sweep --sweep configs/sweeps/layout.yaml --workdir runs/sweep_layout \
+        [key=value ...]
 
 Sweep file (YAML):
 
@@ -12,12 +13,14 @@ Sweep file (YAML):
     metrics: [moe/load_max_over_mean]   # optional: more columns (last logged value)
     description: ...                    # optional: printed above the results table
 
-With both `grid` and `runs`, every run is trained at every grid point. Each run trains in
-DIR/runs/NAME with `python -m train`'s loop; re-running the command skips finished runs and
-resumes unfinished ones (a run whose config no longer matches its checkpoint is reported as
-failed, the others go on). Afterwards DIR holds results.csv, results.md, loss_curves.png and
-quality_vs_flops.png (train/sweep_report.py). Runs end with a held-out evaluation: a run without
-`train.eval_every` gets `train.eval_every=<train.steps>`.
+With both `grid` and `runs`, every run is trained at every grid point. `key=value` overrides on
+the command line apply to every run, last (e.g. `train.seed=1` to repeat a sweep with another
+seed in another DIR). Each run trains in DIR/runs/NAME with `python -m train`'s loop; re-running
+the command skips finished runs and resumes unfinished ones (a run whose config no longer
+matches its checkpoint is reported as failed, the others go on). Afterwards DIR holds
+results.csv, results.md, loss_curves.png and quality_vs_flops.png (train/sweep_report.py). Runs
+end with a held-out evaluation: a run without `train.eval_every` gets
+`train.eval_every=<train.steps>`.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any, Callable, Sequence
 from model.cli import ArgumentParser, report_error
 from model.config import read_yaml, yaml_load
 from train.checkpoint import CheckpointError, latest_checkpoint_step
-from train.config import RunConfig, load_run_config
+from train.config import RunConfig, load_run_config, override_list, resolve_base
 from train.loop import TrainingError, train
 from train.sweep_report import collect_results, write_report
 
@@ -56,9 +59,13 @@ class Sweep:
     runs: tuple[SweepRun, ...]
     description: str = ""
     metrics: tuple[str, ...] = ()  # extra metrics.jsonl names reported (last logged value)
+    command_line: tuple[str, ...] = ()  # overrides given to the CLI: every run, last
+
+    def run_overrides(self, run: SweepRun) -> list[str]:
+        return [*self.overrides, *run.overrides, *self.command_line]
 
     def run_config(self, run: SweepRun) -> RunConfig:
-        config = load_run_config(self.base, [*self.overrides, *run.overrides])
+        config = load_run_config(self.base, self.run_overrides(run))
         if not config.train.eval_every:  # every run must end with a held-out loss
             config = dataclasses.replace(config, train=dataclasses.replace(
                 config.train, eval_every=config.train.steps))
@@ -76,14 +83,6 @@ def _override(key: str, value: Any) -> str:
 def _short(key: str, value: Any) -> str:
     shown = value if isinstance(value, str) else json.dumps(value)
     return f"{key.split('.')[-1]}={shown}"
-
-
-def _string_list(values: Any, where: str) -> tuple[str, ...]:
-    if values is None:
-        return ()
-    if not isinstance(values, list) or not all(isinstance(v, str) and "=" in v for v in values):
-        raise ValueError(f"{where}: expected a list of 'key=value' strings, got {values!r}")
-    return tuple(values)
 
 
 def _grid_points(grid: Any) -> list[tuple[str, tuple[str, ...]]]:
@@ -113,42 +112,33 @@ def _named_runs(runs: Any) -> list[SweepRun]:
         if not isinstance(entry, dict) or set(entry) - {"name", "overrides"} or "name" not in entry:
             raise ValueError(f"sweep runs[{i}]: expected {{name: ..., overrides: [...]}}, "
                              f"got {entry!r}")
-        out.append(SweepRun(str(entry["name"]),
-                            _string_list(entry.get("overrides"), f"sweep runs[{i}].overrides")))
+        overrides = override_list(entry.get("overrides"), f"sweep runs[{i}].overrides")
+        out.append(SweepRun(str(entry["name"]), overrides))
     return out
-
-
-def _resolve_base(base: Any, sweep_file: Path) -> Path:
-    if not isinstance(base, str) or not base:
-        raise ValueError("sweep base: expected the path of a run YAML, e.g. configs/tiny.yaml")
-    for candidate in (Path(base), sweep_file.parent / base):
-        if candidate.is_file():
-            return candidate
-    raise ValueError(f"sweep base: {base} not found (relative paths are tried from the current "
-                     f"directory, then from {sweep_file.parent})")
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]+")
 
 
-def load_sweep(path: str | Path) -> Sweep:
-    """Reads and checks a sweep file; every run's config is resolved once here, so a typo in
-    any run fails before the first one trains."""
+def load_sweep(path: str | Path, extra: Sequence[str] = ()) -> Sweep:
+    """Reads and checks a sweep file; `extra` overrides (the command line's) apply to every
+    run, last. Every run's config is resolved once here, so a typo in any run fails before the
+    first one trains."""
     path = Path(path)
     values = read_yaml(path)
     unknown = set(values) - set(SWEEP_KEYS)
     if unknown:
         raise ValueError(f"sweep {path}: unknown key(s) {sorted(unknown)}; expected "
                          f"{', '.join(SWEEP_KEYS)}")
-    base = _resolve_base(values.get("base"), path)
+    base = resolve_base(values.get("base"), path, "sweep")
     named, points = _named_runs(values.get("runs")), _grid_points(values.get("grid"))
     if not named and not points:
         raise ValueError(f"sweep {path}: needs a 'grid' and/or a 'runs' list")
     if named and points:
-        runs = [SweepRun(f"{r.name},{suffix}", r.overrides + extra)
-                for r in named for suffix, extra in points]
+        runs = [SweepRun(f"{r.name},{suffix}", r.overrides + point)
+                for r in named for suffix, point in points]
     else:
-        runs = named or [SweepRun(suffix, extra) for suffix, extra in points]
+        runs = named or [SweepRun(suffix, point) for suffix, point in points]
     runs = [dataclasses.replace(r, name=_UNSAFE.sub("_", r.name)) for r in runs]
     names = [r.name for r in runs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -157,9 +147,10 @@ def load_sweep(path: str | Path) -> Sweep:
     metrics = values.get("metrics") or []
     if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
         raise ValueError(f"sweep metrics: expected a list of metric names, got {metrics!r}")
-    sweep = Sweep(base=base, overrides=_string_list(values.get("overrides"), "sweep overrides"),
+    sweep = Sweep(base=base, overrides=override_list(values.get("overrides"), "sweep overrides"),
                   runs=tuple(runs), description=str(values.get("description") or ""),
-                  metrics=tuple(metrics))
+                  metrics=tuple(metrics),
+                  command_line=override_list(list(extra), "command-line overrides"))
     for run in sweep.runs:
         try:
             sweep.run_config(run)
@@ -183,6 +174,7 @@ def run_sweep(sweep: Sweep, workdir: Path, only: Sequence[str] = (),
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "sweep.json").write_text(json.dumps({
         "base": str(sweep.base), "overrides": list(sweep.overrides),
+        "command_line": list(sweep.command_line),
         "runs": [{"name": r.name, "overrides": list(r.overrides)} for r in sweep.runs]},
         indent=2) + "\n")
     selected = [r for r in sweep.runs if not only or r.name in only]
@@ -234,14 +226,16 @@ def build_parser() -> ArgumentParser:
                              "machines sharing DIR; the report covers every run with metrics")
     parser.add_argument("--list", action="store_true",
                         help="print the expanded runs and their overrides, train nothing")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides for every run, applied last, e.g. train.seed=1")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
-        sweep = load_sweep(args.sweep)
+        sweep = load_sweep(args.sweep, args.overrides)
     except ValueError as err:
         parser.error(str(err))
     names = [r.name for r in sweep.runs]
@@ -250,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--only: no run named {', '.join(unknown)} (runs: {', '.join(names)})")
     if args.list:
         for run in sweep.runs:
-            print(f"{run.name}: {' '.join([*sweep.overrides, *run.overrides])}")
+            print(f"{run.name}: {' '.join(sweep.run_overrides(run))}")
         return 0
     workdir = Path(args.workdir)
     try:

@@ -108,9 +108,9 @@ def markdown_table(results: list[dict], extra: Sequence[str] = ()) -> str:
 
 
 def write_markdown(results: list[dict], path: Path, sweep: "Sweep") -> None:
+    common = [*sweep.overrides, *sweep.command_line]
     parts = [f"# Sweep results\n\nBase config `{sweep.base}`"
-             + (f", overrides for every run: `{' '.join(sweep.overrides)}`" if sweep.overrides else "")
-             + ".\n"]
+             + (f", overrides for every run: `{' '.join(common)}`" if common else "") + ".\n"]
     if sweep.description:
         parts.append(sweep.description.strip() + "\n")
     parts.append(markdown_table(results, sweep.metrics) + "\n")
