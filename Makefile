@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.attention_scaling
 	$(PY) -m benchmarks.moe_dispatch
 	$(PY) -m benchmarks.compile_time
+	$(PY) -m benchmarks.layout_flops
 	$(PY) -m benchmarks.data_pipeline
 	$(PY) -m benchmarks.train_step
 	$(PY) -m train --config configs/tiny.yaml --workdir $(DECODE_DIR) train.steps=480 \

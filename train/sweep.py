@@ -40,10 +40,9 @@ from model.config import read_yaml, yaml_load
 from train.checkpoint import CheckpointError, latest_checkpoint_step
 from train.config import RunConfig, load_run_config, override_list, resolve_base
 from train.loop import TrainingError, train
-from train.sweep_report import collect_results, write_report
+from train.sweep_report import STATUS_FILE, collect_results, write_report
 
 SWEEP_KEYS = ("base", "overrides", "grid", "runs", "description", "metrics")
-STATUS_FILE = "sweep_run.json"  # per run: wall-clock seconds spent training it, over invocations
 
 
 @dataclasses.dataclass(frozen=True)

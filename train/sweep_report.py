@@ -19,6 +19,7 @@ from train.mfu import train_flops_per_token
 if TYPE_CHECKING:
     from train.sweep import Sweep
 
+STATUS_FILE = "sweep_run.json"  # per run: wall-clock seconds spent training it, over invocations
 COLUMNS = ("name", "status", "heldout_loss", "heldout_step", "train_loss", "steps", "tokens",
            "params_total", "params_active", "train_flops_per_token", "train_flops",
            "tokens_per_sec", "train_seconds", "overrides")
@@ -32,8 +33,6 @@ def _last(records: list[dict], key: str) -> tuple[int | None, float | None]:
 
 
 def _run_row(sweep: "Sweep", run, workdir: Path) -> dict | None:
-    from train.sweep import STATUS_FILE  # the runner owns the file; imported lazily (cycle)
-
     run_dir = workdir / "runs" / run.name
     metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
