@@ -142,6 +142,7 @@ def test_recipe_freezes_clones_and_resumes_in_the_right_stage(tmp_path, capsys):
 
 
 def test_changed_finished_stage_is_refused(tmp_path, capsys, monkeypatch):
+    import train.checkpoint as checkpoint_module
     import train.recipe as recipe_module
 
     path = write_recipe(tmp_path, [{"name": "a", "overrides": ["train.steps=2"]},
@@ -150,7 +151,7 @@ def test_changed_finished_stage_is_refused(tmp_path, capsys, monkeypatch):
     saved = load_recipe(path).stage_config(0).to_dict()
     saved["train"]["lr"] = 0.5
     monkeypatch.setattr(recipe_module, "latest_checkpoint_step", lambda d: 2 if d == stage_a else None)
-    monkeypatch.setattr(recipe_module, "latest_run_config", lambda d: (2, saved))
+    monkeypatch.setattr(checkpoint_module, "latest_run_config", lambda d: (2, saved))
     assert train_main(["--recipe", str(path), "--workdir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "stage a" in err and "train.lr" in err and err.count("\n") == 1

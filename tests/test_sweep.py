@@ -143,6 +143,23 @@ def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch, c
     assert outcome.trained == ["fine"] and outcome.failed == {}
 
 
+def test_workdir_trained_with_another_config_is_refused(tmp_path, monkeypatch, capsys):
+    import train.checkpoint as checkpoint_module
+
+    path = write_sweep(tmp_path, overrides=SMALL_LOOP, runs=[{"name": "a"}])
+    sweep = load_sweep(path)
+    saved = sweep.run_config(sweep.runs[0]).to_dict()
+    saved["train"]["seed"] = 7  # trained before with another seed, e.g. train.seed=7
+    monkeypatch.setattr(sweep_module, "latest_checkpoint_step", lambda run_dir: 3)
+    monkeypatch.setattr(checkpoint_module, "latest_run_config", lambda run_dir: (3, saved))
+    monkeypatch.setattr(sweep_module, "train", lambda *a, **k: 1 / 0)
+    assert main(["--sweep", str(path), "--workdir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: run a: ") and "different config (train.seed)" in err
+    assert err.count("\n") == 1
+    assert not (tmp_path / "out").exists(), "nothing written: not sweep.json, not a report"
+
+
 # ---- command line ------------------------------------------------------------------------------
 
 

@@ -13,6 +13,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from train.config import incompatible_fields
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint exists but cannot be read (corrupt, truncated or of another layout)."""
@@ -100,6 +102,14 @@ def latest_run_config(workdir: Path) -> tuple[int, dict]:
         return step, checkpoints.read_config(step)
     finally:
         checkpoints.close()
+
+
+def changed_since_checkpoint(workdir: Path, current: dict) -> list[str]:
+    """Dotted names of the fields in which `current` (a `RunConfig.to_dict()`) differs from the
+    config of the workdir's newest checkpoint, leaving out those a resumed run may change
+    (`train.config.incompatible_fields`)."""
+    _, saved = latest_run_config(workdir)
+    return incompatible_fields(saved, current)
 
 
 def restore_target(abstract: Any, shardings: Any) -> Any:

@@ -42,10 +42,8 @@ import jax
 
 from model.config import read_yaml
 from model.weights import load_model
-from train.checkpoint import latest_checkpoint_step, latest_run_config
-from train.config import (
-    RunConfig, incompatible_fields, load_run_config, override_list, resolve_base,
-)
+from train.checkpoint import changed_since_checkpoint, latest_checkpoint_step
+from train.config import RunConfig, load_run_config, override_list, resolve_base
 from train.loop import TrainingError, TrainSummary, train
 
 RECIPE_KEYS = ("base", "overrides", "stages", "description")
@@ -190,8 +188,7 @@ def run_recipe(recipe: Recipe, workdir: Path, extra: Sequence[str] = (), *,
 def _check_unchanged(stage_dir: Path, run: RunConfig, name: str) -> None:
     """A finished stage whose recipe entry changed since would silently feed stale weights to
     the next stage: refuse instead."""
-    _, saved = latest_run_config(stage_dir)
-    changed = incompatible_fields(saved, run.to_dict())
+    changed = changed_since_checkpoint(stage_dir, run.to_dict())
     if changed:
         raise TrainingError(f"stage {name} in {stage_dir} finished with a different config "
                             f"({', '.join(changed)}); restore the recipe or use another --workdir")

@@ -16,11 +16,12 @@ Sweep file (YAML):
 With both `grid` and `runs`, every run is trained at every grid point. `key=value` overrides on
 the command line apply to every run, last (e.g. `train.seed=1` to repeat a sweep with another
 seed in another DIR). Each run trains in DIR/runs/NAME with `python -m train`'s loop; re-running
-the command skips finished runs and resumes unfinished ones (a run whose config no longer
-matches its checkpoint is reported as failed, the others go on). Afterwards DIR holds
-results.csv, results.md, loss_curves.png and quality_vs_flops.png (train/sweep_report.py). Runs
-end with a held-out evaluation: a run without `train.eval_every` gets
-`train.eval_every=<train.steps>`.
+the command skips finished runs and resumes unfinished ones; it refuses, writing nothing, a DIR
+whose runs were trained with other settings (a changed sweep file or other command-line
+overrides). A run that fails is reported with its reason and the others go on. Afterwards DIR
+holds results.csv, results.md, loss_curves.png and quality_vs_flops.png
+(train/sweep_report.py). Runs end with a held-out evaluation: a run without `train.eval_every`
+gets `train.eval_every=<train.steps>`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 from model.cli import ArgumentParser, report_error
 from model.config import read_yaml, yaml_load
-from train.checkpoint import CheckpointError, latest_checkpoint_step
+from train.checkpoint import CheckpointError, changed_since_checkpoint, latest_checkpoint_step
 from train.config import RunConfig, load_run_config, override_list, resolve_base
 from train.loop import TrainingError, train
 from train.sweep_report import STATUS_FILE, collect_results, write_report
@@ -166,10 +167,27 @@ class SweepOutcome:
     interrupted: bool
 
 
+def check_workdir(sweep: Sweep, workdir: Path) -> None:
+    """Raises ValueError if a run's directory under `workdir` holds checkpoints of another
+    config (a changed sweep file or other command-line overrides): its results would be reported,
+    or its training resumed, under settings it was not trained with."""
+    for run in sweep.runs:
+        run_dir = workdir / "runs" / run.name
+        if latest_checkpoint_step(run_dir) is None:
+            continue
+        changed = changed_since_checkpoint(run_dir, sweep.run_config(run).to_dict())
+        if changed:
+            raise ValueError(f"run {run.name}: {run_dir} holds checkpoints of a different config "
+                             f"({', '.join(changed)}); restore the sweep's settings or use "
+                             "another --workdir")
+
+
 def run_sweep(sweep: Sweep, workdir: Path, only: Sequence[str] = (),
               log: Callable[[str], None] = print) -> SweepOutcome:
     """Trains the runs of `sweep` (those named in `only`, if given) under `workdir`/runs, then
-    writes the report of every run that has metrics."""
+    writes the report of every run that has metrics. Refuses (ValueError, nothing written) a
+    workdir whose runs were trained with other settings."""
+    check_workdir(sweep, workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "sweep.json").write_text(json.dumps({
         "base": str(sweep.base), "overrides": list(sweep.overrides),
@@ -250,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         outcome = run_sweep(sweep, workdir, args.only)
     except OSError as err:
         return report_error(f"sweep {workdir}: {err.strerror or err}")
+    except (ValueError, CheckpointError) as err:
+        return report_error(err)
     print(f"trained {len(outcome.trained)}, already finished {len(outcome.skipped)}, "
           f"failed {len(outcome.failed)}; results: {workdir / 'results.md'}")
     if outcome.interrupted:
