@@ -15,6 +15,7 @@ import train.sweep as sweep_module
 from train.loop import TrainingError, TrainSummary
 from train.metrics import read_metrics
 from train.sweep import load_sweep, main, run_sweep
+from train.sweep_report import markdown_table
 from model.summary import count_params
 from train.mfu import train_flops_per_token
 from train_helpers import SMALL_LOOP, TINY
@@ -121,6 +122,16 @@ def test_two_run_sweep_reports_and_a_rerun_does_no_new_work(tmp_path, monkeypatc
     assert "trained 0, already finished 2" in capsys.readouterr().out
     assert (workdir / "results.csv").read_text() == before
     assert {p: p.stat().st_mtime_ns for p in workdir.rglob("checkpoints/*")} == checkpoints
+
+
+def test_markdown_table_keeps_small_metrics_readable():
+    row = {"name": "r", "heldout_loss": 4.86621, "train_loss": None, "steps": 3, "tokens": 192,
+           "params_total": 5_000_000, "params_active": 2_500_000, "train_flops": 1.5e9,
+           "tokens_per_sec": 1234.6, "train_seconds": 61.0, "update_rms/muon": 0.000123,
+           "moe/load_max_over_mean": 2.5}
+    line = markdown_table([row], ["update_rms/muon", "moe/load_max_over_mean"]).splitlines()[2]
+    assert line.startswith("| r | 4.8662 | – | 3 |")
+    assert line.endswith("| 1235 | 1 min 01 s | 0.000123 | 2.5 |")
 
 
 def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch, capsys):

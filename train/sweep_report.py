@@ -71,11 +71,11 @@ def collect_results(sweep: "Sweep", workdir: Path) -> list[dict]:
     return [row for run in sweep.runs if (row := _run_row(sweep, run, workdir)) is not None]
 
 
-def _fmt(value, digits: int = 4) -> str:
+def _fmt(value, spec: str = ".4f") -> str:
     if value is None:
         return "–"
     if isinstance(value, float):
-        return f"{value:.{digits}f}"
+        return f"{value:{spec}}"
     return str(value)
 
 
@@ -97,11 +97,11 @@ def markdown_table(results: list[dict], extra: Sequence[str] = ()) -> str:
     header = ("run", "held-out loss", "train loss (last)", "steps", "tokens", "params",
               "active params", "train FLOPs", "tokens/s", "wall time", *extra)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in results:
+    for r in results:  # extra metrics in significant digits: update RMS ~1e-4, load ratios ~1
         cells = (r["name"], _fmt(r["heldout_loss"]), _fmt(r["train_loss"]), str(r["steps"]),
                  human(r["tokens"]), human(r["params_total"]), human(r["params_active"]),
-                 f"{r['train_flops']:.3g}", _fmt(r["tokens_per_sec"], 0),
-                 _duration(r["train_seconds"]), *(_fmt(r[name], 3) for name in extra))
+                 f"{r['train_flops']:.3g}", _fmt(r["tokens_per_sec"], ".0f"),
+                 _duration(r["train_seconds"]), *(_fmt(r[name], ".3g") for name in extra))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
