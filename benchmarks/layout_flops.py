@@ -12,6 +12,7 @@ configs only.
 import argparse
 
 from benchmarks.common import markdown_table, save
+from model.cli import ArgumentParser
 from model.flops import forward_flops
 from train.sweep import load_sweep
 
@@ -44,7 +45,8 @@ def relative_flops(sweep_path: str, reference: str) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m benchmarks.layout_flops", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", default="configs/sweeps/layout.yaml", metavar="PATH")
     parser.add_argument("--reference", default="S3F1", metavar="NAME",
                         help="the run the others are normalised to")
@@ -52,7 +54,7 @@ def main() -> None:
     try:
         rows = relative_flops(args.sweep, args.reference)
     except ValueError as err:
-        parser.error(" ".join(str(err).split()))
+        parser.error(str(err))
     print(markdown_table(["run", "W", "rel. decode FLOPs", "rel. prefill FLOPs"],
                          [[r["name"], r["window"], f"{r['decode']:.2f}", f"{r['prefill']:.2f}"]
                           for r in rows]))
