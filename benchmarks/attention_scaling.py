@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import markdown_table, save, temp_bytes, time_compiled
-from model.attention_ops import dense_attention, local_attention
+from model.ops.attention_cores import dense_attention, local_attention
 
 
 def build(core, window, shape):

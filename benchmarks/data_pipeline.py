@@ -2,7 +2,7 @@
 
     python -m benchmarks.data_pipeline [--seq-len 256] [--batch-size 8] [--batches 400]
 
-Reports tokens/s of `train.data.make_dataset` after warm-up (the first batch fills the row
+Reports tokens/s of `train.data.pipeline.make_dataset` after warm-up (the first batch fills the row
 shuffle window), the latency of the first batch and of a checkpoint restore, the tokenizer's
 raw encode rate, and the headroom over what a training step consumes (`--consumer-tokens-per-s`,
 default 30k: the upper end of the tiny model on a 2-core CPU). Target: >= 10x headroom.
@@ -14,9 +14,10 @@ import time
 
 from benchmarks.common import markdown_table, save
 from train.config import DataConfig
-from train.corpus import load_documents, split_documents
-from train.data import make_dataset
-from train.tokenizer import load_tokenizer
+from train.data.corpus import load_documents
+from train.data.documents import split_documents
+from train.data.pipeline import make_dataset
+from model.tokenizers.text import load_tokenizer
 
 
 def main() -> None:

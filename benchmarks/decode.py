@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks.common import RESULTS, markdown_table, save  # noqa: E402
 from model.config import load_config  # noqa: E402
-from model.decode import Decoder, cache_bytes  # noqa: E402
+from model.inference.decode import Decoder, cache_bytes  # noqa: E402
 from model.lm import CausalLM  # noqa: E402
 from model.weights import load_model  # noqa: E402
 
@@ -40,8 +40,9 @@ def heldout_prompts(workdir: str, count: int, length: int) -> list[list[int]]:
     """The first `length` tokens of the first `count` long-enough held-out documents."""
     from model.generate import workdir_tokenizer
     from train.config import DataConfig
-    from train.corpus import load_documents, split_documents
-    from train.tokenizer import load_tokenizer
+    from train.data.corpus import load_documents
+    from train.data.documents import split_documents
+    from model.tokenizers.text import load_tokenizer
     from pathlib import Path
 
     tokenizer = load_tokenizer(workdir_tokenizer(Path(workdir)))

@@ -33,8 +33,8 @@ import json
 import sys
 from typing import Sequence
 
-from model.cli import config_parser, format_table, human, parse_config
-from model.common import dtype_of
+from model.config.cli import config_parser, format_table, human, parse_config
+from model.layers.common import dtype_of
 from model.config import ModelConfig
 
 MODES = ("prefill", "decode")

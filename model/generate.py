@@ -1,7 +1,7 @@
 """python -m model.generate (--workdir DIR | --hf HF_DIR) --prompt TEXT [--max-new-tokens N]
     [--temperature T] [--top-k K] [--top-p P] [--speculative] [--draft D] [--chat] [--json]
 
-Generates a continuation of TEXT with KV-cache decoding (model/decode.py).
+Generates a continuation of TEXT with KV-cache decoding (model/inference/decode.py).
 - `--workdir`: a `python -m train` workdir (latest checkpoint, the run's tokenizer) or a
   stepjax model directory from `python -m model.hf import` (give `--tokenizer`).
 - `--hf`: a Hugging Face Step 3.5 directory (weights, tokenizer.json, chat template).
@@ -22,22 +22,22 @@ from typing import Sequence
 
 import jax
 
-from model.cli import ArgumentParser, report_error
-from model.decode import Decoder, required_length
-from model.sampling import Sampling
+from model.config.cli import ArgumentParser, report_error
+from model.inference.decode import Decoder, required_length
+from model.inference.sampling import Sampling
 
 
 def load_tokenizer_for(args):
     """-> (encode(text) -> ids, decode(ids) -> text, stop ids, render(text) for --chat or None)."""
     if args.hf or (args.tokenizer and Path(args.tokenizer).is_dir()):
-        from model.tokenizer import load_chat_tokenizer
+        from model.tokenizers.chat import load_chat_tokenizer
 
         tok = load_chat_tokenizer(args.tokenizer or args.hf)
         render = lambda text: tok.render([{"role": "user", "content": text}],  # noqa: E731
                                          add_generation_prompt=True)
         return tok.encode, lambda ids: tok.decode(ids, skip_special_tokens=True), \
             set(tok.eos_ids), render
-    from train.tokenizer import load_tokenizer
+    from model.tokenizers.text import load_tokenizer
 
     spec = args.tokenizer or workdir_tokenizer(Path(args.workdir))
     tok = load_tokenizer(spec)
@@ -47,13 +47,13 @@ def load_tokenizer_for(args):
 
 def workdir_tokenizer(workdir: Path) -> str:
     """The tokenizer a training workdir's latest checkpoint was trained with."""
-    from train.checkpoint import latest_run_config
-    from train.config import run_config_from_dict
+    from model.interop.workdir import latest_run_config
 
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"--tokenizer: {workdir} is not a training workdir; name the "
                          "tokenizer.json (or a directory holding one) to use")
-    return run_config_from_dict(latest_run_config(workdir)[1]).train.data.tokenizer
+    # The saved run config is complete (every field resolved), so the key is always there.
+    return latest_run_config(workdir)[1]["train"]["data"]["tokenizer"]
 
 
 def generate(args) -> dict:
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.prefill_chunk < 1:
         parser.error(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
-    from train.checkpoint import CheckpointError
+    from model.interop.workdir import CheckpointError
 
     try:
         Sampling(args.temperature, args.top_k, args.top_p).validate()

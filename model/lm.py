@@ -17,14 +17,14 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from model.common import dtype_of, normal_init
+from model.layers.common import dtype_of, normal_init
 from model.config import ModelConfig
-from model.kv_cache import KVCacheSpec
-from model.mtp import MTPHead, shift_tokens_left
-from model.norm import RMSNorm
-from model.parallel import mesh_axis_size
-from model.router import ep_group_balance_loss
-from model.stack import LayerStack
+from model.inference.kv_cache import KVCacheSpec
+from model.layers.mtp import MTPHead, shift_tokens_left
+from model.layers.norm import RMSNorm
+from model.parallel.mesh import mesh_axis_size
+from model.layers.router import ep_group_balance_loss
+from model.layers.stack import LayerStack
 
 
 class LMOutput(flax.struct.PyTreeNode):
@@ -70,7 +70,7 @@ def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
 
 class CausalLM(nn.Module):
     """`kv_cache` set: the same network with KV caches for incremental decoding, driven
-    through `decode_chunk` / `mtp_chunk` (model/decode.py); params are unchanged."""
+    through `decode_chunk` / `mtp_chunk` (model/inference/decode.py); params are unchanged."""
 
     config: ModelConfig
     kv_cache: KVCacheSpec | None = None

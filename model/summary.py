@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict
 
-from model.cli import config_parser, format_table, human, parse_config
+from model.config.cli import config_parser, format_table, human, parse_config
 from model.config import ModelConfig
 from model.lm import CausalLM
 

@@ -1,13 +1,13 @@
 """One loader for trained or imported weights, used by generation and RL.
 
     cfg, variables = load_model("runs/tiny")           # a `python -m train` workdir (latest step)
-    cfg, variables = load_model("Step-3.5-Flash/")     # a Hugging Face checkpoint (model/hf.py)
+    cfg, variables = load_model("Step-3.5-Flash/")     # a Hugging Face checkpoint (model/interop/hf.py)
     cfg, variables = load_model("models/tiny")         # a stepjax model directory
     save_model_dir(cfg, variables, "models/tiny")
 
 `variables` is {"params": ..., "balance": ...}, exactly `nn.meta.unbox(CausalLM(cfg).init(...))`
 (no `balance` when the model has no router bias), on one device or, given a `mesh`, in the
-training shardings (train/sharding.py). A stepjax model directory holds `model_config.json`
+training shardings (train/parallel/sharding.py). A stepjax model directory holds `model_config.json`
 ({"format": "stepjax-model-v1", "model": {ModelConfig fields}}, so it also works as a model
 preset for `load_config`) and an orbax checkpoint of the variables under `variables/`.
 Directories are written next to their destination and renamed into place when complete, and
@@ -30,7 +30,9 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from model.config import ModelConfig, config_from_dict, config_to_dict
+from model.interop.workdir import Checkpointer, latest_run_config
 from model.lm import CausalLM
+from model.parallel.rules import named, param_axes, param_specs
 
 MODEL_CONFIG = "model_config.json"
 FORMAT = "stepjax-model-v1"
@@ -44,15 +46,12 @@ def abstract_variables(config: ModelConfig) -> dict:
 
 
 def variable_shardings(config: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> dict:
-    """Sharding of every variable: the training layout on `mesh` (train.sharding.param_specs),
+    """Sharding of every variable: the training layout on `mesh` (`model.parallel.rules.param_specs`),
     else this process's first device."""
     boxed = abstract_variables(config)
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(lambda _: device, nn.meta.unbox(boxed))
-    from train.optimizer import param_axes  # the model package does not import train at load
-    from train.sharding import named, param_specs
-
     return {name: named(mesh, param_specs(param_axes(tree), nn.meta.unbox(tree), mesh, config))
             for name, tree in boxed.items()}
 
@@ -112,7 +111,7 @@ def load_model(path: str | Path, mesh: jax.sharding.Mesh | None = None) -> tuple
     if (path / MODEL_CONFIG).is_file():
         return _load_model_dir(path, mesh)
     if (path / "config.json").is_file():
-        from model.hf import load_hf_checkpoint  # model.hf builds on this module
+        from model.interop.hf import load_hf_checkpoint  # model.hf builds on this module
 
         return load_hf_checkpoint(path, mesh, progress=False)
     if (path / "checkpoints").is_dir():
@@ -141,11 +140,8 @@ def _load_model_dir(path: Path, mesh) -> tuple[ModelConfig, dict]:
 
 def _load_workdir(path: Path, mesh) -> tuple[ModelConfig, dict]:
     """The latest step's `params` and `balance` only: the optimizer state is never read."""
-    from train.checkpoint import Checkpointer, latest_run_config
-    from train.config import run_config_from_dict
-
     step, run = latest_run_config(path)
-    config = run_config_from_dict(run).model
+    config = config_from_dict(run["model"])
     checkpoints = Checkpointer(path / "checkpoints", keep=1 << 30)
     try:
         return config, checkpoints.restore_subset(step, restore_target(config, mesh))

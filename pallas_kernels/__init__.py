@@ -1,14 +1,11 @@
-"""Pallas kernels behind `attention_impl=pallas` and `moe_impl=pallas`.
+"""Pallas kernels on plain arrays, with their jnp references; they import nothing of stepjax.
 
-Importing this package registers them with `model.attention_ops` / `model.moe_dispatch` (the
-model imports it on first use of either switch). On CPU they run in interpret mode (slow, for
-validation); see each module's docstring for the backends they lower to.
+- `flash_attention`: causal / sliding-window flash attention with segment ids and sinks
+  (`attention_impl=pallas`);
+- `grouped_matmul`: grouped matmuls over row groups of one expert each (`moe_impl=pallas`,
+  through `model.ops.pallas_moe`);
+- `reference`: plain-jnp versions of both, what the kernel tests compare against.
+
+The model reaches them through `model.ops.tables`. On CPU they run in interpret mode (slow, for
+validation); each module's docstring says which backends it lowers to.
 """
-
-from model.attention_ops import register_attention_impl
-from model.moe_dispatch import register_moe_impl
-from pallas_kernels.flash_attention import flash_attention_core
-from pallas_kernels.moe import pallas_moe_ffn
-
-register_attention_impl("pallas", flash_attention_core)
-register_moe_impl("pallas", pallas_moe_ffn)

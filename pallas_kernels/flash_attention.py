@@ -1,6 +1,6 @@
 """Flash attention for causal full and sliding-window (SWA) layers: Pallas kernels + custom VJP.
 
-Semantics are those of `model.attention_ops.xla_attention` (DESIGN.md §3): q [B, T, H, D],
+Semantics are those of `model.ops.attention_cores.xla_attention` (DESIGN.md §3): q [B, T, H, D],
 k/v [B, T, K, D], H = K * G (GQA: query head h reads KV head h // G, never repeated in memory).
 Query i sees key j iff j <= i, i - j < window (None: full causal) and, with segment ids, both
 are in the same segment. An optional per-head sink logit adds exp(sink[h]) to every softmax
@@ -81,7 +81,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-_NEG = -1e30  # finite "minus infinity" for masked scores, as in model.attention_ops
+_NEG = -1e30  # finite "minus infinity" for masked scores, as in the XLA attention path
 DEFAULT_BLOCKS = {"gpu": (64, 64)}  # (block_q, block_k) per backend (see the docstring)
 FALLBACK_BLOCKS = (128, 128)  # interpret mode on CPU
 MIN_BLOCK = 16  # tl.dot needs tiles of at least 16 along every dimension
@@ -505,5 +505,5 @@ def flash_attention(q, k, v, *, window=None, segment_ids=None, sink=None, block_
 
 
 def flash_attention_core(q, k, v, *, window, segment_ids, sink):
-    """`model.attention_ops.AttentionCore` signature, for register_attention_impl("pallas")."""
+    """The attention-core signature of `attention_impl` (entry "pallas" of the model's table)."""
     return flash_attention(q, k, v, window=window, segment_ids=segment_ids, sink=sink)

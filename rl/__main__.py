@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from model.cli import ArgumentParser, report_error
+from model.config.cli import ArgumentParser, report_error
 from rl.config import load_rl_config
 from rl.loop import run_rl
-from train.checkpoint import CheckpointError
+from model.interop.workdir import CheckpointError
 from train.loop import TrainingError
 
 

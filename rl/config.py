@@ -30,7 +30,7 @@ INFERENCE_DTYPES = ("float32", "bfloat16", "float16")
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """One model's optimizer: Muon (AdamW for embeddings, heads and 1-D params) with linear
-    warm-up to a constant learning rate (train/optimizer.py)."""
+    warm-up to a constant learning rate (train/optim/optimizer.py)."""
 
     lr: float = 2e-6
     warmup_steps: int = 20
@@ -48,7 +48,7 @@ class OptimizerConfig:
         check_bool(f"{prefix}.freeze_router", self.freeze_router)
 
     def train_config(self) -> TrainConfig:
-        """The training optimizer's settings for `train.optimizer.build_optimizer`."""
+        """The training optimizer's settings for `train.optim.optimizer.build_optimizer`."""
         return dataclasses.replace(
             TrainConfig(), optimizer=self.optimizer, lr=self.lr, min_lr=self.lr,
             warmup_steps=self.warmup_steps, schedule="constant",

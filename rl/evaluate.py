@@ -7,11 +7,11 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from model.decode import Decoder
-from model.sampling import Sampling
+from model.inference.decode import Decoder
+from model.inference.sampling import Sampling
 from rl.rewards import arithmetic_rewards
-from rl.tasks import Problem
-from train.tokenizer import TextTokenizer
+from train.data.arithmetic import Problem
+from model.tokenizers.text import TextTokenizer
 
 
 def heldout_accuracy(decoder: Decoder, problems: Sequence[Problem], sampling: Sampling, *,

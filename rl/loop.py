@@ -25,26 +25,27 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from model.decode import Decoder
+from model.inference.decode import Decoder
 from model.lm import CausalLM
-from model.sampling import Sampling
+from model.inference.sampling import Sampling
 from model.weights import load_model
-from rl import losses
-from rl.advantages import bootstrapped_rewards, gae, terminal_rewards
+from rl.objectives import losses
+from rl.objectives.advantages import bootstrapped_rewards, gae, terminal_rewards
 from rl.config import RLRunConfig, rl_config_from_dict
 from rl.evaluate import heldout_accuracy
 from rl.models import ValueModel, critic_variables_from_policy, shift_right, token_logprobs
 from rl.rewards import arithmetic_rewards
 from rl.rollout import Rollouts, collect_rollouts
-from rl.tasks import arithmetic_problems, sample_problems, split_problems
+from train.data.arithmetic import arithmetic_problems, sample_problems, split_problems
 from rl.update import make_actor_step, make_critic_step, minibatches
-from train.checkpoint import Checkpointer
+from model.interop.workdir import Checkpointer
 from train.config import incompatible_fields
 from train.loop import TrainingError, enable_compilation_cache, prepare_workdir, stop_requests
-from train.metrics import METRICS_FILE, MetricsWriter, read_metrics
-from train.optimizer import build_optimizer, param_axes
+from train.telemetry.metrics import METRICS_FILE, MetricsWriter, read_metrics
+from train.optim.optimizer import build_optimizer
+from model.parallel.rules import param_axes
 from train.state import TrainState, state_from_variables
-from train.tokenizer import load_tokenizer
+from model.tokenizers.text import load_tokenizer
 
 # Fields a resumed run may change: run length, logging, evaluation and checkpoint cadence.
 RESUMABLE_CHANGES = {"iterations", "log_every", "eval_every", "eval_prompts",

@@ -1,4 +1,4 @@
-"""Rollouts: sample responses with the inference path (KV-cache decoding, model/decode.py),
+"""Rollouts: sample responses with the inference path (KV-cache decoding, model/inference/decode.py),
 record its log-probabilities as pi_infer, and lay prompts and responses out as [B, T] rows.
 
     rollouts = collect_rollouts(decoder, prompt_ids, length=T, max_new_tokens=8,
@@ -13,8 +13,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from model.decode import Decoder
-from model.sampling import Sampling
+from model.inference.decode import Decoder
+from model.inference.sampling import Sampling
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from model.lm import CausalLM
-from rl import losses
+from rl.objectives import losses
 from rl.config import RLConfig
 from rl.models import ValueModel, shift_right, token_logprobs
 from train.state import TrainState
@@ -24,7 +24,7 @@ from train.step import tree_where
 
 
 def actor_loss(rl: RLConfig, logp, mb) -> tuple[jax.Array, dict]:
-    """The configured algorithm's loss (rl/losses.py) plus the KL penalty."""
+    """The configured algorithm's loss (`rl.objectives.losses`) plus the KL penalty."""
     common = {"mask": mb["mask"], "select": mb["select"]}
     if rl.algorithm == "mis_po":
         loss, stats = losses.mis_po_loss(logp, mb["old_logp"], mb["infer_logp"],

@@ -22,13 +22,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from model.expert_parallel import expert_parallel_experts  # noqa: E402
-from model.moe_dispatch import ExpertWeights, routed_experts  # noqa: E402
+from model.parallel.expert_parallel import expert_parallel_experts  # noqa: E402
+from model.ops.moe_dispatch import ExpertWeights
+from model.layers.moe import routed_experts  # noqa: E402
 from train import step as step_module  # noqa: E402
 from train.config import MeshConfig  # noqa: E402
-from train.sharding import (  # noqa: E402
-    batch_spec, make_mesh, named, replicated, state_specs, use_mesh,
-)
+from train.parallel.sharding import batch_spec, make_mesh, state_specs
+from model.parallel.rules import named, replicated, use_mesh
 from train.state import abstract_state, build_training, create_state  # noqa: E402
 from train_helpers import small_run, synthetic_batch  # noqa: E402
 
@@ -176,18 +176,18 @@ def pallas_on_mesh() -> dict:
     """The Pallas kernels (interpret mode) under a mesh, where they run per shard: flash
     attention on (data=2, tensor=2, expert=2) against the XLA core on one device, and the
     grouped-matmul MoE inside the expert-parallel dispatch against the `sorted` path."""
-    from model.attention_ops import attention_core
-    from model.parallel import shard_attention_core
+    from model.ops.tables import ATTENTION
+    from model.parallel.mesh import shard_attention_core
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.normal(size=(4, 32, 4, 8)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(4, 32, 2, 8)), jnp.float32) for _ in range(2))
     segments = jnp.asarray(np.repeat([[1, 2]], 4, 0).repeat(16, 1), jnp.int32)
     sink = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
     options = dict(window=8, segment_ids=segments, sink=sink)
-    want = jax.jit(lambda q, k, v: attention_core("xla")(q, k, v, **options))(q, k, v)
+    want = jax.jit(lambda q, k, v: ATTENTION.resolve("xla")(q, k, v, **options))(q, k, v)
     mesh = make_mesh(MeshConfig(data=2, tensor=2, expert=2))
     with use_mesh(mesh):
-        got = jax.jit(lambda q, k, v: shard_attention_core(attention_core("pallas"))(
+        got = jax.jit(lambda q, k, v: shard_attention_core(ATTENTION.resolve("pallas"))(
             q, k, v, **options))(q, k, v)
 
     tokens, d_model, hidden, experts, top_k = 32, 8, 16, 8, 2

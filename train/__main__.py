@@ -3,7 +3,7 @@ python -m train --recipe configs/recipes/tiny_staged.yaml --workdir DIR [overrid
 
 Trains a model from a run YAML (`model:` and `train:` sections), or runs a staged recipe: each
 stage a training run in DIR/stages/<kk>-<name> starting from the previous stage's weights
-(train/recipe.py documents the format). Re-running the same command resumes from the latest
+(train/experiments/recipe.py documents the format). Re-running the same command resumes from the latest
 checkpoint in DIR (for a recipe: skips finished stages). Writes DIR/metrics.jsonl,
 DIR/tensorboard/ and DIR/checkpoints/. SIGTERM/SIGINT save a checkpoint and exit cleanly.
 
@@ -19,12 +19,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from model.cli import ArgumentParser, report_error
-from train.checkpoint import CheckpointError
+from model.config.cli import ArgumentParser, report_error
+from model.interop.workdir import CheckpointError
 from train.config import load_run_config
-from train.distributed import DistributedError, initialize, is_lead
+from train.parallel.distributed import DistributedError, initialize, is_lead
 from train.loop import TrainingError, TrainSummary, train
-from train.recipe import load_recipe, run_recipe
+from train.experiments.recipe import load_recipe, run_recipe
 
 
 def build_parser() -> ArgumentParser:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
-from model.params import stack_layers, unstack_layers
+from model.layers.params import stack_layers, unstack_layers
 
 
 def update_router_bias(balance: dict, load: jax.Array, cfg: ModelConfig, rate: float) -> dict:

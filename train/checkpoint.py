@@ -1,107 +1,13 @@
-"""Orbax checkpoints of a run: `DIR/checkpoints/<step>/{state,data,config}`.
+"""Resuming a run: which settings changed since its newest checkpoint.
 
-`state` is the `TrainState` pytree (params, optimizer state, step, RNG, skip counters), `data`
-the grain iterator position (JSON) and `config` the resolved `RunConfig` (JSON). Saves are
-asynchronous (the blocking part only copies arrays to host) and keep the last K steps; orbax
-writes into a temporary directory and renames it when complete, so an interrupted save never
-replaces a good checkpoint.
+The workdir's on-disk layout and its `Checkpointer` live in `model.interop.workdir`, next to the
+other formats a model loads from.
 """
 
 from pathlib import Path
-from typing import Any
 
-import jax
-import orbax.checkpoint as ocp
-
+from model.interop.workdir import latest_run_config
 from train.config import incompatible_fields
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint exists but cannot be read (corrupt, truncated or of another layout)."""
-
-
-class Checkpointer:
-    def __init__(self, directory: Path, keep: int):
-        self.directory = Path(directory).absolute()
-        self._manager = ocp.CheckpointManager(
-            self.directory, item_names=("state", "data", "config"),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                 enable_async_checkpointing=True))
-
-    def latest_step(self) -> int | None:
-        return self._manager.latest_step()
-
-    def all_steps(self) -> list[int]:
-        return sorted(self._manager.all_steps())
-
-    def save(self, step: int, state: Any, data_state: dict, config: dict) -> None:
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-            config=ocp.args.JsonSave(config)), force=True)
-
-    def read_config(self, step: int) -> dict:
-        try:
-            return self._manager.restore(step, args=ocp.args.Composite(
-                config=ocp.args.JsonRestore()))["config"]
-        except Exception as err:  # orbax raises many types for damaged files
-            raise CheckpointError(self._unreadable(step, err)) from None
-
-    def restore_subset(self, step: int, target: Any) -> Any:
-        """Only the leaves of the `state` item that `target` names (orbax partial restore),
-        e.g. {"params": ..., "balance": ...} without the optimizer state."""
-        state_dir = self.directory / str(step) / "state"
-        try:
-            with ocp.PyTreeCheckpointer() as checkpointer:
-                return checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
-                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                    partial_restore=True))
-        except Exception as err:  # orbax raises many types for damaged or foreign files
-            raise CheckpointError(self._unreadable(step, err)) from None
-
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """-> (state with the structure/dtypes of `abstract_state`, data-iterator state)."""
-        try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        except Exception as err:
-            raise CheckpointError(self._unreadable(step, err)) from None
-        _check_shapes(restored["state"], abstract_state, self.directory / str(step))
-        return restored["state"], restored["data"]
-
-    def wait(self) -> None:
-        self._manager.wait_until_finished()
-
-    def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
-
-    def _unreadable(self, step: int, err: Exception) -> str:
-        reason = " ".join(str(err).split())[:300]
-        return (f"checkpoint {self.directory / str(step)} is unreadable ({type(err).__name__}: "
-                f"{reason}); move it away to resume from an earlier one")
-
-
-def latest_checkpoint_step(workdir: Path) -> int | None:
-    """Latest checkpointed step of a `python -m train` workdir (None: nothing saved yet)."""
-    if not (Path(workdir) / "checkpoints").is_dir():
-        return None
-    checkpoints = Checkpointer(Path(workdir) / "checkpoints", keep=1 << 30)
-    try:
-        return checkpoints.latest_step()
-    finally:
-        checkpoints.close()
-
-
-def latest_run_config(workdir: Path) -> tuple[int, dict]:
-    """(step, resolved run config dict) of the newest checkpoint of a `python -m train` workdir."""
-    checkpoints = Checkpointer(Path(workdir) / "checkpoints", keep=1 << 30)
-    try:
-        step = checkpoints.latest_step()
-        if step is None:
-            raise CheckpointError(f"no checkpoint in {checkpoints.directory}")
-        return step, checkpoints.read_config(step)
-    finally:
-        checkpoints.close()
 
 
 def changed_since_checkpoint(workdir: Path, current: dict) -> list[str]:
@@ -110,21 +16,3 @@ def changed_since_checkpoint(workdir: Path, current: dict) -> list[str]:
     (`train.config.incompatible_fields`)."""
     _, saved = latest_run_config(workdir)
     return incompatible_fields(saved, current)
-
-
-def restore_target(abstract: Any, shardings: Any) -> Any:
-    """`abstract` (a tree of ShapeDtypeStructs) with shardings attached, what `restore` reads
-    into: `shardings` is a matching tree or one sharding for every leaf (e.g. a single device,
-    to read a checkpoint whatever mesh or process count saved it)."""
-    if isinstance(shardings, jax.sharding.Sharding):
-        shardings = jax.tree.map(lambda _: shardings, abstract)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract, shardings)
-
-
-def _check_shapes(restored: Any, expected: Any, where: Path) -> None:
-    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(restored)[0],
-                                 jax.tree.leaves(expected)):
-        if got.shape != want.shape:
-            raise CheckpointError(f"checkpoint {where}: {jax.tree_util.keystr(path)} has shape "
-                                  f"{got.shape}, the model expects {want.shape}")

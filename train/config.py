@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from model.parallel.rules import MESH_AXES
 from model.config import (
     ModelConfig, apply_overrides, build_dataclass, check_bool, check_choice, check_fraction,
     check_int, check_nonnegative, check_positive, config_from_dict, config_to_dict, read_yaml,
@@ -29,7 +30,7 @@ class DataConfig:
     """Where tokens come from (train/data).
 
     `source`: `stdlib` (the running Python's standard-library `.py` files: real text on every
-    machine, no download), `arith` (procedural arithmetic problems, rl/tasks.py) or a
+    machine, no download), `arith` (procedural arithmetic problems, train/data/arithmetic.py) or a
     comma-separated list of `.txt`/`.jsonl` paths or globs.
     `tokenizer`: `default` (byte-level BPE trained once on the stdlib corpus and shipped),
     `arith_chars` (one token per character of the arithmetic task) or the path of a Hugging
@@ -205,12 +206,11 @@ class TrainConfig:
         return self.batch_size
 
 
-MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")  # outermost first
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh sizes (train/sharding.py, README "Parallelism"); -1 takes the devices the
+    """Device mesh sizes (train/parallel/sharding.py, README "Parallelism"); -1 takes the devices the
     other axes leave (at most one axis may say -1). Report 3.2 trained with pipeline 8,
     expert 8 and ZeRO-1 data parallelism.
 

@@ -15,14 +15,14 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from model.cli import ArgumentParser, report_error
+from model.config.cli import ArgumentParser, report_error
 from model.lm import CausalLM
-from train.checkpoint import CheckpointError, Checkpointer, restore_target
+from model.interop.workdir import CheckpointError, Checkpointer, restore_target
 from train.config import run_config_from_dict
-from train.data import make_dataset
+from train.data.pipeline import make_dataset
 from train.losses import chunked_cross_entropy, shifted_targets
 from train.state import abstract_state, build_training
-from train.tokenizer import load_tokenizer
+from model.tokenizers.text import load_tokenizer
 
 
 def make_eval_step(model: CausalLM, chunk_size: int):

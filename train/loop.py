@@ -16,24 +16,23 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from train.checkpoint import Checkpointer, restore_target
+from model.interop.workdir import Checkpointer, restore_target
 from train.config import RunConfig, incompatible_fields
-from train.corpus import load_documents
-from train.data import make_dataset
-from train.distributed import (
+from train.data.corpus import load_documents
+from train.data.pipeline import make_dataset
+from train.parallel.distributed import (
     any_process, from_lead, gather_process_states, is_lead, process_state,
 )
 from train.eval import evaluate, limited, make_eval_step
-from train.metrics import DiscardingWriter, MetricsWriter, ProgressBar
-from train.mfu import measure_matmul_peak, train_flops_per_token
-from train.sharding import (
-    batch_spec, check_batch_fits, make_mesh, named, replicated, state_specs, use_mesh,
-)
+from train.telemetry.metrics import DiscardingWriter, MetricsWriter, ProgressBar
+from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
+from train.parallel.sharding import batch_spec, check_batch_fits, make_mesh, state_specs
+from model.parallel.rules import named, replicated, use_mesh
 from train.state import (
     TrainState, abstract_state, build_training, create_state, state_from_variables,
 )
 from train.step import make_train_step
-from train.tokenizer import load_tokenizer
+from model.tokenizers.text import load_tokenizer
 
 
 class TrainingError(RuntimeError):
@@ -160,7 +159,7 @@ class Trainer:
 
     def next_batch(self, step: int) -> tuple[dict, int]:
         """([num_micro, micro, T] global arrays for optimizer step `step` (batch-size warm-up),
-        their number of tokens). Each process reads its own rows (train/data.py)."""
+        their number of tokens). Each process reads its own rows (train/data/pipeline.py)."""
         num_micro = self.run.train.batch_size_at(step) // self.run.train.micro_batch()
         micro = [next(self.data) for _ in range(num_micro)]
         local = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
@@ -208,7 +207,7 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
     `stop_after`: leave (with a checkpoint) after this many steps of this invocation, as a
     SIGTERM would; used to test resumption. `start_from`: unboxed variables {"params",
     "balance"} a run without checkpoints starts from instead of a random init (a recipe stage
-    continuing the previous one, train/recipe.py)."""
+    continuing the previous one, train/experiments/recipe.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)
     trainer = Trainer(run, Path(workdir))
     try:

@@ -10,7 +10,8 @@ import optax
 
 from model.lm import CausalLM
 from train.config import RunConfig
-from train.optimizer import build_optimizer, param_axes, param_labels
+from train.optim.optimizer import build_optimizer, param_labels
+from model.parallel.rules import param_axes
 
 
 class TrainState(flax.struct.PyTreeNode):

@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import optax
 
 from model.lm import CausalLM
-from model.parallel import mesh_axis_size
-from model.pipeline import bubble_fraction, num_microbatches
+from model.parallel.mesh import mesh_axis_size
+from model.parallel.pipeline import bubble_fraction, num_microbatches
 from train.balance import has_router_bias, update_router_bias
 from train.config import RunConfig
 from train.losses import chunked_cross_entropy, shifted_targets
-from train.monitors import expert_param_norms, moe_monitors, tree_rms
-from train.optimizer import current_learning_rate
+from train.telemetry.monitors import expert_param_norms, moe_monitors, tree_rms
+from train.optim.optimizer import current_learning_rate
 from train.state import TrainState, Training
 
 

@@ -1,0 +1,111 @@
+"""Attention layer: GQA with per-head QK norm, partial RoPE, and head-wise gate / sink / none.
+
+Report 2.2 and A.1: full layers use 64 query heads, SWA layers 96 ("+Head"), 8 KV heads.
+Head-wise gate (eq. 5): g_i = sigmoid(w_gate · x_i) per head, multiplied into the head's output
+before o_proj; eq. 6 shows it equals an input-dependent sink mass exp(-g_i) Z_i.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from model.layers.common import dtype_of, normal_init
+from model.config import ModelConfig
+from model.inference.kv_cache import KVCacheSpec, LayerCache, attend_and_update, empty_layer_cache
+from model.layers.norm import RMSNorm
+from model.ops.tables import ATTENTION
+from model.parallel.mesh import mesh_size, shard_attention_core
+from model.layers.rope import apply_rope
+
+
+class Projection(nn.Module):
+    """x [..., *in] -> [..., *features] with a `kernel` [*in, *features] (flax DenseGeneral's
+    param name and layout). Flax's DenseGeneral builds its kernel flat and reshapes it, which
+    under a mesh context applies the logical sharding constraint to the flat array and fails;
+    this one creates the kernel in its final shape."""
+
+    features: tuple[int, ...]
+    axes: tuple[str, ...]  # logical axes of the kernel
+    contract: int  # number of trailing input dims contracted
+    std: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        shape = (*x.shape[x.ndim - self.contract:], *self.features)
+        kernel = self.param("kernel", normal_init(self.std, self.axes), shape, self.param_dtype)
+        return jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.contract)
+
+
+class Attention(nn.Module):
+    """x: [B, T, d_model], positions/segment_ids: [B, T] -> ([B, T, d_model], aux).
+
+    With `kv_cache` set the layer decodes incrementally (model/inference/kv_cache.py): `positions` are
+    absolute (-1 marks padding), `segment_ids` is unused, and the keys/values live in the
+    mutable `cache` collection."""
+
+    config: ModelConfig
+    attention_type: str  # "F" full causal or "S" sliding window
+    kv_cache: KVCacheSpec | None = None
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids):
+        cfg = self.config
+        type_cfg = cfg.attention_config(self.attention_type)
+        heads, kv_heads, head_dim = type_cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        dtype, param_dtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
+
+        def projection(name, features, axes, contract=1):
+            return Projection(tuple(features), axes, contract, cfg.init_std, dtype, param_dtype,
+                              name=name)
+
+        q = projection("q_proj", (heads, head_dim), ("embed", "heads", "head_dim"))(x)
+        k = projection("k_proj", (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"))(x)
+        v = projection("v_proj", (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"))(x)
+        if cfg.qk_norm:
+            norm = dict(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, axis_name="head_dim")
+            q = RMSNorm(name="q_norm", **norm)(q)
+            k = RMSNorm(name="k_norm", **norm)(k)
+        # RoPE scaling applies to full layers only (config validation enforces it for SWA).
+        rotary_dims = type_cfg.rotary_dims(head_dim)
+        q = apply_rope(q, positions, rotary_dims, type_cfg.rope_theta, type_cfg.rope_scaling)
+        k = apply_rope(k, positions, rotary_dims, type_cfg.rope_theta, type_cfg.rope_scaling)
+
+        sink = None
+        if cfg.gate == "sink":
+            sink = self.param(
+                "sink", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("heads",)),
+                (heads,), param_dtype,
+            )
+        window = cfg.window if self.attention_type == "S" else None
+        if self.kv_cache is not None:
+            y = self._cached_attention(q, k, v, positions, window, sink)
+        else:
+            core = ATTENTION.resolve(cfg.attention_impl)
+            if cfg.attention_impl == "pallas" and mesh_size() > 1:
+                core = shard_attention_core(core)  # XLA does not partition a pallas_call
+            y = core(q, k, v, window=window, segment_ids=segment_ids, sink=sink)  # [B, T, H, D]
+
+        aux = {}
+        if cfg.gate == "headwise":
+            gate_logits = projection("g_proj", (heads,), ("embed", "heads"))(x)
+            gate = jax.nn.sigmoid(gate_logits.astype(jnp.float32))  # [B, T, H], eq. 5
+            y = (y.astype(jnp.float32) * gate[..., None]).astype(dtype)
+            aux["gate_mean"] = jax.lax.stop_gradient(jnp.mean(gate, axis=(0, 1)))
+        out = projection("o_proj", (cfg.d_model,), ("heads", "head_dim", "embed"), contract=2)(y)
+        return checkpoint_name(out, "attention_out"), aux
+
+    def _cached_attention(self, q, k, v, positions, window, sink):
+        """Attends over this layer's cache plus the chunk and writes the chunk into the cache."""
+        batch, _, kv_heads, head_dim = k.shape
+        empty = empty_layer_cache(batch, self.kv_cache.slots(window), kv_heads, head_dim,
+                                  dtype_of(self.config.compute_dtype))
+        cache = [self.variable("cache", name, lambda i=i: empty[i])
+                 for i, name in enumerate(LayerCache._fields)]
+        y, updated = attend_and_update(q, k, v, positions, LayerCache(*(c.value for c in cache)),
+                                       window=window, sink=sink)
+        for variable, value in zip(cache, updated):
+            variable.value = value
+        return y

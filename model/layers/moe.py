@@ -1,0 +1,99 @@
+"""Mixture-of-Experts FFN (report 2.2, Table 6; DESIGN.md §3): float32 router with a loss-free
+balancing bias, top-k routed SwiGLU experts (dropless) plus an always-on shared expert.
+
+The bias lives in the non-trainable `balance` collection (variable `router_bias`, [E]); the
+training loop updates it outside the gradient (b_e += u * sign(mean_load - load_e)).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model.layers.common import dtype_of, normal_init
+from model.config import ModelConfig
+from model.parallel.expert_parallel import expert_parallel_experts
+from model.layers.ffn import SwiGLU
+from model.ops.moe_dispatch import ExpertWeights, combine_copies, finalize_statistics
+from model.ops.tables import MOE
+from model.parallel.mesh import mesh_size
+from model.layers.router import expert_load, route, routing_confidence
+
+
+def routed_experts(x, indices, combine_weights, weights: ExpertWeights, *, limit: float,
+                   impl: str, block_size: int):
+    """x: [N, D]; indices/combine_weights: [N, k] -> (y [N, D], per-expert stats dict of [E])."""
+    copy_out, sums = MOE.resolve(impl)(x, indices, weights, limit, block_size)
+    return (combine_copies(copy_out, combine_weights, x.dtype),
+            finalize_statistics(sums, weights.gate.shape[-1]))
+
+
+
+class MoE(nn.Module):
+    """x: [B, T, d_model] -> ([B, T, d_model], aux dict).
+
+    aux (per layer): `expert_load` f_e [E], `expert_prob` p_e [E] (with gradient: the EP-group
+    balance loss of eq. 1 is formed from f and p by `model.lm.collect_aux`, after pipeline
+    micro-batches are merged), `routing_confidence` Σk [B, T], and the per-expert statistics
+    of `moe_dispatch.finalize_statistics`.
+    """
+
+    config: ModelConfig
+    limit: float = 0.0  # routed experts' SwiGLU clamp
+    shared_limit: float = 0.0
+
+    @nn.compact
+    def __call__(self, x):
+        cfg, moe = self.config, self.config.moe
+        dtype, param_dtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
+        batch, length, d_model = x.shape
+        tokens = x.reshape(batch * length, d_model)
+
+        router_kernel = self.param(
+            "router", normal_init(cfg.init_std, ("embed", "expert")),
+            (d_model, moe.num_experts), param_dtype,
+        )
+        logits = tokens.astype(jnp.float32) @ router_kernel.astype(jnp.float32)
+        bias = None
+        if moe.router_bias:
+            bias = self.variable(
+                "balance", "router_bias",
+                lambda: nn.with_logical_partitioning(
+                    jnp.zeros, ("expert",))((moe.num_experts,), jnp.float32),
+            ).value
+        routing = route(logits, bias, moe)
+
+        def expert_param(name, shape, axes):
+            return self.param(name, normal_init(cfg.init_std, axes), shape, param_dtype).astype(dtype)
+
+        e, f = moe.num_experts, moe.expert_hidden
+        weights = ExpertWeights(
+            gate=expert_param("gate_proj", (e, d_model, f), ("expert", "embed", "expert_mlp")),
+            up=expert_param("up_proj", (e, d_model, f), ("expert", "embed", "expert_mlp")),
+            down=expert_param("down_proj", (e, f, d_model), ("expert", "expert_mlp", "embed")),
+        )
+        options = dict(limit=self.limit, impl=cfg.moe_impl, block_size=moe.block_size)
+        # Under a mesh, per-shard dispatch (report 3.2: experts live on their EP rank; also
+        # keeps the sort per device and lets XLA run the Pallas kernels unpartitioned).
+        if mesh_size() > 1:
+            y, stats = expert_parallel_experts(tokens.astype(dtype), routing.indices,
+                                               routing.weights, weights,
+                                               collective=cfg.ep_collective, **options)
+        else:
+            y, stats = routed_experts(tokens.astype(dtype), routing.indices, routing.weights,
+                                      weights, **options)
+        y = y.reshape(batch, length, d_model)
+        if moe.num_shared_experts:
+            y = y + SwiGLU(cfg, moe.shared_hidden * moe.num_shared_experts, self.shared_limit,
+                           name="shared_expert")(x)
+
+        load = expert_load(routing.indices, moe.num_experts)
+        mean_probs = jnp.mean(routing.probs, axis=0)
+        aux = {
+            "expert_load": load,
+            "expert_prob": mean_probs,
+            "routing_confidence": jax.lax.stop_gradient(
+                routing_confidence(routing.probs, routing.indices).reshape(batch, length)
+            ),
+            **stats,
+        }
+        return y, aux

@@ -1,0 +1,112 @@
+"""The decoder layer stack: scanned segments (`scan_layers=True`) or one module per layer.
+
+Param trees:
+- scan on: `segment_{s}/block_{j}/...` with a leading `layers` axis of size `repeats`
+  (layer index = start + r * period + j);
+- scan off: `layer_{i}/...`.
+`model.layers.params.unstack_layers` / `stack_layers` convert between the two.
+"""
+
+import flax.linen as nn
+import jax
+
+from model.layers.block import DecoderBlock
+from model.config import ModelConfig
+from model.inference.kv_cache import KVCacheSpec
+from model.layers.layer_plan import Segment, layer_kinds, plan_segments
+from model.parallel.mesh import mesh_axis_size
+from model.parallel.pipeline import num_microbatches, pipeline_forward, pipelined_segment
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing, recompute the whole block
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
+    "save_ffn_out": jax.checkpoint_policies.save_only_these_names("ffn_out"),
+}
+
+
+def block_class(cfg: ModelConfig, in_scan: bool):
+    if cfg.remat_policy == "none":
+        return DecoderBlock
+    return nn.remat(DecoderBlock, policy=_REMAT_POLICIES[cfg.remat_policy], prevent_cse=not in_scan)
+
+
+class BlockGroup(nn.Module):
+    """One period of a segment: `len(kinds)` consecutive blocks. Scan body: carry = x."""
+
+    config: ModelConfig
+    kinds: tuple
+    kv_cache: KVCacheSpec | None = None
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids):
+        block = block_class(self.config, in_scan=True)
+        auxes = []
+        for j, kind in enumerate(self.kinds):
+            x, aux = block(self.config, kind.attention_type, kind.is_moe, kind.limit,
+                           kind.shared_limit, self.kv_cache, name=f"block_{j}")(
+                x, positions, segment_ids)
+            auxes.append(aux)
+        return x, tuple(auxes)
+
+
+class LayerStack(nn.Module):
+    """x: [B, T, d_model] -> (x, per-layer aux list of length num_layers). With `kv_cache` the
+    layers decode incrementally; their caches are the `cache` collection, stacked like params."""
+
+    config: ModelConfig
+    kv_cache: KVCacheSpec | None = None
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids):
+        cfg = self.config
+        kinds = layer_kinds(cfg)
+        per_layer_aux = [None] * cfg.num_layers
+        if not cfg.scan_layers:
+            block = block_class(cfg, in_scan=False)
+            for i, kind in enumerate(kinds):
+                x, per_layer_aux[i] = block(cfg, kind.attention_type, kind.is_moe, kind.limit,
+                                            kind.shared_limit, self.kv_cache, name=f"layer_{i}")(
+                    x, positions, segment_ids)
+            return x, per_layer_aux
+
+        stages = mesh_axis_size("pipeline")
+        if stages > 1 and self.kv_cache is not None:
+            raise ValueError("decoding with KV caches does not run under a pipeline mesh axis; "
+                             "use mesh.pipeline=1 for inference")
+        piped = pipelined_segment(cfg, stages) if stages > 1 else None
+        for s, seg in enumerate(plan_segments(kinds)):
+            unit = tuple(kinds[seg.start:seg.start + seg.period])
+            if s == piped and not self.is_initializing():
+                x, auxes = self._pipelined(f"segment_{s}", unit, x, positions, segment_ids, stages)
+                _scatter_aux(per_layer_aux, seg, auxes)
+                continue
+            scanned = nn.scan(
+                BlockGroup,
+                variable_axes={"params": 0, "balance": 0, "cache": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast),
+                length=seg.repeats,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, auxes = scanned(cfg, unit, self.kv_cache, name=f"segment_{s}")(
+                x, positions, segment_ids)
+            _scatter_aux(per_layer_aux, seg, auxes)
+        return x, per_layer_aux
+
+    def _pipelined(self, name, unit, x, positions, segment_ids, stages):
+        """The scanned segment `name` run as pipeline stages (model/parallel/pipeline.py); its variables
+        are read from this scope and applied by an unbound copy of the scan body."""
+        variables = {col: tree[name] for col, tree in nn.meta.unbox(self.variables).items()
+                     if name in tree}
+        group = BlockGroup(self.config, unit, parent=None)
+        return pipeline_forward(lambda v, h, p, g: group.apply(v, h, p, g), variables, x,
+                                positions, segment_ids, stages,
+                                num_microbatches(self.config, stages))
+
+
+def _scatter_aux(per_layer_aux: list, seg: Segment, auxes: tuple) -> None:
+    """auxes[j] holds arrays stacked over repeats; layer start + r*period + j gets slice r."""
+    for r in range(seg.repeats):
+        for j in range(seg.period):
+            per_layer_aux[seg.start + r * seg.period + j] = jax.tree.map(lambda a: a[r], auxes[j])

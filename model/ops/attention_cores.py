@@ -1,0 +1,203 @@
+"""Attention cores behind `attention_impl` (DESIGN.md §2): same semantics, different kernels.
+
+All cores take q: [B, T, H, D], k/v: [B, T, K, D] with H = K * G (GQA: the G query heads of a
+group share one KV head, never materialised as repeats) and return [B, T, H, D] in q.dtype.
+
+Masking (DESIGN.md §3): query i sees key j iff j <= i, i - j < window (window=None: full causal)
+and segment_ids[i] == segment_ids[j] (packed documents never attend across each other).
+An optional per-head sink logit adds exp(sink) to each softmax denominator (report 2.3, the
+input-independent alternative to the head-wise gate).
+
+- `xla`: full layers build [T, T] scores; SWA layers run chunked local attention in O(T·W).
+- `cudnn`: `jax.nn.dot_product_attention` (cuDNN on NVIDIA GPUs, XLA elsewhere).
+- `pallas`: `pallas_kernels.flash_attention` (imported on first use).
+
+`model.ops.tables.ATTENTION` names the function of each `attention_impl`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # finite "minus infinity": keeps gradients NaN-free on fully masked entries
+MIN_CHUNK = 128  # smallest query chunk of the local path (small windows still get wide matmuls)
+
+
+class AttentionCore(Protocol):
+    def __call__(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        *,
+        window: int | None,
+        segment_ids: jax.Array | None,
+        sink: jax.Array | None,
+    ) -> jax.Array: ...
+
+
+def masked_softmax(scores: jax.Array, mask: jax.Array, sink: jax.Array | None) -> jax.Array:
+    """Softmax over the last axis in float32; `sink` broadcasts against scores[..., 0]."""
+    scores = jnp.where(mask, scores, _NEG)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    if sink is not None:
+        row_max = jnp.maximum(row_max, sink[..., None])
+    row_max = jax.lax.stop_gradient(row_max)
+    weights = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
+    denominator = jnp.sum(weights, axis=-1, keepdims=True)
+    if sink is not None:
+        denominator = denominator + jnp.exp(sink[..., None] - row_max)
+    return weights / jnp.maximum(denominator, jnp.finfo(jnp.float32).tiny)
+
+
+def _visible(q_idx, k_idx, window: int | None):
+    """Causal (+window) visibility of key index k_idx from query index q_idx (broadcasting)."""
+    visible = k_idx <= q_idx
+    if window is not None:
+        visible &= q_idx - k_idx < window
+    return visible
+
+
+def sink_for_groups(sink: jax.Array | None, num_kv: int):
+    """[H] -> [K, G, 1] so it broadcasts against scores [..., K, G, Tq, Tk][..., 0]."""
+    if sink is None:
+        return None
+    return sink.astype(jnp.float32).reshape(num_kv, -1, 1)
+
+
+def masked_attention(q, k, v, mask, sink):
+    """Attention with an explicit visibility mask. q: [B, T, H, D]; k/v: [B, S, K, D];
+    mask: [B or 1, T, S] bool (query t sees key s); sink: [H] or None -> [B, T, H, D]."""
+    batch, length, num_heads, head_dim = q.shape
+    num_kv = k.shape[2]
+    qg = q.reshape(batch, length, num_kv, num_heads // num_kv, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * head_dim**-0.5
+    probs = masked_softmax(scores, mask[:, None, None], sink_for_groups(sink, num_kv))
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    return out.reshape(batch, length, num_heads, head_dim).astype(q.dtype)
+
+
+def dense_attention(q, k, v, *, window, segment_ids, sink):
+    """Materialises [T, T] scores per head: the full-layer path (and SWA when W >= T)."""
+    idx = jnp.arange(q.shape[1])
+    mask = _visible(idx[:, None], idx[None, :], window)[None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return masked_attention(q, k, v, mask, sink)
+
+
+def local_attention(q, k, v, *, window, segment_ids, sink):
+    """Sliding-window attention in O(T·W) time and memory, never a [T, T] score matrix.
+
+    Queries are split into chunks of C >= W rows; chunk c attends to keys of chunks c-1 and c
+    (2C keys), which cover every key in (i - W, i] for all its queries.
+    """
+    batch, length, num_heads, head_dim = q.shape
+    chunk = max(window, MIN_CHUNK)
+    if chunk >= length:
+        return dense_attention(q, k, v, window=window, segment_ids=segment_ids, sink=sink)
+    num_kv, groups = k.shape[2], num_heads // k.shape[2]
+    num_chunks = -(-length // chunk)
+    pad = num_chunks * chunk - length
+
+    def chunked(x, front):
+        """Pads axis 1 with `front` leading and `pad` trailing zeros, splits it into chunks."""
+        widths = [(0, 0)] * x.ndim
+        widths[1] = (front, pad)
+        x = jnp.pad(x, widths)
+        return x.reshape(batch, -1, chunk, *x.shape[2:])
+
+    def with_previous_chunk(x):
+        """[B, T, ...] -> [B, n, 2C, ...]: chunk c-1 followed by chunk c (zeros before chunk 0)."""
+        xc = chunked(x, chunk)
+        return jnp.concatenate([xc[:, :-1], xc[:, 1:]], axis=2)
+
+    qc = chunked(q, 0).reshape(batch, num_chunks, chunk, num_kv, groups, head_dim)
+    kc, vc = with_previous_chunk(k), with_previous_chunk(v)
+    scores = jnp.einsum("bnukgd,bnrkd->bnkgur", qc, kc, preferred_element_type=jnp.float32)
+    scores = scores * head_dim**-0.5
+
+    q_idx = jnp.arange(chunk)[:, None] + chunk  # query index relative to the chunk pair start
+    k_idx = jnp.arange(2 * chunk)[None, :]
+    key_position = (jnp.arange(num_chunks)[:, None] - 1) * chunk + k_idx  # [n, 2C] absolute
+    key_exists = (key_position >= 0) & (key_position < length)  # excludes all padding keys
+    mask = _visible(q_idx, k_idx, window)[None] & key_exists[:, None, :]  # [n, C, 2C]
+    mask = mask[None, :, None, None]
+    if segment_ids is not None:
+        q_seg = chunked(segment_ids, 0)
+        k_seg = with_previous_chunk(segment_ids)
+        mask = mask & (q_seg[..., :, None] == k_seg[..., None, :])[:, :, None, None]
+    probs = masked_softmax(scores, mask, sink_for_groups(sink, num_kv))
+    out = jnp.einsum("bnkgur,bnrkd->bnukgd", probs.astype(v.dtype), vc)
+    out = out.reshape(batch, num_chunks * chunk, num_heads, head_dim)[:, :length]
+    return out.astype(q.dtype)
+
+
+def xla_attention(q, k, v, *, window, segment_ids, sink):
+    if window is None:
+        return dense_attention(q, k, v, window=None, segment_ids=segment_ids, sink=sink)
+    return local_attention(q, k, v, window=window, segment_ids=segment_ids, sink=sink)
+
+
+def _dot_product_attention(q, k, v, mask, window, return_residual=False):
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0),
+        return_residual=return_residual,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention_with_sink(q, k, v, sink, mask, window):
+    return _attention_with_sink_fwd(q, k, v, sink, mask, window)[0]
+
+
+def _attention_with_sink_fwd(q, k, v, sink, mask, window):
+    """o = y * s with s = Z / (Z + e^sink) = sigmoid(lse - sink), lse from the fused kernel."""
+    y, lse = _dot_product_attention(q, k, v, mask, window, return_residual=True)
+    scale = jax.nn.sigmoid(lse.astype(jnp.float32) - sink.astype(jnp.float32))  # [B, T, H]
+    out = (y.astype(jnp.float32) * scale[..., None]).astype(q.dtype)
+    return out, (q, k, v, sink, mask, y, scale)
+
+
+def _attention_with_sink_bwd(window, residuals, d_out):
+    """The kernel returns lse without a gradient, so its path is added by hand:
+    dL/dlse_i = s(1-s) <dO_i, y_i>; d lse_i/dq_i = c sum_j p_ij k_j (attention with V = K);
+    d lse_i/dk_j = c p_ij q_i (the attention V-gradient with dO_i = q_i); c = 1/sqrt(d)."""
+    q, k, v, sink, mask, y, scale = residuals
+    d_out = d_out.astype(jnp.float32)
+    d_lse = jnp.sum(d_out * y.astype(jnp.float32), -1) * scale * (1 - scale)  # [B, T, H]
+    _, attention_vjp = jax.vjp(lambda q, k, v: _dot_product_attention(q, k, v, mask, window),
+                               q, k, v)
+    dq, dk, dv = attention_vjp((d_out * scale[..., None]).astype(q.dtype))
+    softmax_scale = q.shape[-1] ** -0.5
+    mean_keys = _dot_product_attention(q, k, k, mask, window).astype(jnp.float32)
+    dq = dq + (softmax_scale * d_lse[..., None] * mean_keys).astype(dq.dtype)
+    _, value_vjp = jax.vjp(lambda values: _dot_product_attention(q, k, values, mask, window), v)
+    (dk_from_lse,) = value_vjp((d_lse[..., None] * q.astype(jnp.float32)).astype(q.dtype))
+    dk = dk + (softmax_scale * dk_from_lse.astype(jnp.float32)).astype(dk.dtype)
+    d_sink = -jnp.sum(d_lse, axis=(0, 1)).astype(sink.dtype)
+    return dq, dk, dv, d_sink, None
+
+
+_attention_with_sink.defvjp(_attention_with_sink_fwd, _attention_with_sink_bwd)
+
+
+def cudnn_attention(q, k, v, *, window, segment_ids, sink):
+    """`jax.nn.dot_product_attention`: cuDNN flash attention on NVIDIA GPUs, XLA elsewhere.
+
+    The sink is folded in afterwards from the returned log-sum-exp (softmax with an extra
+    exp(s) term = plain output * sigmoid(lse - s)), with a custom VJP because the kernel's lse
+    carries no gradient. Segment ids become an explicit [B, 1, T, T] mask.
+    """
+    mask = None
+    if segment_ids is not None:
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    if sink is None:
+        return _dot_product_attention(q, k, v, mask, window)
+    return _attention_with_sink(q, k, v, sink, mask, window)

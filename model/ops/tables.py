@@ -1,0 +1,53 @@
+"""The implementation tables: one per switch, used both to validate the config and to dispatch.
+
+    ATTENTION.check("pallas")         # ValueError naming `attention_impl` and the allowed values
+    core = ATTENTION.resolve("xla")   # the function, imported on first use
+
+Each entry names its function as "module:function" and is imported only when a model asks for
+it, so a CPU run never imports the Pallas kernels (nor their Triton/Mosaic lowering). Every
+implementation of a switch has the same signature and semantics (docs/architecture.md,
+"Implementation tables"); the tests prove they agree.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+
+class ImplementationTable:
+    """Switch values -> "module:function" entries, resolved lazily."""
+
+    def __init__(self, switch: str, entries: dict[str, str]):
+        self.switch = switch
+        self.entries = dict(entries)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.entries)
+
+    def check(self, value) -> None:
+        if value not in self.entries:
+            raise ValueError(f"{self.switch}: got {value!r}, allowed values are {list(self.entries)}")
+
+    def resolve(self, value: str) -> Callable:
+        self.check(value)
+        module, _, function = self.entries[value].partition(":")
+        return getattr(importlib.import_module(module), function)
+
+
+# attention_impl: (q [B,T,H,D], k/v [B,T,K,D], *, window, segment_ids, sink) -> [B,T,H,D]
+# (`model.ops.attention_cores.AttentionCore`).
+ATTENTION = ImplementationTable("attention_impl", {
+    "xla": "model.ops.attention_cores:xla_attention",
+    "cudnn": "model.ops.attention_cores:cudnn_attention",
+    "pallas": "pallas_kernels.flash_attention:flash_attention_core",
+})
+
+# moe_impl: (x [N,D], indices [N,k], ExpertWeights, limit, block_size)
+#   -> (per-copy outputs [N,k,D], per-expert statistic sums) (`model.ops.moe_dispatch.GroupedFFN`).
+MOE = ImplementationTable("moe_impl", {
+    "sorted": "model.ops.moe_dispatch:sorted_block_ffn",
+    "ragged_dot": "model.ops.moe_dispatch:ragged_dot_ffn",
+    "pallas": "model.ops.pallas_moe:pallas_moe_ffn",
+})

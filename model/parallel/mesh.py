@@ -1,0 +1,71 @@
+"""The device mesh as the model sees it: read from JAX's mesh context while tracing.
+
+The trainer enters `jax.set_mesh(mesh)` and flax's `nn.logical_axis_rules(rules)` (see
+`train.parallel.sharding`); without them every helper here reports a single device and the model runs
+its plain single-device code. Mesh axis names: `pipeline`, `data`, `fsdp`, `expert`, `tensor`.
+"""
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+from jax.sharding import PartitionSpec
+
+
+def mesh_axis_size(name: str) -> int:
+    """Size of mesh axis `name` in the current mesh context (1 when absent or no mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or name not in mesh.axis_names:
+        return 1
+    return mesh.shape[name]
+
+
+def mesh_size() -> int:
+    """Devices in the current mesh context (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else math.prod(mesh.shape.values())
+
+
+def logical_spec(*logical_axes: str | None) -> PartitionSpec:
+    """PartitionSpec of an array with these logical axes under the active rules (flax's
+    `nn.logical_axis_rules`); every dimension unsharded when no rules are set."""
+    return nn.logical_to_mesh_axes(logical_axes)
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+    """Mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def shard_attention_core(core):
+    """An attention core (model.attention_ops) run per shard under the current mesh: batch over
+    the rules' batch axes, heads over `tensor` when it divides both query and KV heads. XLA
+    cannot partition a `pallas_call`, so the Pallas kernels need this; each shard holds whole
+    sequences and whole GQA groups, so the result is the unsharded one."""
+
+    @functools.wraps(core)
+    def sharded(q, k, v, *, window, segment_ids, sink):
+        batch = logical_spec("batch")[0]
+        tensor = mesh_axis_size("tensor")
+        heads = "tensor" if tensor > 1 and q.shape[2] % tensor == k.shape[2] % tensor == 0 else None
+        qkv = PartitionSpec(batch, None, heads, None)
+        args, specs = [q, k, v], [qkv, qkv, qkv]
+        if segment_ids is not None:
+            args.append(segment_ids)
+            specs.append(PartitionSpec(batch, None))
+        if sink is not None:
+            args.append(sink)
+            specs.append(PartitionSpec(heads))
+
+        def local(q, k, v, *rest):
+            rest = list(rest)
+            seg = rest.pop(0) if segment_ids is not None else None
+            return core(q, k, v, window=window, segment_ids=seg,
+                        sink=rest.pop(0) if sink is not None else None)
+
+        return jax.shard_map(local, in_specs=tuple(specs), out_specs=qkv, check_vma=False)(*args)
+
+    return sharded

@@ -1,0 +1,126 @@
+"""Logical axes -> mesh axes: the one rules table of the model's shardings.
+
+    with use_mesh(mesh):                         # mesh + rules context for tracing
+        specs = param_specs(param_axes(boxed), shapes, mesh, cfg)
+
+Decoupled layouts (report 3.2): attention and dense weights shard over `fsdp` (the `embed`
+axis) and `tensor` (heads, FFN hidden, vocabulary); routed experts shard over `expert`. Tokens
+shard over `data`, `fsdp` and `expert` together, so the expert axis is data parallelism for
+everything but the routed experts (`model.parallel.expert_parallel` moves tokens to their
+experts). The longest scanned layer segment shards its `layers` axis over `pipeline`
+(`model.parallel.pipeline`).
+
+A mesh axis that does not divide a dimension is left out of that dimension's spec (the array
+is then replicated along it), so small test models run on any mesh. The trainer builds the
+mesh and the optimizer-state layout on top of this (`train.parallel.sharding`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator
+
+import flax.linen as nn
+import jax
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from model.config import ModelConfig
+from model.parallel.mesh import spec_axes
+from model.parallel.pipeline import pipelined_segment
+
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")  # outermost first
+BATCH_AXES = ("data", "fsdp", "expert")
+
+# logical axis -> mesh axes (`model.layers.common` lists the logical names).
+LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", BATCH_AXES),
+    ("length", None),
+    ("act_embed", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mtp_concat", None),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("expert", "expert"),
+    ("expert_mlp", "tensor"),
+    ("norm", None),
+    ("layers", None),  # `pipeline` for the pipelined segment, see param_specs
+)
+
+
+def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
+    """A mesh of `sizes` ({axis: size} over MESH_AXES, missing axes 1) without devices: enough
+    for the specs below (planning a pod on one machine)."""
+    return AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES,
+                        axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
+    """The mesh and the logical-axis rules, as the model reads them while tracing."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_RULES):
+        yield mesh
+
+
+def logical_to_spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh,
+                    rules=LOGICAL_RULES) -> P:
+    """PartitionSpec for an array with logical `axes` and `shape`: each dimension takes the mesh
+    axes its rule names, skipping size-1 axes, axes already used by an earlier dimension and
+    axes that would not divide the dimension."""
+    table = dict(rules)
+    used: set[str] = set()
+    entries = []
+    for name, size in zip(axes, shape):
+        chosen = []
+        for axis in spec_axes(table.get(name)):
+            width = mesh.shape[axis] * math.prod(mesh.shape[a] for a in chosen)
+            if mesh.shape[axis] > 1 and axis not in used and size % width == 0:
+                chosen.append(axis)
+        used.update(chosen)
+        entries.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    return P(*entries)
+
+
+def path_keys(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def param_specs(axes_tree: Any, shapes: Any, mesh: Mesh, cfg: ModelConfig) -> Any:
+    """Tree of PartitionSpecs for the params (or any collection with logical axes).
+
+    axes_tree: logical-axis tuples (train.optimizer.param_axes); shapes: matching tree of arrays
+    or ShapeDtypeStructs. The pipelined segment's `layers` axis goes to `pipeline`.
+    """
+    stages = mesh.shape["pipeline"]
+    piped = pipelined_segment(cfg, stages) if stages > 1 else None
+
+    def spec(path, axes, leaf):
+        keys = path_keys(path)
+        rules = LOGICAL_RULES
+        if piped is not None and keys[:2] == ("layers", f"segment_{piped}"):
+            rules = LOGICAL_RULES + (("layers", "pipeline"),)  # later entries win
+        return logical_to_spec(axes, leaf.shape, mesh, rules)
+
+    return jax.tree_util.tree_map_with_path(spec, axes_tree, shapes,
+                                            is_leaf=lambda x: isinstance(x, tuple))
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def param_axes(boxed_variables: Any) -> Any:
+    """Tree of logical-axis tuples for the `params` collection, e.g. ('layers', 'embed', 'heads',
+    'head_dim'). Takes the boxed output of `CausalLM(cfg).init(...)` (or `jax.eval_shape` of it,
+    or just its `params` entry)."""
+    params = boxed_variables.get("params", boxed_variables)
+    specs = nn.get_partition_spec(params)
+    return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))

@@ -1,0 +1,24 @@
+"""The `arith_chars` tokenizer of the arithmetic task: one token per character, so every digit
+is its own token (`train.data.arithmetic`, `rl.rewards`).
+
+The shipped asset `model/tokenizers/assets/arith_chars.json` is `char_tokenizer()` saved; a test
+checks that it is not stale.
+"""
+
+from __future__ import annotations
+
+import tokenizers
+from tokenizers import decoders, models
+
+from model.tokenizers.text import SPECIAL_TOKENS
+
+CHARACTERS = "0123456789+-*="  # the task's alphabet (the tokenizer's non-special tokens)
+
+
+def char_tokenizer() -> tokenizers.Tokenizer:
+    """One token per character of CHARACTERS after the special tokens (ids 0, 1, 2)."""
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *CHARACTERS])}
+    hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    hf.add_special_tokens(list(SPECIAL_TOKENS))
+    hf.decoder = decoders.Fuse()
+    return hf

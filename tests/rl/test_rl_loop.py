@@ -1,0 +1,269 @@
+"""RL plumbing on a small random model: inference-path log-probs, rollout layout, the training
+path's log-probs/entropy/values, minibatches, the loop (metrics, resume, algorithms) and the
+`python -m rl` command line."""
+
+import functools
+import json
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.inference.decode import Decoder
+from model.lm import CausalLM
+from model.inference.sampling import Sampling
+from rl.config import load_rl_config, rl_config_from_dict
+from rl.__main__ import main as rl_main
+from rl.loop import run_rl
+from rl.models import ValueModel, critic_variables_from_policy, token_logprobs
+from rl.rollout import collect_rollouts, layout_rows
+from rl import losses
+from rl.update import actor_loss, minibatches
+from train.config import load_run_config
+from train.telemetry.metrics import read_metrics
+
+from train_helpers import REPO
+
+# Two layers (SWA dense + full MoE) and one MTP head: every code path of the RL plumbing at the
+# smallest compile time (XLA compilation dominates these tests).
+RL_TEST_MODEL = [
+    "model.num_layers=2", "model.layout=SF", "model.d_model=32", "model.window=4",
+    "model.head_dim=8", "model.dense_hidden=32", "model.moe.num_experts=4", "model.moe.top_k=2",
+    "model.moe.expert_hidden=16", "model.moe.shared_hidden=16", "model.moe.num_ep_groups=2",
+    "model.mtp.num_heads=1",
+]
+
+
+def small_model_dict() -> dict:
+    run = load_run_config(REPO / "configs" / "sft_arith.yaml", RL_TEST_MODEL)
+    return run.to_dict()["model"]
+
+
+def small_run(**rl_overrides):
+    rl = {"iterations": 2, "prompts_per_iteration": 2, "samples_per_prompt": 2,
+          "max_new_tokens": 3, "actor_minibatches": 2, "critic_minibatches": 2,
+          "eval_prompts": 4, "eval_every": 0, "checkpoint_every": 1, "progress": False,
+          "actor": {"lr": 1e-3, "warmup_steps": 0}, "critic": {"lr": 1e-3, "warmup_steps": 0},
+          **rl_overrides}
+    return rl_config_from_dict({"model": small_model_dict(), "rl": rl,
+                                "task": {"max_operand": 9}})
+
+
+@pytest.fixture(scope="module")
+def policy():
+    cfg = rl_config_from_dict({"model": small_model_dict()}).model
+    init = jax.jit(CausalLM(cfg).init)
+    return cfg, nn.meta.unbox(init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32)))
+
+
+REFERENCE_LENGTH = 16
+
+
+@functools.cache
+def _forward(cfg):
+    return jax.jit(lambda variables, tokens: jax.nn.log_softmax(
+        CausalLM(cfg).apply(variables, tokens).logits, axis=-1))
+
+
+def full_forward_logprobs(cfg, variables, row):
+    """Reference: log-softmax of the plain forward pass's logits over one row [T] -> [T, V].
+    The row is zero-padded to one length (one compile); causal attention keeps the padding
+    out of the row's own positions."""
+    padded = np.zeros((1, REFERENCE_LENGTH), np.int32)
+    padded[0, :len(row)] = row
+    return np.asarray(_forward(cfg)(variables, jnp.asarray(padded))[0, :len(row)])
+
+
+def test_decoder_records_logprobs_of_sampled_tokens(policy):
+    cfg, variables = policy
+    decoder = Decoder(cfg, variables, max_len=16)
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    out = decoder.generate(prompts, 5, sampling=Sampling(temperature=1.0),
+                           key=jax.random.key(1))
+    for prompt, tokens, logprobs in zip(prompts, out.tokens, out.logprobs):
+        row = prompt + tokens
+        reference = full_forward_logprobs(cfg, variables, row)
+        expected = [reference[len(prompt) - 1 + i, t] for i, t in enumerate(tokens)]
+        np.testing.assert_allclose(logprobs, expected, atol=2e-5)
+
+
+def test_speculative_generation_has_no_logprobs(policy):
+    cfg, variables = policy
+    decoder = Decoder(cfg, variables, max_len=16, draft=1)
+    assert decoder.generate([[3, 4]], 3, speculative=True).logprobs is None
+
+
+def test_rollout_layout_mask_and_truncation(policy):
+    cfg, variables = policy
+    decoder = Decoder(cfg, variables, max_len=12)
+    prompts = [[3, 4, 5], [6, 7]]
+    tokens_of = decoder.generate(prompts, 4, sampling=Sampling(1.0), key=jax.random.key(5))
+    stop = tokens_of.tokens[0][0]  # make the first row stop at once
+    rollouts = collect_rollouts(decoder, prompts, length=10, max_new_tokens=4,
+                                sampling=Sampling(1.0), stop_id=stop, key=jax.random.key(5))
+    assert rollouts.tokens.shape == (2, 10)
+    assert rollouts.responses[0] == [] and not rollouts.truncated[0]
+    np.testing.assert_array_equal(rollouts.mask[0], [0, 0, 0, 1, 0, 0, 0, 0, 0, 0])
+    assert rollouts.tokens[0, 3] == stop
+    generated = len(rollouts.responses[1]) + (not rollouts.truncated[1])
+    assert rollouts.mask[1].sum() == generated
+    assert rollouts.truncated[1] == (generated == 4 and stop not in rollouts.responses[1])
+    np.testing.assert_array_equal(rollouts.segment_ids[1, :2 + generated], 1)
+    assert (rollouts.infer_logp[rollouts.mask == 0] == 0).all()
+    assert (rollouts.infer_logp[rollouts.mask == 1] < 0).all()
+
+
+def test_layout_rows_rejects_rows_that_do_not_fit():
+    with pytest.raises(ValueError, match="do not fit"):
+        layout_rows([[1, 2, 3]], [[4, 5]], 4)
+
+
+def test_token_logprobs_and_entropy_match_the_full_forward(policy):
+    cfg, variables = policy
+    tokens, segments, _ = layout_rows([[3, 4, 5], [6]], [[7, 8], [9, 10, 11]], 7)
+    reference = [full_forward_logprobs(cfg, variables, row[:s.sum()])
+                 for row, s in zip(tokens, segments)]
+    for chunk in (1024, 3):  # chunking the vocabulary projection changes nothing
+        out = jax.jit(lambda v, t, s: token_logprobs(CausalLM(cfg), v, t, s, chunk_size=chunk))(
+            variables, jnp.asarray(tokens), jnp.asarray(segments))
+        for b, ref in enumerate(reference):
+            n = len(ref)
+            expected = [ref[t - 1, tokens[b, t]] for t in range(1, n)]
+            np.testing.assert_allclose(out["logp"][b, 1:n], expected, atol=2e-5)
+            probs = np.exp(ref[:n - 1].astype(np.float64))
+            entropy = -(probs * np.log(probs)).sum(-1)
+            np.testing.assert_allclose(out["entropy"][b, 1:n], entropy, atol=2e-5)
+            assert out["logp"][b, 0] == 0
+        confidence = np.asarray(out["routing_confidence"])
+        assert ((confidence[:, 1:] > 0) & (confidence[:, 1:] <= 1 + 1e-6)).all()
+
+
+def test_critic_starts_from_the_policy_backbone_with_zero_values(policy):
+    cfg, variables = policy
+    critic = ValueModel(cfg)
+    init = nn.meta.unbox(jax.jit(critic.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    critic_vars = critic_variables_from_policy(variables, init)
+    for name, value in critic_vars["params"]["backbone"].items():
+        assert jax.tree.all(jax.tree.map(np.array_equal, value, variables["params"][name]))
+    assert not any(k.startswith("mtp_") for k in critic_vars["params"]["backbone"])
+    values = jax.jit(critic.apply)(critic_vars, jnp.ones((2, 6), jnp.int32))
+    assert values.shape == (2, 6) and float(jnp.abs(values).max()) == 0.0
+
+
+def test_minibatches_cover_every_row_once_and_pad_with_masked_rows():
+    rows = 10
+    batch = {"id": np.arange(rows), "mask": np.ones((rows, 3), np.float32)}
+    parts = minibatches(batch, 4, np.random.default_rng(0))
+    assert [len(p["id"]) for p in parts] == [3, 3, 3, 3]
+    real = np.concatenate([p["id"][p["mask"].sum(1) > 0] for p in parts])
+    assert sorted(real.tolist()) == list(range(rows))
+    assert sum(int((p["mask"].sum(1) == 0).sum()) for p in parts) == 2
+
+
+@pytest.mark.slow
+def test_loop_metrics_resume_and_cli_on_a_finished_run(tmp_path, capsys):
+    """Two iterations from random weights (bfloat16 inference), the same run interrupted after
+    one iteration and resumed, and the command line on the finished workdir."""
+    straight = run_rl(small_run(), tmp_path / "straight")
+    assert (straight.first_iteration, straight.last_iteration) == (0, 2)
+    records = read_metrics(straight.workdir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for key in ("reward", "accuracy", "token_keep_frac", "traj_keep_frac", "entropy", "kl",
+                "truncation_rate", "routing_confidence", "actor/grad_norm", "actor/loss",
+                "critic/grad_norm", "critic/loss", "value_mean"):
+        assert key in records[1], key
+    assert "eval/accuracy" in records[0] and "eval/sample_accuracy" in records[2]
+    # bfloat16 inference against float32 training: pi_infer really differs from pi_old
+    # (float32 decoding matches the training path to ~1e-6, see the decoder test above).
+    assert records[1]["mismatch/abs_log_ratio_mean"] > 1e-4
+
+    first = run_rl(small_run(), tmp_path / "resumed", stop_after=1)
+    assert first.interrupted and first.last_iteration == 1
+    second = run_rl(small_run(), tmp_path / "resumed")
+    assert (second.first_iteration, second.last_iteration) == (1, 2)
+    assert second.accuracy_before == pytest.approx(records[0]["eval/accuracy"])
+    resumed = read_metrics(second.workdir / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    for key in ("reward", "actor/loss", "critic/loss", "eval/accuracy"):
+        assert resumed[-1][key] == pytest.approx(records[-1][key], rel=1e-5), key
+
+    config = tmp_path / "rl.yaml"
+    config.write_text(json.dumps(small_run().to_dict()))  # JSON is YAML
+    capsys.readouterr()
+    assert rl_main(["--config", str(config), "--workdir", str(straight.workdir)]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    saved = sorted(p.name for p in (straight.workdir / "checkpoints").iterdir())
+    assert rl_main(["--config", str(config), "--workdir", str(straight.workdir),
+                    "rl.iterations=3", "rl.algorithm=ppo"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "rl.algorithm" in error
+    assert sorted(p.name for p in (straight.workdir / "checkpoints").iterdir()) == saved
+
+
+@pytest.mark.slow
+def test_group_advantages_train_without_a_critic(tmp_path):
+    summary = run_rl(small_run(iterations=1, advantages="group", entropy_top_frac=0.5),
+                     tmp_path / "group")
+    record = [r for r in read_metrics(summary.workdir / "metrics.jsonl") if r["step"] == 1][0]
+    assert np.isfinite(record["actor/loss"]) and "critic/loss" not in record
+
+
+@pytest.mark.parametrize("algorithm", ["mis_po", "ppo", "grpo", "gspo"])
+def test_actor_loss_dispatches_to_the_algorithm_and_adds_kl(algorithm):
+    rng = np.random.default_rng(0)
+    shape = (3, 5)
+    mb = {k: jnp.asarray(rng.normal(scale=0.1, size=shape) - 1.0, jnp.float32)
+          for k in ("old_logp", "infer_logp", "ref_logp")}
+    mb["advantages"] = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    mb["mask"] = jnp.asarray(rng.integers(0, 2, shape), jnp.float32)
+    mb["select"] = mb["mask"]
+    logp = mb["old_logp"] + 0.05
+    run = small_run(algorithm=algorithm, kl_coef=0.5).rl
+    loss, stats = actor_loss(run, logp, mb)
+    expected = {
+        "mis_po": lambda: losses.mis_po_loss(logp, mb["old_logp"], mb["infer_logp"],
+                                             mb["advantages"], mb["mask"])[0],
+        "ppo": lambda: losses.ppo_clip_loss(logp, mb["old_logp"], mb["advantages"],
+                                            mb["mask"], 0.2, 0.2)[0],
+        "grpo": lambda: losses.ppo_clip_loss(logp, mb["old_logp"], mb["advantages"],
+                                             mb["mask"], 0.2, 0.28)[0],
+        "gspo": lambda: losses.gspo_loss(logp, mb["old_logp"], mb["infer_logp"],
+                                         mb["advantages"], mb["mask"], 1e-4)[0],
+    }[algorithm]()
+    kl = losses.kl_penalty(logp, mb["ref_logp"], mb["mask"])
+    np.testing.assert_allclose(loss, expected + 0.5 * kl, rtol=1e-6)
+    assert float(stats["kl"]) == pytest.approx(float(kl))
+
+
+def test_shipped_rl_config_loads_with_report_defaults():
+    run = load_rl_config(REPO / "configs" / "rl_arith.yaml")
+    assert run.model is None and run.rl.algorithm == "mis_po"
+    assert run.rl.token_bounds == (0.5, 2.0) and run.rl.traj_bounds == (0.996, 1.001)
+    assert run.rl.temperature == 1.0 and run.rl.top_p == 1.0 and run.rl.kl_coef == 0.001
+    assert (run.rl.actor_minibatches, run.rl.critic_minibatches) == (4, 12)
+    with pytest.raises(ValueError, match="rl.token_bounds"):
+        load_rl_config(REPO / "configs" / "rl_arith.yaml", ["rl.token_bounds=[1.5, 2.0]"])
+    with pytest.raises(ValueError, match="prefix the key"):
+        load_rl_config(REPO / "configs" / "rl_arith.yaml", ["algorithm=ppo"])
+
+
+def run_cli(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "rl", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=600)
+
+
+def test_cli_help_and_one_line_errors(tmp_path):
+    assert "MIS-PO" in run_cli("--help").stdout
+    bad = run_cli("--config", "configs/rl_arith.yaml", "--workdir", str(tmp_path / "x"),
+                  "rl.algorithm=reinforce")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "rl.algorithm" in bad.stderr
+    missing = run_cli("--config", "configs/rl_arith.yaml", "--workdir", str(tmp_path / "y"))
+    assert missing.returncode == 2 and "--init-from" in missing.stderr
+    assert missing.stderr.count("\n") == 1
+    nowhere = run_cli("--config", "configs/rl_arith.yaml", "--workdir", str(tmp_path / "z"),
+                      "--init-from", str(tmp_path / "absent"))
+    assert nowhere.returncode == 2 and "does not exist" in nowhere.stderr

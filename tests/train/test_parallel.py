@@ -1,0 +1,163 @@
+"""Parallelism on 8 CPU devices (DESIGN.md §5): a train step on several meshes equals the same
+step on one device, params are laid out as the rules table says, and expert-parallel dispatch
+drops nothing under skewed routing. The 8-device runs happen in a subprocess
+(tests/parallel_worker.py) because the device count is fixed when JAX starts."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from train.config import MeshConfig, load_run_config
+from train.parallel.sharding import zero1_spec
+from model.parallel.rules import MESH_AXES, abstract_mesh, logical_to_spec
+from train_helpers import SUBPROCESS_XLA_FLAGS, TINY
+
+WORKER = Path(__file__).with_name("parallel_worker.py")
+TOLERANCE = 1e-5  # relative, float32 with a different reduction order
+
+# Expected layouts, read off the rules table by hand: vocab/heads/mlp/expert_mlp -> tensor,
+# embed -> fsdp, expert -> expert, the pipelined segment's layers -> pipeline. Shapes:
+# embedding [64, 32], expert_gate [2, 8, 32, 16] and q_proj [2, 32, 4, 8] in the pipelined
+# F x 2 segment, dense_up [1, 32, 64] in the leading dense layer's segment.
+EXPECTED = {
+    "data=8": {"embedding": [None, None], "expert_gate": [None, None, None, None],
+               "q_proj": [None, None, None, None], "dense_up": [None, None, None]},
+    "fsdp=4,expert=2": {"embedding": [None, "fsdp"], "expert_gate": [None, "expert", "fsdp", None],
+                        "q_proj": [None, "fsdp", None, None], "dense_up": [None, "fsdp", None]},
+    "data=2,expert=2,tensor=2": {
+        "embedding": ["tensor", None], "expert_gate": [None, "expert", None, "tensor"],
+        "q_proj": [None, None, "tensor", None], "dense_up": [None, None, "tensor"]},
+    "pipeline=2,data=4": {
+        "embedding": [None, None], "expert_gate": ["pipeline", None, None, None],
+        "q_proj": ["pipeline", None, None, None], "dense_up": [None, None, None]},
+    "pipeline=2,expert=2,fsdp=2": {
+        "embedding": [None, "fsdp"], "expert_gate": ["pipeline", "expert", "fsdp", None],
+        "q_proj": ["pipeline", "fsdp", None, None], "dense_up": [None, "fsdp", None]},
+}
+
+
+def run_worker(*args: str) -> dict:
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {SUBPROCESS_XLA_FLAGS}",
+           "JAX_COMPILATION_CACHE_DIR": str(
+               Path(tempfile.gettempdir()) / f"stepjax-test-xla-cache-{os.getuid()}")}
+    done = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def sizes_of(mesh: str) -> dict[str, int]:
+    return {k: int(v) for k, v in (item.split("=") for item in mesh.split(","))}
+
+
+def check_mesh_result(mesh: str, result: dict, whole_step: bool) -> None:
+    keys = ["loss_error", "balance_error", "grad_error"]
+    if whole_step:  # the Muon update under sharding, and the pipeline's bubble metric
+        keys += ["step_loss_error", "param_error"]
+    for key in keys:
+        assert result[key] < TOLERANCE, (mesh, key, result[key])
+    sizes = sizes_of(mesh)
+    for name, want in EXPECTED[mesh].items():
+        layout = result["layouts"][name]
+        got = layout["spec"] + [None] * (len(layout["shape"]) - len(layout["spec"]))
+        assert got == want, (mesh, name, got)
+        local = [dim // (sizes[axis] if axis else 1) for dim, axis in zip(layout["shape"], want)]
+        assert layout["local_shape"] == local, (mesh, name)
+    momentum_axes = {a for e in result["momentum_spec"] if e
+                     for a in ([e] if isinstance(e, str) else e)}
+    assert {a for a in EXPECTED[mesh]["expert_gate"] if a} <= momentum_axes
+    assert ("data" in momentum_axes) == (sizes.get("data", 1) > 1)  # ZeRO-1
+    if whole_step:
+        stages = sizes.get("pipeline", 1)
+        microbatches = 2 * stages
+        assert result["bubble"] == pytest.approx(
+            (stages - 1) / (microbatches + stages - 1) if stages > 1 else 0.0)
+
+
+# The whole step (with the Muon update) runs on the meshes that exercise ZeRO-1 + expert +
+# tensor and pipeline + expert + fsdp; loss and gradients are compared on all five. One worker
+# process, so the one-device reference compiles once (tracing and compiling dominate: ~10 s a
+# program).
+MESHES = ("data=8", "fsdp=4,expert=2", "step:data=2,expert=2,tensor=2", "pipeline=2,data=4",
+          "step:pipeline=2,expert=2,fsdp=2")
+
+
+@pytest.mark.slow
+def test_train_step_on_a_mesh_matches_one_device():
+    results = run_worker(*MESHES)
+    for text in MESHES:
+        mesh = text.removeprefix("step:")
+        check_mesh_result(mesh, results[mesh], whole_step=text.startswith("step:"))
+
+
+@pytest.mark.slow
+def test_expert_parallel_dispatch_with_skewed_routing_drops_nothing_and_pallas_shards():
+    result = run_worker("ep_skew")
+    assert result["busiest_device_share"] > 0.75  # the skew is real: one device gets most
+    assert result["copies_computed"] == result["copies_routed"]
+    assert result["y_error"] < TOLERANCE
+    assert result["stats_error"] < TOLERANCE
+    assert result["grad_error"] < TOLERANCE
+    assert result["ragged_all_to_all_in_hlo"]  # the GPU/TPU collective lowers
+    # Pallas kernels (interpret mode) run per shard under the mesh
+    assert result["attention_error"] < TOLERANCE
+    assert result["moe_error"] < TOLERANCE
+
+
+# ---- in-process: rules and mesh arithmetic (no devices needed) ---------------------------------
+
+
+def test_rules_skip_axes_that_do_not_divide_or_are_taken():
+    mesh = abstract_mesh({"fsdp": 4, "tensor": 2, "expert": 8})
+    assert logical_to_spec(("vocab", "embed"), (64, 32), mesh) == P("tensor", "fsdp")
+    assert logical_to_spec(("vocab", "embed"), (63, 30), mesh) == P(None, None)
+    assert logical_to_spec(("layers", "expert", "embed", "expert_mlp"), (3, 16, 8, 6),
+                           mesh) == P(None, "expert", "fsdp", "tensor")
+    # batch -> (data, fsdp, expert): only the axes whose product divides the dimension
+    assert logical_to_spec(("batch", "length"), (32, 7), mesh) == P(("fsdp", "expert"), None)
+    assert logical_to_spec(("batch", "length"), (4, 7), mesh) == P("fsdp", None)
+
+
+def test_zero1_adds_data_to_the_largest_dimension_it_divides():
+    mesh = abstract_mesh({"data": 4, "fsdp": 2})
+    assert zero1_spec(P(None, "fsdp"), (6, 16), mesh) == P(None, ("fsdp", "data"))
+    assert zero1_spec(P(None, None), (12, 6), mesh) == P("data", None)
+    assert zero1_spec(P(None,), (6,), mesh) == P(None,)  # nowhere to put it
+
+
+def test_mesh_config_resolves_minus_one_and_rejects_bad_sizes():
+    assert MeshConfig().axis_sizes(1) == dict.fromkeys(MESH_AXES, 1)
+    assert MeshConfig(expert=2, pipeline=2).axis_sizes(8)["data"] == 2
+    assert math.prod(MeshConfig(data=-1, tensor=4).axis_sizes(8).values()) == 8
+    with pytest.raises(ValueError, match="needs 16 devices but 8 are available"):
+        MeshConfig(data=2, expert=8).axis_sizes(8)
+    with pytest.raises(ValueError, match="at most one axis may be -1"):
+        MeshConfig(data=-1, fsdp=-1).validate()
+    with pytest.raises(ValueError, match="mesh.expert: must be a positive integer or -1"):
+        load_run_config(TINY, ["mesh.expert=0"])
+    with pytest.raises(ValueError, match="does not divide"):
+        MeshConfig(data=-1, expert=3).axis_sizes(8)
+
+
+def test_mesh_overrides_reach_the_run_config():
+    run = load_run_config(TINY, ["mesh.data=2", "mesh.expert=4", "mesh.zero1=false"])
+    assert (run.mesh.data, run.mesh.expert, run.mesh.zero1) == (2, 4, False)
+    assert run.to_dict()["mesh"]["expert"] == 4
+
+
+def test_pipeline_needs_a_segment_whose_repeats_the_stages_divide():
+    from model.parallel.pipeline import pipelined_segment
+    run = load_run_config(TINY)  # F + (SSSF) x 2 with a clamped last layer
+    with pytest.raises(ValueError, match="mesh.pipeline=8: no scanned layer segment"):
+        pipelined_segment(run.model, 8)
+    with pytest.raises(ValueError, match="needs model.scan_layers=true"):
+        pipelined_segment(run.model.replace(scan_layers=False), 2)
+

@@ -1,0 +1,202 @@
+"""train.plan: per-device memory from abstract shapes, checked against hand-computed sizes."""
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from train.parallel.plan import PlanError, main, parse_mesh
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+STEP35 = str(ROOT / "configs" / "step35_flash.yaml")
+# tiny.yaml as one scanned segment of 8 identical F-MoE layers, so mesh.pipeline=2 fits it.
+PIPELINABLE = ["model.num_layers=8", "model.layout=F*8", "model.num_dense_layers=0",
+               "model.swiglu_limits=0", "model.swiglu_limits_shared=0"]
+
+
+def plan(capsys, *argv) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def step35_param_counts() -> tuple[int, int, int]:
+    """Step 3.5 Flash parameters from the preset's numbers (report Table 6): 45 blocks of
+    `F+SSSF*11`, 3 dense then MoE, embeddings, untied head, 3 MTP heads with own output layers.
+    -> (decoder layers + final norm, embeddings + head, MTP heads)."""
+    vocab, d, hd, kv, dense, experts, expert_hidden, shared = (
+        128896, 4096, 128, 8, 11264, 288, 1280, 1280)
+
+    def block(kind: str, moe: bool) -> int:
+        heads = 64 if kind == "F" else 96
+        n = 2 * d * heads * hd + 2 * d * kv * hd + d * heads  # q, o, k, v, head-wise gate
+        n += 2 * hd + 2 * d  # q/k norms, two layer norms
+        if moe:
+            return n + d * experts + 3 * d * shared + experts * 3 * d * expert_hidden
+        return n + 3 * d * dense
+
+    layout = "F" + "SSSF" * 11
+    layers = sum(block(kind, i >= 3) for i, kind in enumerate(layout)) + d  # + final norm
+    mtp = 3 * (2 * d + 2 * d * d + block("S", False) + d + d * vocab)
+    return layers, 2 * vocab * d, mtp
+
+
+def test_step35_preset_counts_and_expert_sharding(capsys):
+    start = time.monotonic()
+    one = plan(capsys, "--config", STEP35, "--mesh", "data=1")
+    eight = plan(capsys, "--config", STEP35, "--mesh", "data=1,expert=8")
+    assert time.monotonic() - start < 60  # abstract shapes only: ~3 s on one CPU core
+    layers, embeddings, mtp = step35_param_counts()
+    count = layers + embeddings + mtp
+    assert one["num_params"] == count == eight["num_params"]
+    assert 194e9 < layers < 198e9  # report Table 6: ≈196B excluding embeddings and head
+    assert 197e9 < layers + embeddings + mtp < 201e9  # ≈198B with MTP-3 (+ embeddings)
+    # float32 routed experts: 42 MoE layers x 288 experts x 3 matrices of 4096 x 1280.
+    routed = 42 * 288 * 3 * 4096 * 1280 * 4
+    assert one["params_by_group_bytes"]["moe_routed"] == routed
+    assert eight["params_by_group_bytes"]["moe_routed"] == routed // 8
+    for group, size in one["params_by_group_bytes"].items():
+        if group not in ("moe_routed", "router"):  # the router's expert axis shards too
+            assert eight["params_by_group_bytes"][group] == size, group
+    saved = one["per_device_bytes"]["params"] - eight["per_device_bytes"]["params"]
+    router = 42 * 4096 * 288 * 4
+    assert saved == routed * 7 // 8 + router * 7 // 8
+    assert one["per_device_bytes"]["params"] == count * 4
+
+
+def test_fsdp_halves_embed_sharded_matrices(capsys):
+    one = plan(capsys, "--config", TINY, "--mesh", "data=1")
+    two = plan(capsys, "--config", TINY, "--mesh", "data=1,fsdp=2")
+    vocab_matrix = 4096 * 128 * 4  # [vocab, d_model] float32
+    assert one["params_by_group_bytes"]["embeddings"] == vocab_matrix
+    assert two["params_by_group_bytes"]["embeddings"] == vocab_matrix // 2
+    assert two["params_by_group_bytes"]["lm_head"] == vocab_matrix // 2
+    # Every tiny weight but the q/k norms ([head_dim]) has an `embed` (d_model = 128) axis and
+    # halves; the norms of 9 layers + 3 MTP blocks stay replicated.
+    qk_norms = (9 + 3) * 2 * 32 * 4
+    assert two["per_device_bytes"]["params"] * 2 == one["per_device_bytes"]["params"] + qk_norms
+    assert one["num_params"] == two["num_params"]
+    assert two["devices"] == 2 and two["mesh"]["fsdp"] == 2
+
+
+def test_zero1_shards_optimizer_state_over_data(capsys):
+    z1 = plan(capsys, "--config", TINY, "--mesh", "data=2")
+    plain = plan(capsys, "--config", TINY, "--mesh", "data=2", "mesh.zero1=false")
+    assert z1["per_device_bytes"]["params"] == plain["per_device_bytes"]["params"]
+    opt_z1 = z1["per_device_bytes"]["optimizer_state"]
+    opt = plain["per_device_bytes"]["optimizer_state"]
+    assert opt > 0
+    # Moments and momenta halve; only scalar counters stay replicated.
+    assert opt / 2 <= opt_z1 <= opt / 2 + 256
+
+
+def test_gradients_like_params_and_accumulation(capsys):
+    single = plan(capsys, "--config", TINY, "--mesh", "data=1,fsdp=2")
+    assert single["per_device_bytes"]["gradients"] == single["per_device_bytes"]["params"]
+    accumulated = plan(capsys, "--config", TINY, "--mesh", "data=1,fsdp=2",
+                       "--batch-size", "8", "--micro-batch-size", "4")
+    assert accumulated["accumulation_steps"] == 2
+    assert accumulated["per_device_bytes"]["gradients"] == 2 * single["per_device_bytes"]["params"]
+
+
+def test_activation_estimate_responds_to_batch_and_remat(capsys):
+    base = plan(capsys, "--config", TINY, "--mesh", "data=1", "--seq-len", "128")
+    assert base["tokens_per_device"] == 8 * 128
+    split = plan(capsys, "--config", TINY, "--mesh", "data=2", "--seq-len", "128")
+    assert split["tokens_per_device"] == 4 * 128
+    assert split["per_device_bytes"]["activations"] < base["per_device_bytes"]["activations"]
+    longer = plan(capsys, "--config", TINY, "--mesh", "data=1", "--seq-len", "256")
+    assert longer["per_device_bytes"]["activations"] > base["per_device_bytes"]["activations"]
+    by_policy = {p: plan(capsys, "--config", TINY, "--mesh", "data=1", f"model.remat_policy={p}")
+                 ["per_device_bytes"]["activations"] for p in ("none", "dots", "full")}
+    assert by_policy["full"] < by_policy["dots"] < by_policy["none"]
+    parts = base["activation_parts_bytes"]
+    assert sum(parts.values()) == base["per_device_bytes"]["activations"]
+    assert parts["logits_chunk"] == 2 * 1024 * 4096 * 4  # logits + gradient, float32
+    total = sum(base["per_device_bytes"][k] for k in ("params", "optimizer_state", "gradients",
+                                                      "other_state", "activations"))
+    assert base["per_device_bytes"]["total"] == total
+
+
+def test_pipeline_reports_bubble(capsys):
+    out = plan(capsys, "--config", TINY, "--mesh", "pipeline=2,data=1", *PIPELINABLE)
+    stages, micro = 2, 4  # pipeline_microbatches 0 -> 2 x stages
+    assert out["pipeline"]["stages"] == stages and out["pipeline"]["microbatches"] == micro
+    assert out["pipeline"]["bubble_fraction"] == pytest.approx((stages - 1) / (micro + stages - 1))
+    assert out["pipeline"]["layers_per_stage"] == 4
+    assert main(["--config", TINY, "--mesh", "pipeline=2,data=1", *PIPELINABLE]) == 0
+    assert "bubble 20.0%" in capsys.readouterr().out
+
+
+def test_pipeline_shards_the_pipelined_segment(capsys):
+    one = plan(capsys, "--config", TINY, "--mesh", "data=1", *PIPELINABLE)
+    two = plan(capsys, "--config", TINY, "--mesh", "pipeline=2,data=1", *PIPELINABLE)
+    # All decoder layers are in the one segment: every layer group halves.
+    for group in ("attention", "moe_routed", "moe_shared"):
+        assert two["params_by_group_bytes"][group] * 2 == one["params_by_group_bytes"][group]
+
+
+def test_table_and_over_budget_warning(capsys):
+    assert main(["--config", TINY, "--mesh", "data=2"]) == 0
+    captured = capsys.readouterr()
+    for row in ("params", "optimizer state", "gradients", "activations (estimate)", "total",
+                "within budget"):
+        assert row in captured.out
+    assert "WARNING" not in captured.err
+    assert main(["--config", TINY, "--mesh", "data=2", "--device-memory", "0.01"]) == 0
+    captured = capsys.readouterr()
+    assert "OVER BUDGET" in captured.out
+    assert "WARNING: over budget" in captured.err
+    assert main(["--config", TINY, "--mesh", "data=2", "--device-memory", "0.01", "--strict"]) == 1
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--config", "configs/missing.yaml", "--mesh", "data=1"], "does not exist"),
+    (["--config", TINY, "--mesh", "data=2", "--devices", "3"], "mesh"),
+    (["--config", TINY, "--mesh", "data=-1"], "--devices"),
+    (["--config", TINY, "--mesh", "data"], "axis=size"),
+    (["--config", TINY, "--mesh", "pipeline=2,data=1"], "mesh.pipeline=2"),
+    (["--config", TINY, "--mesh", "data=1", "train.bogus=1"], "train.bogus"),
+])
+def test_errors_are_one_line_exit_2(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and needle in err
+
+
+def test_devices_resolve_minus_one(capsys):
+    out = plan(capsys, "--config", TINY, "--mesh", "data=-1,expert=2", "--devices", "8")
+    assert out["mesh"]["data"] == 4 and out["devices"] == 8 and out["data_parallel_size"] == 8
+
+
+def test_parse_mesh():
+    assert parse_mesh("data=8, expert=8,pipeline=2") == {"data": 8, "expert": 8, "pipeline": 2}
+    for bad in ("data=8,data=2", "data=x", "data=0", "gpu=2"):
+        with pytest.raises(PlanError):
+            parse_mesh(bad)
+
+
+def _cli(*argv):
+    return subprocess.run([sys.executable, "-m", "train.plan", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_json():
+    result = _cli("--config", TINY, "--mesh", "data=2,fsdp=1", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["devices"] == 2 and out["within_budget"] is True
+    assert out["per_device_bytes"]["total"] <= out["budget_bytes"] == 80 * 2**30
+    assert math.isclose(out["utilisation"], out["per_device_bytes"]["total"] / out["budget_bytes"])
+
+
+def test_cli_bad_mesh():
+    result = _cli("--config", TINY, "--mesh", "data=2,gpus=4")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: --mesh: unknown axis 'gpus'")

@@ -1,0 +1,181 @@
+"""Tests of staged recipes (`train.experiments.recipe`, `python -m train --recipe`): the recipe file, MTP
+cloning, and one real two-stage recipe (frozen router across a stage, MTP-2 equal to MTP-1 at
+the clone point, resumption mid-recipe in the right stage)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from model.weights import load_model
+from train.__main__ import main as train_main
+from train.experiments.recipe import clone_mtp_heads, load_recipe, run_recipe, stage_start_variables
+from train_helpers import SMALL_LOOP, TINY
+
+
+def write_recipe(tmp_path: Path, stages, **values) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"base": str(TINY), "overrides": SMALL_LOOP, "stages": stages,
+                                    **values}))
+    return path
+
+
+def leaves_named(params, name: str) -> list[np.ndarray]:
+    return [np.asarray(x) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+            if any(getattr(k, "key", None) == name for k in path)]
+
+
+# ---- the recipe file ---------------------------------------------------------------------------
+
+
+def test_stages_layer_their_overrides_and_offset_the_seed(tmp_path):
+    recipe = load_recipe(write_recipe(tmp_path, [
+        {"name": "short", "overrides": ["train.steps=2", "train.seq_len=8"]},
+        {"name": "long", "overrides": ["train.steps=3",
+                                       "model.full_attention.rope_theta=50000.0"]},
+    ]), ["train.lr=0.01"])
+    first, second = recipe.stage_config(0, ["train.lr=0.01"]), recipe.stage_config(1, ["train.lr=0.01"])
+    assert (first.train.steps, first.train.seq_len, second.train.seq_len) == (2, 8, 16)
+    assert (first.model.full_attention.rope_theta,
+            second.model.full_attention.rope_theta) == (10000.0, 50000.0)
+    assert second.model.swa_attention.rope_theta == 10000.0
+    assert first.train.lr == second.train.lr == 0.01
+    assert second.train.seed == first.train.seed + 1
+    assert recipe.stage_dir(tmp_path, 1) == tmp_path / "stages" / "02-long"
+
+
+def test_shipped_recipe_loads():
+    root = Path(__file__).resolve().parents[1]
+    recipe = load_recipe(root / "configs" / "recipes" / "tiny_staged.yaml")
+    runs = [recipe.stage_config(i) for i in range(len(recipe.stages))]
+    assert [s.name for s in recipe.stages] == ["pretrain", "anneal", "midtrain", "mtp"]
+    assert [r.train.freeze_router for r in runs] == [False, False, True, True]
+    assert [s.clone_mtp for s in recipe.stages] == [False, False, False, True]
+    assert runs[-1].trained_mtp_heads() == 3 and runs[0].trained_mtp_heads() == 1
+
+
+@pytest.mark.parametrize("stages, needle", [
+    ([{"name": "a", "clone_mtp": True}], "the first stage has no MTP-1 to clone"),
+    ([{"name": "a"}, {"name": "b", "clone_mtp": True, "overrides": ["model.mtp.num_heads=1"]}],
+     "clone_mtp needs model.mtp.num_heads >= 2"),
+    ([{"name": "a", "freeze": True}], "stages[0]: expected {name, overrides, clone_mtp}"),
+    ([{"name": "a/b"}], "not a usable directory name"),
+    ([{"name": "a"}, {"name": "late", "overrides": ["train.lr=-1"]}], "recipe stage late:"),
+    ([], "'stages' must be a non-empty list"),
+])
+def test_bad_recipes_name_the_problem(tmp_path, stages, needle):
+    with pytest.raises(ValueError) as err:
+        load_recipe(write_recipe(tmp_path, stages))
+    assert needle in str(err.value)
+
+
+def test_recipe_base_is_found_next_to_the_recipe(tmp_path):
+    (tmp_path / "run.yaml").write_text(TINY.read_text())
+    recipe = load_recipe(write_recipe(tmp_path, [{"name": "a"}], base="run.yaml"))
+    assert recipe.base == tmp_path / "run.yaml"
+    with pytest.raises(ValueError, match="recipe base: missing.yaml not found"):
+        load_recipe(write_recipe(tmp_path, [{"name": "a"}], base="missing.yaml"))
+
+
+def test_clone_mtp_heads_copies_mtp_1_into_the_others():
+    params = {"mtp_0": {"w": np.ones(3)}, "mtp_1": {"w": np.zeros(3)},
+              "mtp_2": {"w": np.full(3, 5.0)}, "layers": {"w": np.full(2, 7.0)}}
+    cloned = clone_mtp_heads(params)
+    for head in ("mtp_0", "mtp_1", "mtp_2"):
+        np.testing.assert_array_equal(cloned[head]["w"], np.ones(3))
+    np.testing.assert_array_equal(cloned["layers"]["w"], np.full(2, 7.0))
+    np.testing.assert_array_equal(params["mtp_1"]["w"], np.zeros(3))  # input untouched
+
+
+# ---- a real recipe -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_recipe_freezes_clones_and_resumes_in_the_right_stage(tmp_path, capsys):
+    # Stage 1 has the sweep test's exact settings, so the two share one compiled step.
+    path = write_recipe(tmp_path, [
+        {"name": "pre"},
+        {"name": "mtp", "clone_mtp": True,
+         "overrides": ["train.steps=2", "train.freeze_router=true", "train.lr=0.01",
+                       "train.mtp_offset_weights=[1.0, 1.0]"]},
+    ])
+    recipe, workdir = load_recipe(path), tmp_path / "run"
+    first = run_recipe(recipe, workdir, stop_after=4, log=lambda _: None)
+    assert first.interrupted and first.skipped == []
+    assert {n: (s.first_step, s.last_step) for n, s in first.summaries.items()} == {
+        "pre": (0, 3), "mtp": (0, 1)}
+
+    # MTP-2 starts as a copy of the pre-training stage's MTP-1.
+    _, pre = load_model(recipe.stage_dir(workdir, 0))
+    start = stage_start_variables(recipe, workdir, 1)["params"]
+    for a, b, c in zip(jax.tree.leaves(pre["params"]["mtp_0"]),
+                       jax.tree.leaves(start["mtp_0"]), jax.tree.leaves(start["mtp_1"])):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+
+    # Re-running skips the finished stage and resumes the second at its checkpoint.
+    assert train_main(["--recipe", str(path), "--workdir", str(workdir)]) == 0
+    out = capsys.readouterr().out
+    assert "[stage 1/2] pre: finished (step 3), skipped" in out
+    assert "[stage 2/2] mtp: resuming at step 1" in out
+    assert "stage mtp: finished at step 2 (started at 1)" in out
+    _, final = load_model(recipe.stage_dir(workdir, 1))
+
+    routers = leaves_named(pre["params"], "router")
+    assert routers, "the small model has MoE routers"
+    for before, after in zip(routers, leaves_named(final["params"], "router")):
+        np.testing.assert_array_equal(before, after)
+    moved = [not np.array_equal(a, b) for a, b in zip(
+        leaves_named(pre["params"]["layers"], "up_proj"),
+        leaves_named(final["params"]["layers"], "up_proj"))]
+    assert all(moved), "a frozen router leaves the rest of the model training"
+    for cloned, trained in zip(jax.tree.leaves(start["mtp_1"]),
+                               jax.tree.leaves(final["params"]["mtp_1"])):
+        if cloned.ndim == 2:  # the cloned MTP-2 trains in the clone stage
+            assert not np.array_equal(cloned, trained)
+    assert train_main(["--recipe", str(path), "--workdir", str(workdir)]) == 0
+    assert "nothing to do: every stage" in capsys.readouterr().out
+
+
+def test_changed_finished_stage_is_refused(tmp_path, capsys, monkeypatch):
+    import train.checkpoint as checkpoint_module
+    import train.experiments.recipe as recipe_module
+
+    path = write_recipe(tmp_path, [{"name": "a", "overrides": ["train.steps=2"]},
+                                   {"name": "b", "overrides": ["train.steps=2"]}])
+    stage_a = load_recipe(path).stage_dir(tmp_path / "run", 0)
+    saved = load_recipe(path).stage_config(0).to_dict()
+    saved["train"]["lr"] = 0.5
+    monkeypatch.setattr(recipe_module, "latest_checkpoint_step", lambda d: 2 if d == stage_a else None)
+    monkeypatch.setattr(checkpoint_module, "latest_run_config", lambda d: (2, saved))
+    assert train_main(["--recipe", str(path), "--workdir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "stage a" in err and "train.lr" in err and err.count("\n") == 1
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--config", str(TINY)], "not allowed with argument"),
+    ([], "one of the arguments --config --recipe is required"),
+])
+def test_config_and_recipe_are_exclusive(tmp_path, capsys, args, needle):
+    path = write_recipe(tmp_path, [{"name": "a"}])
+    argv = ["--recipe", str(path), *args] if args else []
+    with pytest.raises(SystemExit) as exit_info:
+        train_main([*argv, "--workdir", str(tmp_path / "w")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and needle in err and err.count("\n") == 1
+
+
+def test_bad_recipe_is_a_one_line_error(tmp_path, capsys):
+    path = write_recipe(tmp_path, [{"name": "a", "clone_mtp": True}])
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(["--recipe", str(path), "--workdir", str(tmp_path / "w")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "no MTP-1 to clone" in err and err.count("\n") == 1

@@ -1,0 +1,284 @@
+"""Ablation sweeps: one base run config, a grid and/or a list of overridden runs.
+
+    python -m train.sweep --sweep configs/sweeps/layout.yaml --workdir runs/sweep_layout \
+        [key=value ...]
+
+Sweep file (YAML):
+
+    base: configs/tiny.yaml             # run config every run starts from
+    overrides: ["train.steps=150"]      # applied to every run, first
+    grid: {train.lr: [1e-3, 3e-3]}      # cartesian product of the listed values
+    runs:                               # named runs with their own overrides
+      - {name: S3F1, overrides: ["model.layout=F+SSSF*2"]}
+    metrics: [moe/load_max_over_mean]   # optional: more columns (last logged value)
+    description: ...                    # optional: printed above the results table
+
+With both `grid` and `runs`, every run is trained at every grid point. `key=value` overrides on
+the command line apply to every run, last (e.g. `train.seed=1` to repeat a sweep with another
+seed in another DIR). Each run trains in DIR/runs/NAME with `python -m train`'s loop; re-running
+the command skips finished runs and resumes unfinished ones; it refuses, writing nothing, a DIR
+whose runs were trained with other settings (a changed sweep file or other command-line
+overrides). A run that fails is reported with its reason and the others go on. Afterwards DIR
+holds results.csv, results.md, loss_curves.png and quality_vs_flops.png
+(train/experiments/sweep_report.py). Runs end with a held-out evaluation: a run without `train.eval_every`
+gets `train.eval_every=<train.steps>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from model.config.cli import ArgumentParser, report_error
+from model.config import read_yaml, yaml_load
+from train.checkpoint import changed_since_checkpoint
+from model.interop.workdir import CheckpointError, latest_checkpoint_step
+from train.config import RunConfig, load_run_config, override_list, resolve_base
+from train.loop import TrainingError, train
+from train.experiments.sweep_report import STATUS_FILE, collect_results, write_report
+
+SWEEP_KEYS = ("base", "overrides", "grid", "runs", "description", "metrics")
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepRun:
+    name: str
+    overrides: tuple[str, ...]  # the run's own, after the sweep-wide ones
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    base: Path
+    overrides: tuple[str, ...]
+    runs: tuple[SweepRun, ...]
+    description: str = ""
+    metrics: tuple[str, ...] = ()  # extra metrics.jsonl names reported (last logged value)
+    command_line: tuple[str, ...] = ()  # overrides given to the CLI: every run, last
+
+    def run_overrides(self, run: SweepRun) -> list[str]:
+        return [*self.overrides, *run.overrides, *self.command_line]
+
+    def run_config(self, run: SweepRun) -> RunConfig:
+        config = load_run_config(self.base, self.run_overrides(run))
+        if not config.train.eval_every:  # every run must end with a held-out loss
+            config = dataclasses.replace(config, train=dataclasses.replace(
+                config.train, eval_every=config.train.steps))
+        return config
+
+
+def _override(key: str, value: Any) -> str:
+    """`key=value` that parses back to `value`: plain when YAML reads it so, else in flow
+    syntax (JSON is valid YAML)."""
+    if isinstance(value, str) and yaml_load(value) == value:
+        return f"{key}={value}"
+    return f"{key}={json.dumps(value)}"
+
+
+def _short(key: str, value: Any) -> str:
+    shown = value if isinstance(value, str) else json.dumps(value)
+    return f"{key.split('.')[-1]}={shown}"
+
+
+def _grid_points(grid: Any) -> list[tuple[str, tuple[str, ...]]]:
+    """[(name suffix, overrides)] of the cartesian product of `grid` ({key: [values]})."""
+    if grid is None:
+        return []
+    if not isinstance(grid, dict) or not grid:
+        raise ValueError(f"sweep grid: expected a mapping {{key: [values]}}, got {grid!r}")
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"sweep grid.{key}: expected a non-empty list of values, got {values!r}")
+    points = []
+    for combo in itertools.product(*grid.values()):
+        pairs = list(zip(grid, combo))
+        points.append((",".join(_short(k, v) for k, v in pairs),
+                       tuple(_override(k, v) for k, v in pairs)))
+    return points
+
+
+def _named_runs(runs: Any) -> list[SweepRun]:
+    if runs is None:
+        return []
+    if not isinstance(runs, list) or not runs:
+        raise ValueError(f"sweep runs: expected a non-empty list of {{name, overrides}}, got {runs!r}")
+    out = []
+    for i, entry in enumerate(runs):
+        if not isinstance(entry, dict) or set(entry) - {"name", "overrides"} or "name" not in entry:
+            raise ValueError(f"sweep runs[{i}]: expected {{name: ..., overrides: [...]}}, "
+                             f"got {entry!r}")
+        overrides = override_list(entry.get("overrides"), f"sweep runs[{i}].overrides")
+        out.append(SweepRun(str(entry["name"]), overrides))
+    return out
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]+")
+
+
+def load_sweep(path: str | Path, extra: Sequence[str] = ()) -> Sweep:
+    """Reads and checks a sweep file; `extra` overrides (the command line's) apply to every
+    run, last. Every run's config is resolved once here, so a typo in any run fails before the
+    first one trains."""
+    path = Path(path)
+    values = read_yaml(path)
+    unknown = set(values) - set(SWEEP_KEYS)
+    if unknown:
+        raise ValueError(f"sweep {path}: unknown key(s) {sorted(unknown)}; expected "
+                         f"{', '.join(SWEEP_KEYS)}")
+    base = resolve_base(values.get("base"), path, "sweep")
+    named, points = _named_runs(values.get("runs")), _grid_points(values.get("grid"))
+    if not named and not points:
+        raise ValueError(f"sweep {path}: needs a 'grid' and/or a 'runs' list")
+    if named and points:
+        runs = [SweepRun(f"{r.name},{suffix}", r.overrides + point)
+                for r in named for suffix, point in points]
+    else:
+        runs = named or [SweepRun(suffix, point) for suffix, point in points]
+    runs = [dataclasses.replace(r, name=_UNSAFE.sub("_", r.name)) for r in runs]
+    names = [r.name for r in runs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"sweep {path}: run names must be unique, repeated: {duplicates}")
+    metrics = values.get("metrics") or []
+    if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
+        raise ValueError(f"sweep metrics: expected a list of metric names, got {metrics!r}")
+    sweep = Sweep(base=base, overrides=override_list(values.get("overrides"), "sweep overrides"),
+                  runs=tuple(runs), description=str(values.get("description") or ""),
+                  metrics=tuple(metrics),
+                  command_line=override_list(list(extra), "command-line overrides"))
+    for run in sweep.runs:
+        try:
+            sweep.run_config(run)
+        except ValueError as err:
+            raise ValueError(f"sweep run {run.name}: {err}") from None
+    return sweep
+
+
+@dataclasses.dataclass
+class SweepOutcome:
+    trained: list[str]  # runs this invocation trained (or resumed)
+    skipped: list[str]  # already finished
+    failed: dict[str, str]  # name -> one-line reason
+    interrupted: bool
+
+
+def check_workdir(sweep: Sweep, workdir: Path) -> None:
+    """Raises ValueError if a run's directory under `workdir` holds checkpoints of another
+    config (a changed sweep file or other command-line overrides): its results would be reported,
+    or its training resumed, under settings it was not trained with."""
+    for run in sweep.runs:
+        run_dir = workdir / "runs" / run.name
+        if latest_checkpoint_step(run_dir) is None:
+            continue
+        changed = changed_since_checkpoint(run_dir, sweep.run_config(run).to_dict())
+        if changed:
+            raise ValueError(f"run {run.name}: {run_dir} holds checkpoints of a different config "
+                             f"({', '.join(changed)}); restore the sweep's settings or use "
+                             "another --workdir")
+
+
+def run_sweep(sweep: Sweep, workdir: Path, only: Sequence[str] = (),
+              log: Callable[[str], None] = print) -> SweepOutcome:
+    """Trains the runs of `sweep` (those named in `only`, if given) under `workdir`/runs, then
+    writes the report of every run that has metrics. Refuses (ValueError, nothing written) a
+    workdir whose runs were trained with other settings."""
+    check_workdir(sweep, workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "sweep.json").write_text(json.dumps({
+        "base": str(sweep.base), "overrides": list(sweep.overrides),
+        "command_line": list(sweep.command_line),
+        "runs": [{"name": r.name, "overrides": list(r.overrides)} for r in sweep.runs]},
+        indent=2) + "\n")
+    selected = [r for r in sweep.runs if not only or r.name in only]
+    outcome = SweepOutcome([], [], {}, False)
+    for index, run in enumerate(selected, 1):
+        config, run_dir = sweep.run_config(run), workdir / "runs" / run.name
+        done = latest_checkpoint_step(run_dir)
+        if done is not None and done >= config.train.steps:
+            log(f"[{index}/{len(selected)}] {run.name}: finished (step {done}), skipped")
+            outcome.skipped.append(run.name)
+            continue
+        log(f"[{index}/{len(selected)}] {run.name}: "
+            + (f"resuming at step {done}" if done else "training") + f" -> {run_dir}")
+        start = time.perf_counter()
+        try:
+            summary = train(config, run_dir)
+        except (TrainingError, CheckpointError, ValueError) as err:
+            outcome.failed[run.name] = " ".join(str(err).split())
+            log(f"[{index}/{len(selected)}] {run.name}: FAILED: {outcome.failed[run.name]}")
+            continue
+        finally:
+            _add_seconds(run_dir, time.perf_counter() - start)
+        outcome.trained.append(run.name)
+        if summary.interrupted:
+            outcome.interrupted = True
+            break
+    results = collect_results(sweep, workdir)
+    if results:
+        write_report(results, workdir, sweep)
+    return outcome
+
+
+def _add_seconds(run_dir: Path, seconds: float) -> None:
+    path = run_dir / STATUS_FILE
+    if not run_dir.is_dir():
+        return
+    previous = json.loads(path.read_text()).get("train_seconds", 0.0) if path.is_file() else 0.0
+    path.write_text(json.dumps({"train_seconds": previous + seconds}) + "\n")
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m train.sweep", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", required=True, metavar="PATH", help="sweep YAML")
+    parser.add_argument("--workdir", required=True, metavar="DIR",
+                        help="sweep directory: runs/NAME per run, results.* and plots")
+    parser.add_argument("--only", metavar="NAME", action="append", default=[],
+                        help="train only this run (repeatable), e.g. to spread a sweep over "
+                             "machines sharing DIR; the report covers every run with metrics")
+    parser.add_argument("--list", action="store_true",
+                        help="print the expanded runs and their overrides, train nothing")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides for every run, applied last, e.g. train.seed=1")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)
+    try:
+        sweep = load_sweep(args.sweep, args.overrides)
+    except ValueError as err:
+        parser.error(str(err))
+    names = [r.name for r in sweep.runs]
+    unknown = [n for n in args.only if n not in names]
+    if unknown:
+        parser.error(f"--only: no run named {', '.join(unknown)} (runs: {', '.join(names)})")
+    if args.list:
+        for run in sweep.runs:
+            print(f"{run.name}: {' '.join(sweep.run_overrides(run))}")
+        return 0
+    workdir = Path(args.workdir)
+    try:
+        outcome = run_sweep(sweep, workdir, args.only)
+    except OSError as err:
+        return report_error(f"sweep {workdir}: {err.strerror or err}")
+    except (ValueError, CheckpointError) as err:
+        return report_error(err)
+    print(f"trained {len(outcome.trained)}, already finished {len(outcome.skipped)}, "
+          f"failed {len(outcome.failed)}; results: {workdir / 'results.md'}")
+    if outcome.interrupted:
+        print("interrupted; re-run the same command to resume")
+    for name, reason in outcome.failed.items():
+        print(f"error: run {name}: {reason}", file=sys.stderr)
+    return 1 if outcome.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

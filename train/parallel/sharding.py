@@ -1,0 +1,111 @@
+"""The training mesh and the layout of everything a train step holds.
+
+    mesh = make_mesh(run.mesh)                       # axes pipeline, data, fsdp, expert, tensor
+    with use_mesh(mesh):                             # model.parallel.rules: mesh + rules context
+        specs = state_specs(abstract, variable_axes, mesh, run)
+        step = jax.jit(step_fn, in_shardings=(named(mesh, specs), batch_sharding, None), ...)
+
+Params follow the model's rules table (`model.parallel.rules`); here the optimizer state takes
+its param's layout, ZeRO-1 (`mesh.zero1`) additionally shards it over `data` (report 3.2), and
+batches split over the data-parallel axes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
+
+from model.parallel.mesh import spec_axes
+from model.parallel.pipeline import num_microbatches
+from model.parallel.rules import BATCH_AXES, MESH_AXES, param_specs, path_keys
+from train.config import MeshConfig, RunConfig
+
+def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
+    """Mesh over `devices` (default: all, every process's) with axes MESH_AXES, all Auto
+    (GSPMD propagates shardings; shard_map regions take the axes they need)."""
+    devices = jax.devices() if devices is None else devices
+    sizes = cfg.axis_sizes(len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    if len(devices) == len(jax.devices()):
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                             devices=devices)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """`spec` with `data` added to the largest dimension it still divides (ZeRO-1: each data
+    replica keeps 1/data of the optimizer state). Unchanged if `data` is used or fits nowhere."""
+    data = mesh.shape["data"]
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if data == 1 or any("data" in spec_axes(e) for e in entries):
+        return spec
+    for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        current = spec_axes(entries[dim])
+        if shape[dim] % (data * math.prod(mesh.shape[a] for a in current)) == 0:
+            entries[dim] = (*current, "data") if current else "data"
+            return P(*entries)
+    return spec
+
+
+def opt_state_specs(opt_state: Any, params: Any, specs: Any, mesh: Mesh, zero1: bool) -> Any:
+    """Specs for an optax state: a leaf whose key path ends with a param's path and has its
+    shape (Adam moments, Muon momentum) takes that param's spec (plus ZeRO-1); the rest (step
+    counts, masked-out placeholders) is replicated."""
+    by_path = {}
+    for (path, spec), leaf in zip(
+            jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0],
+            jax.tree.leaves(params)):
+        by_path[path_keys(path)] = (spec, leaf.shape)
+
+    def spec_of(path, leaf):
+        keys = path_keys(path)
+        for start in range(len(keys)):
+            match = by_path.get(keys[start:])
+            if match is not None and match[1] == leaf.shape:
+                return zero1_spec(match[0], leaf.shape, mesh) if zero1 else match[0]
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec_of, opt_state)
+
+
+def state_specs(abstract_state: Any, variable_axes: dict, mesh: Mesh, run: RunConfig) -> Any:
+    """PartitionSpecs of a `TrainState` (same structure). variable_axes: {'params': axes tree,
+    'balance': axes tree} (logical axes of both collections)."""
+    params = param_specs(variable_axes["params"], abstract_state.params, mesh, run.model)
+    balance = (param_specs(variable_axes["balance"], abstract_state.balance, mesh, run.model)
+               if abstract_state.balance else abstract_state.balance)
+    return abstract_state.replace(
+        step=P(), rng=P(), skipped=P(), consecutive_skips=P(), params=params, balance=balance,
+        opt_state=opt_state_specs(abstract_state.opt_state, abstract_state.params, params, mesh,
+                                  run.mesh.zero1))
+
+
+def batch_spec(mesh: Mesh) -> P:
+    """[num_micro, micro_batch, T] batches: rows over data, fsdp and expert."""
+    return P(None, tuple(a for a in BATCH_AXES if mesh.shape[a] > 1) or None, None)
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def check_batch_fits(run: RunConfig, mesh: Mesh) -> None:
+    """Every micro-batch must split evenly over the data-parallel devices and into the
+    pipeline's micro-batches."""
+    ways = data_parallel_size(mesh)
+    micro = run.train.micro_batch()
+    if micro % ways:
+        raise ValueError(f"train.micro_batch_size: {micro} sequences do not split over the "
+                         f"{ways} data-parallel devices (mesh data x fsdp x expert)")
+    stages = mesh.shape["pipeline"]
+    if stages > 1:
+        pieces = num_microbatches(run.model, stages)
+        if micro % pieces or (micro // pieces) % ways:
+            raise ValueError(
+                f"model.pipeline_microbatches: {micro} sequences per micro-batch do not split "
+                f"into {pieces} pipeline micro-batches of a multiple of {ways} sequences")

@@ -1,0 +1,257 @@
+"""Asynchronous metrics logging (report 3.3: logging must never stall training) and the
+terminal progress bar.
+
+    with MetricsWriter(workdir) as writer:
+        writer.write(step, metrics)   # returns at once; metrics may still be computing on device
+
+A background thread fetches the values (`jax.device_get`) and writes
+- `workdir/metrics.jsonl`: one JSON object per `write`, `{"step": int, name: float, ...}` for
+  every scalar; non-finite values (NaN, ±inf) are written as `null` so every line is valid JSON;
+- `workdir/tensorboard/`: TensorBoard scalars, and a histogram for every array with more than
+  one element (e.g. `moe_hist/...`; those never go to metrics.jsonl).
+An exception in the thread is re-raised by the next `write`, `flush` or `close`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+_FLUSH = object()  # queue item: flush the files
+_STOP = object()  # queue item: close the files and end the thread
+
+
+def _json_float(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def split_metrics(metrics: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """Host values -> (scalars as python floats, arrays with more than one element)."""
+    scalars, arrays = {}, {}
+    for name, value in metrics.items():
+        array = np.asarray(value)
+        if array.size == 1:
+            scalars[name] = float(array.reshape(()))
+        elif array.size > 1:
+            arrays[name] = array.astype(np.float64).reshape(-1)
+    return scalars, arrays
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """metrics.jsonl -> list of records; an unparseable line (a write cut short by a crash) is
+    skipped."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+    return records
+
+
+class MetricsWriter:
+    """Non-blocking metrics sink: `metrics.jsonl` + TensorBoard under `workdir`.
+
+    Only one process should write (e.g. `jax.process_index() == 0`). The queue is bounded
+    (`max_pending` records) so a stalled disk eventually applies back-pressure instead of
+    holding device buffers without limit.
+    """
+
+    def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True,
+                 max_pending: int = 1000):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.path = self.workdir / METRICS_FILE
+        self._tensorboard = tensorboard
+        self._tb = None  # opened lazily by the thread, so truncate_after can set purge_step
+        self._purge_step: int | None = None
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="MetricsWriter", daemon=True)
+        self._thread.start()
+
+    # ---- caller side ------------------------------------------------------------------------
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Enqueues one record; values may be jax arrays not yet computed."""
+        self._raise_pending()
+        if self._closed:
+            raise RuntimeError("MetricsWriter.write after close()")
+        self._queue.put((int(step), dict(metrics)))
+
+    def flush(self) -> None:
+        """Blocks until every record written so far is on disk."""
+        if not self._closed:
+            self._queue.put(_FLUSH)
+            self._queue.join()
+        self._raise_pending()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put(_STOP)
+            self._thread.join()
+        self._raise_pending()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def truncate_after(self, step: int) -> None:
+        """Drops records with step > `step` (resuming from the checkpoint at `step`), so the file
+        keeps one line per step. Atomic: a temporary file replaces metrics.jsonl. TensorBoard
+        hides events after `step` too if this is called before the first `write`."""
+        self.flush()
+        if self._closed:
+            raise RuntimeError("MetricsWriter.truncate_after after close()")
+        if self._tb is None:
+            self._purge_step = step + 1
+        self._file.close()
+        kept = [r for r in read_metrics(self.path) if r["step"] <= step]
+        fd, tmp = tempfile.mkstemp(dir=self.workdir, prefix=f".{METRICS_FILE}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        finally:
+            self._file = open(self.path, "a", encoding="utf-8")
+
+    def _raise_pending(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"metrics writer failed: {error!r}") from error
+
+    # ---- writer thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    self._close_files()
+                    return
+                if item is _FLUSH:
+                    self._file.flush()
+                    if self._tb is not None:
+                        self._tb.flush()
+                else:
+                    self._write_record(*item)
+            except BaseException as error:  # surfaced by the next call on the caller side
+                if self._error is None:
+                    self._error = error
+            finally:
+                self._queue.task_done()
+
+    def _write_record(self, step: int, metrics: dict) -> None:
+        scalars, arrays = split_metrics(jax.device_get(metrics))
+        record = {"step": step, **{k: _json_float(v) for k, v in scalars.items()}}
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if not self._tensorboard:
+            return
+        if self._tb is None:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(str(self.workdir / TENSORBOARD_DIR),
+                                     purge_step=self._purge_step)
+        for name, value in scalars.items():
+            self._tb.add_scalar(name, value, step)
+        for name, values in arrays.items():
+            finite = values[np.isfinite(values)]
+            if finite.size:
+                self._tb.add_histogram(name, finite, step)
+
+    def _close_files(self) -> None:
+        try:
+            self._file.close()
+        finally:
+            if self._tb is not None:
+                self._tb.close()
+
+
+class DiscardingWriter:
+    """MetricsWriter's interface, writing nothing (processes other than the first)."""
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        del step, metrics
+
+    def truncate_after(self, step: int) -> None:
+        del step
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "DiscardingWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _si(value: float) -> str:
+    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f}{suffix}"
+    return f"{value:.0f}"
+
+
+class ProgressBar:
+    """tqdm bar on stderr: steps done, ETA, tokens/s and loss; silent with `enabled=False`."""
+
+    def __init__(self, total_steps: int, initial_step: int = 0, *, enabled: bool = True,
+                 file=None):
+        from tqdm import tqdm
+        self._bar = tqdm(total=total_steps, initial=initial_step, disable=not enabled,
+                         file=file if file is not None else sys.stderr, unit="step",
+                         dynamic_ncols=True, desc="train")
+
+    def update(self, step: int, tokens_per_sec: float | None = None,
+               loss: float | None = None) -> None:
+        """`step`: steps completed so far (absolute, not an increment)."""
+        postfix = {}
+        if tokens_per_sec is not None:
+            postfix["tok/s"] = _si(float(tokens_per_sec))
+        if loss is not None:
+            postfix["loss"] = f"{float(loss):.4f}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def write(self, message: str) -> None:
+        """Prints a line above the bar without breaking it (suppressed when disabled)."""
+        if not self._bar.disable:
+            self._bar.write(message, file=self._bar.fp)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def __enter__(self) -> "ProgressBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
