@@ -32,7 +32,7 @@ from model.ops.attention_cores import (
 from model.config import AttentionTypeConfig, ModelConfig, MTPConfig, RopeScaling, load_config
 from model.lm import CausalLM
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 TOL = 1e-5
 
 

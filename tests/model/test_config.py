@@ -19,7 +19,7 @@ from model.config import (
     load_config,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 STEP35 = REPO / "configs" / "step35_flash.yaml"
 # Model presets and training runs; RL runs (an `rl:` section, rl/config.py) are tested in

@@ -11,7 +11,7 @@ import pytest
 from model.config import load_config
 from model.flops import forward_flops, kv_cache_bytes, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 ABLATION = ROOT / "configs" / "ablation"
 

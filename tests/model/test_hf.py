@@ -34,7 +34,7 @@ from model.lm import CausalLM
 from model.layers.params import convert_layer_layout
 from model.weights import abstract_variables, load_model, save_model_dir
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # configs/tiny.yaml at test sizes: F/S layout with 4 full / 6 SWA query heads, one dense layer
 # then MoE (8 experts, top 2, shared expert), clamps on the last layer, head-wise gate, QK norm,

@@ -22,7 +22,7 @@ from model import CausalLM, load_config
 from model.config import MTPConfig, expand_layout
 from model.layers.layer_plan import Segment, layer_kinds, plan_segments
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 # LLVM optimisation level 0 roughly halves XLA:CPU compile time (the dominant cost here); the
 # HLO, and so what is computed, is the same (no fast-math either way).

@@ -20,7 +20,7 @@ from model.ops.moe_dispatch import ExpertWeights, row_block_size
 from model.layers.moe import routed_experts
 from model.layers.router import ep_group_balance_loss, expert_load, route, routing_confidence
 
-TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 # Tests compile many small programs; LLVM optimisation level 0 halves XLA:CPU compile time and
 # does not change what is computed (same HLO; no fast-math either way).
 FAST = {"xla_backend_optimization_level": 0}

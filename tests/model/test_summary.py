@@ -10,7 +10,7 @@ import pytest
 from model.config import load_config
 from model.summary import count_params, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEP35 = str(ROOT / "configs" / "step35_flash.yaml")
 TINY = str(ROOT / "configs" / "tiny.yaml")
 

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl import advantages as A
-from rl import losses as L
+from rl.objectives import advantages as A
+from rl.objectives import losses as L
 
 # Jitted once per module (one compile per shape instead of one per eager op: ~5x faster on CPU).
 _BOUNDS = ("token_bounds", "traj_bounds")

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from train import data as data_module
+from train.data import pipeline as data_module
 from train.config import DataConfig
 from train.data.documents import Document, heldout_score, split_documents
 from train.data.corpus import load_documents, meta_string, stdlib_documents
@@ -25,7 +25,7 @@ from model.tokenizers.text import (
     DEFAULT_PATH, EOS, META_CLOSE, META_OPEN, TextTokenizer, load_tokenizer, train_bpe,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SAMPLE = Path(json.decoder.__file__).read_text()  # real Python source for small documents
 LENGTHS = (15, 60, 400, 1500, 40, 3000, 7, 900)  # characters; ~3.6 characters per token
 

@@ -15,7 +15,7 @@ import pytest
 from train.telemetry.metrics import MetricsWriter, ProgressBar, read_metrics
 from train.experiments.plot import main as plot_main, stage_records
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def lines(workdir: Path) -> list[dict]:

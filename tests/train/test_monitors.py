@@ -17,7 +17,7 @@ from train.telemetry.monitors import (
     expert_norm_table, expert_param_norms, moe_monitors, tree_rms,
 )
 
-TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 L, E, B, T = 3, 6, 2, 5
 
 

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from train.config import MuonConfig
-from train import muon
+from train.optim import muon
 from train.optim.muon import POLAR_EXPRESS_COEFFS, MatrixView, matrix_view, scale_by_muon, update_scale
 
 # Jitted: one compilation per shape is faster than eager dispatch of 18 matmuls.

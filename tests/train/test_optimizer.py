@@ -21,7 +21,7 @@ from train.optim.optimizer import build_optimizer, current_learning_rate, param_
 from model.parallel.rules import param_axes
 from train.optim.schedules import learning_rate_schedule
 
-TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
 
 

@@ -19,7 +19,7 @@ from train.parallel.sharding import zero1_spec
 from model.parallel.rules import MESH_AXES, abstract_mesh, logical_to_spec
 from train_helpers import SUBPROCESS_XLA_FLAGS, TINY
 
-WORKER = Path(__file__).with_name("parallel_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "parallel_worker.py"
 TOLERANCE = 1e-5  # relative, float32 with a different reduction order
 
 # Expected layouts, read off the rules table by hand: vocab/heads/mlp/expert_mlp -> tensor,

@@ -11,7 +11,7 @@ import pytest
 
 from train.parallel.plan import PlanError, main, parse_mesh
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 STEP35 = str(ROOT / "configs" / "step35_flash.yaml")
 # tiny.yaml as one scanned segment of 8 identical F-MoE layers, so mesh.pipeline=2 fits it.

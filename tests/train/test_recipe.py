@@ -49,7 +49,7 @@ def test_stages_layer_their_overrides_and_offset_the_seed(tmp_path):
 
 
 def test_shipped_recipe_loads():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     recipe = load_recipe(root / "configs" / "recipes" / "tiny_staged.yaml")
     runs = [recipe.stage_config(i) for i in range(len(recipe.stages))]
     assert [s.name for s in recipe.stages] == ["pretrain", "anneal", "midtrain", "mtp"]

@@ -48,7 +48,7 @@ def test_grid_is_a_cartesian_product_and_runs_cross_it(tmp_path):
 
 
 def test_shipped_sweeps_load():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     names = {path.stem: [r.name for r in load_sweep(path).runs]
              for path in sorted((root / "configs" / "sweeps").glob("*.yaml"))}
     assert names["layout"] == ["FFFF", "S1F1", "S3F1", "S3F1+Head"]
