@@ -13,11 +13,11 @@ import json
 import time
 
 from benchmarks.common import markdown_table, save
+from model.tokenizers.text import load_tokenizer
 from train.config import DataConfig
 from train.data.corpus import load_documents
 from train.data.documents import split_documents
 from train.data.pipeline import make_dataset
-from model.tokenizers.text import load_tokenizer
 
 
 def main() -> None:

@@ -19,7 +19,6 @@ import time
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import matplotlib
 
 matplotlib.use("Agg")
@@ -28,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from benchmarks.common import RESULTS, markdown_table, save  # noqa: E402
 from model.config import load_config  # noqa: E402
 from model.inference.decode import Decoder, cache_bytes  # noqa: E402
-from model.lm import CausalLM  # noqa: E402
+from model.lm import CausalLM, abstract_variables, init_variables  # noqa: E402
 from model.weights import load_model  # noqa: E402
 
 MEDIUM = ["d_model=1024", "head_dim=128", "full_attention.num_heads=8",
@@ -38,12 +37,13 @@ MEDIUM = ["d_model=1024", "head_dim=128", "full_attention.num_heads=8",
 
 def heldout_prompts(workdir: str, count: int, length: int) -> list[list[int]]:
     """The first `length` tokens of the first `count` long-enough held-out documents."""
+    from pathlib import Path
+
     from model.generate import workdir_tokenizer
+    from model.tokenizers.text import load_tokenizer
     from train.config import DataConfig
     from train.data.corpus import load_documents
     from train.data.documents import split_documents
-    from model.tokenizers.text import load_tokenizer
-    from pathlib import Path
 
     tokenizer = load_tokenizer(workdir_tokenizer(Path(workdir)))
     _, heldout = split_documents(load_documents("stdlib"), DataConfig.heldout_fraction)
@@ -92,8 +92,8 @@ def pass_cost(config, variables, draft: int, prompt_len: int = 64, passes: int =
 
 def medium_costs(accepted: dict[int, float]) -> list[dict]:
     config = load_config("configs/tiny.yaml", MEDIUM)
-    variables = nn.meta.unbox(jax.jit(CausalLM(config).init)(jax.random.key(0),
-                                                             jnp.zeros((1, 8), jnp.int32)))
+    variables = nn.meta.unbox(jax.jit(lambda key: init_variables(CausalLM(config), key))(
+        jax.random.key(0)))
     base = pass_cost(config, variables, 0)
     rows = []
     for draft in range(config.mtp.num_heads + 1):
@@ -109,8 +109,7 @@ def medium_costs(accepted: dict[int, float]) -> list[dict]:
 
 def cache_scaling(contexts=(4096, 16384, 65536, 262144)) -> list[dict]:
     config = load_config("configs/step35_flash.yaml")
-    abstract = jax.eval_shape(lambda: nn.meta.unbox(
-        CausalLM(config).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))))
+    abstract = nn.meta.unbox(abstract_variables(config))
     rows = []
     for context in contexts:
         decoder = Decoder(config, abstract, max_len=context, draft=3)

@@ -14,7 +14,7 @@ import argparse
 from benchmarks.common import markdown_table, save
 from model.config.cli import ArgumentParser
 from model.flops import forward_flops
-from train.experiments.sweep import load_sweep
+from train.experiments.sweep_file import load_sweep
 
 CONTEXTS_IN_WINDOWS = (128, 512)  # report Table 1: 64K and 256K at W = 512
 

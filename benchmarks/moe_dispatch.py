@@ -13,10 +13,10 @@ import jax.numpy as jnp
 
 from benchmarks.common import markdown_table, save, time_compiled
 from model.config import MoEConfig
-from model.ops.swiglu import swiglu_activation
-from model.ops.moe_dispatch import ExpertWeights
 from model.layers.moe import routed_experts
 from model.layers.router import route
+from model.ops.moe_dispatch import ExpertWeights
+from model.ops.swiglu import swiglu_activation
 
 
 def main() -> None:

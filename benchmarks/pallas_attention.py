@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import markdown_table, save, time_compiled
+from model.flops import visible_pairs
 from pallas_kernels.flash_attention import flash_attention, visited_blocks
 
 # device_kind substring -> (dense bf16 TFLOP/s, HBM GB/s), vendor datasheets; first match wins.
@@ -37,13 +38,6 @@ PEAKS = [
     ("TPU v5", (459.0, 2765.0)),  # v5p
     ("TPU v6 lite", (918.0, 1640.0)),
 ]
-
-
-def visible_pairs(length: int, window: int | None) -> int:
-    """sum_i min(i + 1, W): (query, key) pairs one head attends to."""
-    if window is None or window >= length:
-        return length * (length + 1) // 2
-    return window * (window + 1) // 2 + (length - window) * window
 
 
 def block_table(lengths, window, block):

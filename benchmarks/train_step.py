@@ -5,8 +5,8 @@
 Times the jitted `train.step` (forward, backward, Muon/AdamW, loss-free bias update, monitors)
 on batches from the real input pipeline, after one warm-up step. MFU = model FLOPs per trained
 token (`model.flops`: forward x 3, MTP heads that train included) x tokens/s over the measured
-float32 matmul peak of this machine (`train.telemetry.mfu.measure_matmul_peak`, a 1024^3 product). The
-issue's target is MFU >= 40% on the medium config.
+float32 matmul peak of this machine (`train.telemetry.mfu.measure_matmul_peak`, a 1024^3 product).
+The issue's target is MFU >= 40% on the medium config.
 
 The optimizer update is timed on its own too. Muon's orthogonalisation costs a fixed ~4.5
 TFLOP per step on the medium model whatever the batch, so at the 2k tokens per step that fit
@@ -22,12 +22,12 @@ import jax
 import numpy as np
 
 from benchmarks.common import markdown_table, save
+from model.tokenizers.text import load_tokenizer
 from train.config import load_run_config
 from train.data.pipeline import make_dataset
-from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
 from train.state import build_training, create_state
 from train.step import make_train_step
-from model.tokenizers.text import load_tokenizer
+from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
 
 CONFIGS = {
     "tiny": [],

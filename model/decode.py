@@ -1,4 +1,5 @@
-"""Decoding with KV caches and MTP speculative decoding: the documented path; the code lives in `model.inference.decode`."""
+"""Decoding with KV caches and MTP speculative decoding: the documented path; the code lives in
+`model.inference.decode`."""
 
 from model.inference.decode import Decoder, Generation, required_length
 

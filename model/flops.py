@@ -33,9 +33,9 @@ import json
 import sys
 from typing import Sequence
 
+from model.config import ModelConfig
 from model.config.cli import config_parser, format_table, human, parse_config
 from model.layers.common import dtype_of
-from model.config import ModelConfig
 
 MODES = ("prefill", "decode")
 BREAKDOWN = ("attention_projections", "attention_scores", "ffn_dense", "moe_experts", "router",

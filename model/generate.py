@@ -25,20 +25,20 @@ import jax
 from model.config.cli import ArgumentParser, report_error
 from model.inference.decode import Decoder, required_length
 from model.inference.sampling import Sampling
+from model.interop.workdir import CheckpointError, latest_run_config
+from model.tokenizers.chat import load_chat_tokenizer
+from model.tokenizers.text import load_tokenizer
+from model.weights import load_model
 
 
 def load_tokenizer_for(args):
     """-> (encode(text) -> ids, decode(ids) -> text, stop ids, render(text) for --chat or None)."""
     if args.hf or (args.tokenizer and Path(args.tokenizer).is_dir()):
-        from model.tokenizers.chat import load_chat_tokenizer
-
         tok = load_chat_tokenizer(args.tokenizer or args.hf)
         render = lambda text: tok.render([{"role": "user", "content": text}],  # noqa: E731
                                          add_generation_prompt=True)
         return tok.encode, lambda ids: tok.decode(ids, skip_special_tokens=True), \
             set(tok.eos_ids), render
-    from model.tokenizers.text import load_tokenizer
-
     spec = args.tokenizer or workdir_tokenizer(Path(args.workdir))
     tok = load_tokenizer(spec)
     return (lambda text: tok.encode(text).tolist(),
@@ -47,8 +47,6 @@ def load_tokenizer_for(args):
 
 def workdir_tokenizer(workdir: Path) -> str:
     """The tokenizer a training workdir's latest checkpoint was trained with."""
-    from model.interop.workdir import latest_run_config
-
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"--tokenizer: {workdir} is not a training workdir; name the "
                          "tokenizer.json (or a directory holding one) to use")
@@ -57,8 +55,6 @@ def workdir_tokenizer(workdir: Path) -> str:
 
 
 def generate(args) -> dict:
-    from model.weights import load_model
-
     config, variables = load_model(args.hf or args.workdir)
     encode, decode, stop_ids, render = load_tokenizer_for(args)
     if args.chat:
@@ -117,8 +113,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.prefill_chunk < 1:
         parser.error(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
-    from model.interop.workdir import CheckpointError
-
     try:
         Sampling(args.temperature, args.top_k, args.top_p).validate()
         result = generate(args)

@@ -1,8 +1,73 @@
-"""Hugging Face checkpoint import/export (`python -m model.hf import|export`): the documented path; the code lives in `model.interop.hf`."""
+"""Hugging Face checkpoint import and export: the documented path (the code is in model/interop/).
 
-from model.interop.hf import load_hf_checkpoint, save_hf_checkpoint, main
+    python -m model.hf import HF_DIR --out MODEL_DIR           # -> a stepjax model directory
+    python -m model.hf export MODEL_DIR_OR_WORKDIR --out HF_DIR [--dtype bfloat16]
+
+    cfg, variables = load_hf_checkpoint("Step-3.5-Flash/")     # streams shard by shard
+    save_hf_checkpoint(cfg, variables, "exported/", dtype="bfloat16")
+
+Supported families: Step 3.5 Flash (`model_type: step3p5`, model/interop/step3p5.py). Config
+keys that do not change the network (token ids, max_position_embeddings, torch_dtype, ...) are
+ignored on import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from model.config import DTYPES
+from model.config.cli import ArgumentParser, report_error
+from model.interop.hf import load_hf_checkpoint, save_hf_checkpoint
+from model.interop.model_dir import check_fresh, save_model_dir
+from model.interop.workdir import CheckpointError
+from model.weights import load_model
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "main"]
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m model.hf", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{import,export}",
+                                     parser_class=ArgumentParser)
+    imports = commands.add_parser(
+        "import", help="Hugging Face checkpoint -> stepjax model directory",
+        description="Converts a Hugging Face Step 3.5 directory (config.json + safetensors) "
+                    "into a stepjax model directory (model/interop/model_dir.py).")
+    imports.add_argument("source", metavar="HF_DIR")
+    imports.add_argument("--out", required=True, metavar="MODEL_DIR", help="new or empty")
+    imports.add_argument("--param-dtype", choices=DTYPES, default=None,
+                         help="dtype of the imported params (default float32)")
+    exports = commands.add_parser(
+        "export", help="stepjax model directory or training workdir -> Hugging Face checkpoint",
+        description="Writes a Hugging Face Step 3.5 directory from a stepjax model directory or "
+                    "a `python -m train` workdir (its latest checkpoint).")
+    exports.add_argument("source", metavar="DIR")
+    exports.add_argument("--out", required=True, metavar="HF_DIR", help="new or empty")
+    exports.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                         help="tensor dtype in the files (default: the params' dtype)")
+    exports.add_argument("--max-shard-gib", type=float, default=5.0, metavar="GIB",
+                         help="largest shard file (default 5)")
+    args = parser.parse_args(argv)
+    try:
+        check_fresh(Path(args.out))  # before the long load: nothing is overwritten
+        if args.command == "import":
+            config, variables = load_hf_checkpoint(args.source, param_dtype=args.param_dtype)
+            save_model_dir(config, variables, args.out)
+        else:
+            if args.max_shard_gib <= 0:
+                raise ValueError(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
+            config, variables = load_model(args.source)
+            save_hf_checkpoint(config, variables, args.out, dtype=args.dtype,
+                               max_shard_bytes=int(args.max_shard_gib * 2**30))
+    except (ValueError, OSError, CheckpointError) as err:  # CheckpointError: a bad workdir
+        return report_error(err)
+    print(f"wrote {args.out}")
+    return 0
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

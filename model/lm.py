@@ -1,7 +1,8 @@
 """`CausalLM`: embeddings -> layer stack -> final norm -> LM head, plus the MTP heads.
 
     lm = CausalLM(cfg)
-    variables = lm.init(key, tokens)                 # {"params": ..., "balance": ...}
+    variables = init_variables(lm, key)              # boxed {"params": ..., "balance": ...}
+    params, balance = split_variables(nn.meta.unbox(variables))
     out = lm.apply(variables, tokens, segment_ids=None, positions=None)
     out.logits [B, T, V]; out.mtp_logits: one [B, T, V] per MTP head; out.aux: dict
 
@@ -10,6 +11,7 @@ the normalised hidden states and `lm.apply(variables, h, method=CausalLM.project
 maps any chunk of them to logits (the training loss does this chunk by chunk).
 """
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -17,14 +19,14 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from model.layers.common import dtype_of, normal_init
 from model.config import ModelConfig
 from model.inference.kv_cache import KVCacheSpec
+from model.layers.common import dtype_of, normal_init
 from model.layers.mtp import MTPHead, shift_tokens_left
 from model.layers.norm import RMSNorm
-from model.parallel.mesh import mesh_axis_size
 from model.layers.router import ep_group_balance_loss
 from model.layers.stack import LayerStack
+from model.parallel.mesh import mesh_axis_size
 
 
 class LMOutput(flax.struct.PyTreeNode):
@@ -142,3 +144,27 @@ class CausalLM(nn.Module):
         else:
             out = self.lm_head(normed_hidden)
         return out.astype(jnp.float32)
+
+
+def init_variables(module: nn.Module, key: jax.Array) -> dict:
+    """Boxed (logical axes kept) variables of `module.init` on a dummy [1, 8] token batch:
+    `CausalLM` or a module wrapping it with the same inputs; no variable's shape depends on
+    the batch or the length."""
+    return module.init(key, jnp.zeros((1, 8), jnp.int32))
+
+
+@functools.lru_cache(maxsize=8)
+def abstract_variables(config: ModelConfig) -> dict:
+    """Boxed ShapeDtypeStructs of `init_variables(CausalLM(config), ...)` (nothing allocated)."""
+    return jax.eval_shape(lambda: init_variables(CausalLM(config), jax.random.key(0)))
+
+
+def join_variables(params: Any, balance: Any) -> dict:
+    """The `apply` variables {"params", "balance"}; `balance` (the router biases) is left out
+    when empty, as for a model without router bias."""
+    return {"params": params, "balance": balance} if balance else {"params": params}
+
+
+def split_variables(variables: dict) -> tuple[Any, Any]:
+    """(params, balance) of unboxed variables; balance is {} when the model has none."""
+    return variables["params"], variables.get("balance", {})

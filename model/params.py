@@ -1,4 +1,5 @@
-"""Converting variables between the scanned and per-layer layouts: the documented path; the code lives in `model.layers.params`."""
+"""Converting variables between the scanned and per-layer layouts: the documented path; the code
+lives in `model.layers.params`."""
 
 from model.layers.params import convert_layer_layout, stack_layers, unstack_layers
 

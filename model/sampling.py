@@ -1,4 +1,5 @@
-"""Sampling settings (temperature, top-k, top-p): the documented path; the code lives in `model.inference.sampling`."""
+"""Sampling settings (temperature, top-k, top-p): the documented path; the code lives in
+`model.inference.sampling`."""
 
 from model.inference.sampling import Sampling
 

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict
 
-from model.config.cli import config_parser, format_table, human, parse_config
 from model.config import ModelConfig
+from model.config.cli import config_parser, format_table, human, parse_config
 from model.lm import CausalLM
 
 GROUPS = ("embeddings", "attention", "dense_ffn", "moe_routed", "moe_shared", "router", "norms",

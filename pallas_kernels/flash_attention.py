@@ -1,9 +1,9 @@
 """Flash attention for causal full and sliding-window (SWA) layers: Pallas kernels + custom VJP.
 
-Semantics are those of `model.ops.attention_cores.xla_attention` (DESIGN.md §3): q [B, T, H, D],
-k/v [B, T, K, D], H = K * G (GQA: query head h reads KV head h // G, never repeated in memory).
-Query i sees key j iff j <= i, i - j < window (None: full causal) and, with segment ids, both
-are in the same segment. An optional per-head sink logit adds exp(sink[h]) to every softmax
+Semantics are those of the XLA attention path (docs/architecture.md, "Exact semantics"):
+q [B, T, H, D], k/v [B, T, K, D], H = K * G (GQA: query head h reads KV head h // G, never repeated
+in memory). Query i sees key j iff j <= i, i - j < window (None: full causal) and, with segment ids,
+both are in the same segment. An optional per-head sink logit adds exp(sink[h]) to every softmax
 denominator. Scores are scaled by 1/sqrt(D); softmax statistics and accumulators are float32;
 the output has q's dtype.
 

@@ -1,8 +1,9 @@
 """Plain-jnp references for the Pallas kernels: the slow, obviously-correct definitions.
 
-Each reference is written straight from the spec (DESIGN.md §3), shares no code with the kernels
-or with `model/`, and computes in float32. Tests compare kernels against these and against the
-model's XLA paths; autodiff of a reference is the reference gradient.
+Each reference is written straight from the spec (the attention and MoE semantics of
+docs/architecture.md), shares no code with the kernels or with `model/`, and computes in float32.
+Tests compare kernels against these and against the model's XLA paths; autodiff of a reference is
+the reference gradient.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Sequence
 
 from model.config.cli import ArgumentParser, report_error
+from model.interop.workdir import CheckpointError
 from rl.config import load_rl_config
 from rl.loop import run_rl
-from model.interop.workdir import CheckpointError
 from train.loop import TrainingError
 
 

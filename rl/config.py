@@ -16,10 +16,23 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from model.config import (
-    ModelConfig, apply_overrides, build_dataclass, check_bool, check_choice, check_fraction,
-    check_int, check_nonnegative, check_positive, config_from_dict, config_to_dict, read_yaml,
+    Config,
+    ConfigError,
+    ModelConfig,
+    apply_overrides,
+    build_dataclass,
+    check_bool,
+    check_choice,
+    check_fraction,
+    check_int,
+    check_nonnegative,
+    check_positive,
+    config_from_dict,
+    config_to_dict,
+    read_yaml,
 )
-from train.config import OPTIMIZERS, TrainConfig, check_override_sections
+from train.config import LoopConfig, check_override_sections
+from train.optim.config import OptimizerConfig
 
 ALGORITHMS = ("mis_po", "ppo", "grpo", "gspo")
 ADVANTAGES = ("gae", "group")
@@ -28,36 +41,13 @@ INFERENCE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """One model's optimizer: Muon (AdamW for embeddings, heads and 1-D params) with linear
-    warm-up to a constant learning rate (train/optim/optimizer.py)."""
+class RLConfig(LoopConfig):
+    """The RL loop; `actor` and `critic` are each one model's optimizer (train/optim/config.py,
+    warm-up then a constant rate). Seed, logging, checkpoints, progress and the compilation
+    cache are the training loop's fields (`LoopConfig`) with RL's defaults."""
 
-    lr: float = 2e-6
-    warmup_steps: int = 20
-    optimizer: str = "muon"
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    freeze_router: bool = False  # keep the MoE router weights fixed (as in mid-training, 3.2)
+    section = "rl"
 
-    def validate(self, prefix: str) -> None:
-        check_positive(f"{prefix}.lr", self.lr)
-        check_int(f"{prefix}.warmup_steps", self.warmup_steps, 0)
-        check_choice(f"{prefix}.optimizer", self.optimizer, OPTIMIZERS)
-        check_nonnegative(f"{prefix}.weight_decay", self.weight_decay)
-        check_nonnegative(f"{prefix}.grad_clip", self.grad_clip)
-        check_bool(f"{prefix}.freeze_router", self.freeze_router)
-
-    def train_config(self) -> TrainConfig:
-        """The training optimizer's settings for `train.optim.optimizer.build_optimizer`."""
-        return dataclasses.replace(
-            TrainConfig(), optimizer=self.optimizer, lr=self.lr, min_lr=self.lr,
-            warmup_steps=self.warmup_steps, schedule="constant",
-            weight_decay=self.weight_decay, grad_clip=self.grad_clip,
-            freeze_router=self.freeze_router)
-
-
-@dataclasses.dataclass(frozen=True)
-class RLConfig:
     algorithm: str = "mis_po"  # mis_po | ppo | grpo | gspo
     iterations: int = 100
     prompts_per_iteration: int = 256  # P (report 5.2.3, reasoning tasks)
@@ -89,14 +79,11 @@ class RLConfig:
     # mismatch). Params stay float32.
     inference_dtype: str = "bfloat16"
     tokenizer: str = "arith_chars"  # as train.data.tokenizer
-    seed: int = 0
     log_every: int = 1
     eval_every: int = 10  # iterations between held-out evaluations (0 = only at the end)
     eval_prompts: int = 0  # held-out problems evaluated (0 = all)
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
-    progress: bool = True
-    xla_cache_dir: str = "~/.cache/stepjax/xla"
 
     @property
     def batch_size(self) -> int:
@@ -108,49 +95,47 @@ class RLConfig:
         return self.algorithm != "grpo" and self.advantages == "gae"
 
     def validate(self) -> None:
-        check_choice("rl.algorithm", self.algorithm, ALGORITHMS)
-        check_choice("rl.advantages", self.advantages, ADVANTAGES)
+        super().validate()
+        check_choice("algorithm", self.algorithm, ALGORITHMS)
+        check_choice("advantages", self.advantages, ADVANTAGES)
         for name in ("iterations", "prompts_per_iteration", "samples_per_prompt",
-                     "max_new_tokens", "actor_minibatches", "critic_minibatches", "log_every",
-                     "checkpoint_every", "keep_checkpoints"):
-            check_int(f"rl.{name}", getattr(self, name), 1)
-        for name in ("seed", "eval_every", "eval_prompts"):
-            check_int(f"rl.{name}", getattr(self, name), 0)
-        check_positive("rl.temperature", self.temperature)
+                     "max_new_tokens", "actor_minibatches", "critic_minibatches"):
+            check_int(name, getattr(self, name), 1)
+        check_int("eval_prompts", self.eval_prompts, 0)
+        check_positive("temperature", self.temperature)
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"rl.top_p: must be in (0, 1], got {self.top_p}")
-        self.actor.validate("rl.actor")
-        self.critic.validate("rl.critic")
-        check_fraction("rl.gamma", self.gamma)
-        check_fraction("rl.lam", self.lam)
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        check_fraction("gamma", self.gamma)
+        check_fraction("lam", self.lam)
         for name in ("token_bounds", "traj_bounds", "ppo_clip", "grpo_clip"):
-            _check_pair(f"rl.{name}", getattr(self, name))
+            _check_pair(name, getattr(self, name))
         for name in ("token_bounds", "traj_bounds"):
             low, high = getattr(self, name)
             if not 0 < low <= 1 <= high:
-                raise ValueError(f"rl.{name}: need 0 < low <= 1 <= high, got [{low}, {high}]")
+                raise ConfigError(name, f"need 0 < low <= 1 <= high, got [{low}, {high}]")
         for name in ("ppo_clip", "grpo_clip"):
             low, high = getattr(self, name)
             if not (0 <= low < 1 and high >= 0):
-                raise ValueError(f"rl.{name}: need 0 <= eps_low < 1 and eps_high >= 0, "
-                                 f"got [{low}, {high}]")
-        check_positive("rl.gspo_clip", self.gspo_clip)
-        check_nonnegative("rl.kl_coef", self.kl_coef)
-        check_positive("rl.entropy_top_frac", self.entropy_top_frac)
-        check_fraction("rl.entropy_top_frac", self.entropy_top_frac)
-        check_bool("rl.truncation_bootstrap", self.truncation_bootstrap)
-        check_choice("rl.inference_dtype", self.inference_dtype, INFERENCE_DTYPES)
-        check_bool("rl.progress", self.progress)
+                raise ConfigError(name, f"need 0 <= eps_low < 1 and eps_high >= 0, "
+                                  f"got [{low}, {high}]")
+        check_positive("gspo_clip", self.gspo_clip)
+        check_nonnegative("kl_coef", self.kl_coef)
+        check_positive("entropy_top_frac", self.entropy_top_frac)
+        check_fraction("entropy_top_frac", self.entropy_top_frac)
+        check_bool("truncation_bootstrap", self.truncation_bootstrap)
+        check_choice("inference_dtype", self.inference_dtype, INFERENCE_DTYPES)
         if self.batch_size < max(self.actor_minibatches, self.critic_minibatches):
-            raise ValueError(f"rl: {self.batch_size} rollouts per iteration cannot fill "
-                             f"{max(self.actor_minibatches, self.critic_minibatches)} minibatches")
+            raise ConfigError("", f"{self.batch_size} rollouts per iteration cannot fill "
+                              f"{max(self.actor_minibatches, self.critic_minibatches)} minibatches")
 
 
 @dataclasses.dataclass(frozen=True)
-class TaskConfig:
+class TaskConfig(Config):
     """The prompt source and its verifier. `arithmetic`: every `a op b` with operands in
     [0, max_operand] and op in `ops`; `heldout_fraction` of them (by hash, the same as the SFT
     corpus `arith`) are only evaluated on."""
+
+    section = "task"
 
     name: str = "arithmetic"
     max_operand: int = 99
@@ -158,15 +143,15 @@ class TaskConfig:
     heldout_fraction: float = 0.05
 
     def validate(self) -> None:
-        check_choice("task.name", self.name, TASKS)
-        check_int("task.max_operand", self.max_operand, 1)
+        check_choice("name", self.name, TASKS)
+        check_int("max_operand", self.max_operand, 1)
         if not isinstance(self.ops, str) or not self.ops or set(self.ops) - set("+-*"):
-            raise ValueError(f"task.ops: must be a non-empty string of + - *, got {self.ops!r}")
-        check_fraction("task.heldout_fraction", self.heldout_fraction)
+            raise ConfigError("ops", f"must be a non-empty string of + - *, got {self.ops!r}")
+        check_fraction("heldout_fraction", self.heldout_fraction)
 
 
 @dataclasses.dataclass(frozen=True)
-class RLRunConfig:
+class RLRunConfig(Config):
     model: ModelConfig | None  # None: taken from the --init-from checkpoint
     rl: RLConfig
     task: TaskConfig
@@ -185,7 +170,7 @@ SECTIONS = ("model", "rl", "task")
 def _check_pair(name: str, value: Any) -> None:
     if (not isinstance(value, (list, tuple)) or len(value) != 2
             or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
-        raise ValueError(f"{name}: expected two numbers, got {value!r}")
+        raise ConfigError(name, f"expected two numbers, got {value!r}")
 
 
 def rl_config_from_dict(values: Mapping[str, Any]) -> RLRunConfig:
@@ -194,11 +179,8 @@ def rl_config_from_dict(values: Mapping[str, Any]) -> RLRunConfig:
         raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; expected "
                          f"{', '.join(SECTIONS)}")
     model = config_from_dict(values["model"]) if values.get("model") else None
-    rl = build_dataclass(RLConfig, values.get("rl") or {}, "rl.")
-    rl.validate()
-    task = build_dataclass(TaskConfig, values.get("task") or {}, "task.")
-    task.validate()
-    return RLRunConfig(model=model, rl=rl, task=task)
+    return RLRunConfig(model=model, rl=build_dataclass(RLConfig, values.get("rl") or {}, "rl."),
+                       task=build_dataclass(TaskConfig, values.get("task") or {}, "task."))
 
 
 def load_rl_config(path: str | Path, overrides: Sequence[str] = ()) -> RLRunConfig:

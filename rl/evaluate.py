@@ -9,9 +9,9 @@ import numpy as np
 
 from model.inference.decode import Decoder
 from model.inference.sampling import Sampling
+from model.tokenizers.text import TextTokenizer
 from rl.rewards import arithmetic_rewards
 from train.data.arithmetic import Problem
-from model.tokenizers.text import TextTokenizer
 
 
 def heldout_accuracy(decoder: Decoder, problems: Sequence[Problem], sampling: Sampling, *,

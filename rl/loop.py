@@ -26,26 +26,27 @@ import numpy as np
 from tqdm import tqdm
 
 from model.inference.decode import Decoder
-from model.lm import CausalLM
 from model.inference.sampling import Sampling
+from model.interop.workdir import Checkpointer
+from model.lm import CausalLM, abstract_variables, init_variables, join_variables
+from model.parallel.rules import param_axes
+from model.tokenizers.text import load_tokenizer
 from model.weights import load_model
-from rl.objectives import losses
-from rl.objectives.advantages import bootstrapped_rewards, gae, terminal_rewards
 from rl.config import RLRunConfig, rl_config_from_dict
 from rl.evaluate import heldout_accuracy
 from rl.models import ValueModel, critic_variables_from_policy, shift_right, token_logprobs
+from rl.objectives import losses
+from rl.objectives.advantages import bootstrapped_rewards, gae, terminal_rewards
 from rl.rewards import arithmetic_rewards
 from rl.rollout import Rollouts, collect_rollouts
-from train.data.arithmetic import arithmetic_problems, sample_problems, split_problems
 from rl.update import make_actor_step, make_critic_step, minibatches
-from model.interop.workdir import Checkpointer
 from train.config import incompatible_fields
+from train.data.arithmetic import arithmetic_problems, sample_problems, split_problems
 from train.loop import TrainingError, enable_compilation_cache, prepare_workdir, stop_requests
-from train.telemetry.metrics import METRICS_FILE, MetricsWriter, read_metrics
 from train.optim.optimizer import build_optimizer
-from model.parallel.rules import param_axes
+from train.optim.schedules import learning_rate_schedule
 from train.state import TrainState, state_from_variables
-from model.tokenizers.text import load_tokenizer
+from train.telemetry.metrics import METRICS_FILE, MetricsWriter, read_metrics
 
 # Fields a resumed run may change: run length, logging, evaluation and checkpoint cadence.
 RESUMABLE_CHANGES = {"iterations", "log_every", "eval_every", "eval_prompts",
@@ -101,15 +102,17 @@ class RLTrainer:
 
         self.actor = CausalLM(run.model)
         self.critic = ValueModel(run.model) if rl.uses_critic else None
-        boxed = jax.eval_shape(lambda: self.actor.init(jax.random.key(0),
-                                                       jnp.zeros((1, 8), jnp.int32)))
+        boxed = abstract_variables(run.model)
         # Only the main head is trained: the MTP heads are frozen (no loss reaches them).
-        self.actor_optimizer = build_optimizer(rl.actor.train_config(), param_axes(boxed), 0)
+        self.actor_optimizer = build_optimizer(
+            param_axes(boxed), learning_rate=learning_rate_schedule(**rl.actor.schedule_settings()),
+            trained_mtp_heads=0, **rl.actor.optimizer_settings())
         if self.critic is not None:
-            critic_boxed = jax.eval_shape(lambda: self.critic.init(
-                jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
-            self.critic_optimizer = build_optimizer(rl.critic.train_config(),
-                                                    param_axes(critic_boxed))
+            critic_boxed = jax.eval_shape(lambda: init_variables(self.critic, jax.random.key(0)))
+            self.critic_optimizer = build_optimizer(
+                param_axes(critic_boxed),
+                learning_rate=learning_rate_schedule(**rl.critic.schedule_settings()),
+                **rl.critic.optimizer_settings())
         self.decoder = Decoder(run.model.replace(compute_dtype=rl.inference_dtype),
                                nn.meta.unbox(boxed), max_len=self.row_length)
         self._score = jax.jit(lambda variables, tokens, segments: token_logprobs(
@@ -141,8 +144,7 @@ class RLTrainer:
         actor = state_from_variables(variables, self.actor_optimizer, jax.random.key(rl.seed))
         critic = None
         if self.critic is not None:
-            critic_init = nn.meta.unbox(self.critic.init(jax.random.key(rl.seed),
-                                                         jnp.zeros((1, 8), jnp.int32)))
+            critic_init = nn.meta.unbox(init_variables(self.critic, jax.random.key(rl.seed)))
             critic_vars = critic_variables_from_policy(variables, critic_init)
             critic = state_from_variables(critic_vars, self.critic_optimizer,
                                           jax.random.key(rl.seed + 1))
@@ -159,8 +161,7 @@ class RLTrainer:
         return jax.jit(self._fresh_state)(variables)
 
     def _random_variables(self) -> dict:
-        return nn.meta.unbox(self.actor.init(jax.random.key(self.run.rl.seed),
-                                             jnp.zeros((1, 8), jnp.int32)))
+        return nn.meta.unbox(init_variables(self.actor, jax.random.key(self.run.rl.seed)))
 
     def save(self, state: RLState) -> None:
         iteration = int(state.iteration)
@@ -286,8 +287,7 @@ class RLTrainer:
 
 
 def _variables(state: TrainState) -> dict:
-    return {"params": state.params, "balance": state.balance} if state.balance \
-        else {"params": state.params}
+    return join_variables(state.params, state.balance)
 
 
 def _mean_metrics(records: list[dict], prefix: str) -> dict[str, float]:

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.config import MTPConfig, ModelConfig
+from model.config import ModelConfig, MTPConfig
 from model.lm import CausalLM
 
 

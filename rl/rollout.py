@@ -1,5 +1,6 @@
-"""Rollouts: sample responses with the inference path (KV-cache decoding, model/inference/decode.py),
-record its log-probabilities as pi_infer, and lay prompts and responses out as [B, T] rows.
+"""Rollouts: sample responses with the inference path (KV-cache decoding,
+model/inference/decode.py), record its log-probabilities as pi_infer, and lay prompts and responses
+out as [B, T] rows.
 
     rollouts = collect_rollouts(decoder, prompt_ids, length=T, max_new_tokens=8,
                                 sampling=Sampling(1.0), stop_id=eos, key=key)

@@ -15,12 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from model.lm import CausalLM
-from rl.objectives import losses
+from model.lm import CausalLM, join_variables
 from rl.config import RLConfig
 from rl.models import ValueModel, shift_right, token_logprobs
-from train.state import TrainState
-from train.step import tree_where
+from rl.objectives import losses
+from train.state import TrainState, apply_finite_update
 
 
 def actor_loss(rl: RLConfig, logp, mb) -> tuple[jax.Array, dict]:
@@ -45,22 +44,15 @@ def actor_loss(rl: RLConfig, logp, mb) -> tuple[jax.Array, dict]:
 
 
 def _apply_update(state: TrainState, optimizer, loss, grads) -> tuple[TrainState, dict]:
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    state = state.replace(step=state.step + 1, params=tree_where(finite, params, state.params),
-                          opt_state=tree_where(finite, opt_state, state.opt_state),
-                          skipped=state.skipped + (~finite).astype(jnp.int32))
-    return state, {"loss": loss, "grad_norm": grad_norm}
+    state, _, stats = apply_finite_update(state, optimizer, loss, grads)
+    return state, {"loss": loss, "grad_norm": stats["grad_norm"]}
 
 
 def make_actor_step(model: CausalLM, optimizer: optax.GradientTransformation, rl: RLConfig
                     ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     def step(state: TrainState, mb: dict):
         def loss_fn(params):
-            variables = {"params": params, "balance": state.balance} if state.balance \
-                else {"params": params}
+            variables = join_variables(params, state.balance)
             logp = token_logprobs(model, variables, mb["tokens"], mb["segment_ids"],
                                   rl.temperature)["logp"]
             return actor_loss(rl, logp, mb)
@@ -81,8 +73,7 @@ def make_critic_step(critic: ValueModel, optimizer: optax.GradientTransformation
                      ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     def step(state: TrainState, mb: dict):
         def loss_fn(params):
-            variables = {"params": params, "balance": state.balance} if state.balance \
-                else {"params": params}
+            variables = join_variables(params, state.balance)
             values = shift_right(critic.apply(variables, mb["tokens"], mb["segment_ids"]))
             return value_loss(values, mb["returns"], mb["mask"])
 

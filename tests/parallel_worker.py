@@ -21,16 +21,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
+from train_helpers import small_run, synthetic_batch  # noqa: E402
 
-from model.parallel.expert_parallel import expert_parallel_experts  # noqa: E402
-from model.ops.moe_dispatch import ExpertWeights
 from model.layers.moe import routed_experts  # noqa: E402
+from model.ops.moe_dispatch import ExpertWeights
+from model.parallel.expert_parallel import expert_parallel_experts  # noqa: E402
+from model.parallel.rules import named, replicated, use_mesh
 from train import step as step_module  # noqa: E402
 from train.config import MeshConfig  # noqa: E402
 from train.parallel.sharding import batch_spec, make_mesh, state_specs
-from model.parallel.rules import named, replicated, use_mesh
 from train.state import abstract_state, build_training, create_state  # noqa: E402
-from train_helpers import small_run, synthetic_batch  # noqa: E402
 
 # Layers: a dense S, then F x 2 with MoE (routed + shared expert): the F segment has 2 repeats,
 # one per pipeline stage; the MTP head adds a dense S block outside the pipeline. That is both

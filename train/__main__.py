@@ -3,8 +3,8 @@ python -m train --recipe configs/recipes/tiny_staged.yaml --workdir DIR [overrid
 
 Trains a model from a run YAML (`model:` and `train:` sections), or runs a staged recipe: each
 stage a training run in DIR/stages/<kk>-<name> starting from the previous stage's weights
-(train/experiments/recipe.py documents the format). Re-running the same command resumes from the latest
-checkpoint in DIR (for a recipe: skips finished stages). Writes DIR/metrics.jsonl,
+(train/experiments/recipe.py documents the format). Re-running the same command resumes from the
+latest checkpoint in DIR (for a recipe: skips finished stages). Writes DIR/metrics.jsonl,
 DIR/tensorboard/ and DIR/checkpoints/. SIGTERM/SIGINT save a checkpoint and exit cleanly.
 
 Multi-host: start the same command once per host with --coordinator HOST:PORT (process 0's
@@ -22,9 +22,9 @@ from typing import Sequence
 from model.config.cli import ArgumentParser, report_error
 from model.interop.workdir import CheckpointError
 from train.config import load_run_config
-from train.parallel.distributed import DistributedError, initialize, is_lead
-from train.loop import TrainingError, TrainSummary, train
 from train.experiments.recipe import load_recipe, run_recipe
+from train.loop import TrainingError, TrainSummary, train
+from train.parallel.distributed import DistributedError, initialize, is_lead
 
 
 def build_parser() -> ArgumentParser:

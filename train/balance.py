@@ -1,4 +1,4 @@
-"""Loss-free load balancing (report 2.2 / 3.1; DESIGN.md §3): after every optimizer step each
+"""Loss-free load balancing (report 2.2 / 3.1): after every optimizer step each
 MoE layer's router bias moves by `b_e += u * sign(mean_load - load_e)`, outside the gradient.
 """
 

@@ -4,6 +4,9 @@ A run is described by one YAML file with a `model:` and a `train:` section (eith
 out: defaults) plus dotted overrides `model.d_model=256 train.lr=1e-3`. Defaults follow the
 report's pre-training recipe (section 3.1 / 4.1): Muon, weight decay 0.1, clip 1.0, warm-up then
 cosine, MTP loss weight 0.3 on MTP-1, EP-group balance loss 0.001, loss-free bias rate 0.001.
+`TrainConfig` takes its optimizer fields from `OptimizerConfig` (train/optim/config.py) and its
+seed/logging/checkpoint fields from `LoopConfig`, both shared with RL (rl/config.py) under the
+same YAML keys. Every config validates on construction (model/config/core.py).
 """
 
 from __future__ import annotations
@@ -13,20 +16,30 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from model.parallel.rules import MESH_AXES
 from model.config import (
-    ModelConfig, apply_overrides, build_dataclass, check_bool, check_choice, check_fraction,
-    check_int, check_nonnegative, check_positive, config_from_dict, config_to_dict, read_yaml,
+    Config,
+    ConfigError,
+    ModelConfig,
+    apply_overrides,
+    build_dataclass,
+    check_bool,
+    check_choice,
+    check_fraction,
+    check_int,
+    check_nonnegative,
+    config_from_dict,
+    config_to_dict,
+    read_yaml,
 )
+from model.parallel.rules import MESH_AXES
+from train.optim.config import OptimizerConfig
 
-OPTIMIZERS = ("muon", "adamw")
-ORTHOGONALIZERS = ("polar_express", "newton_schulz")
 SCHEDULES = ("cosine", "constant", "stages")
 STAGE_SHAPES = ("cosine", "linear", "constant")
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Config):
     """Where tokens come from (train/data).
 
     `source`: `stdlib` (the running Python's standard-library `.py` files: real text on every
@@ -36,6 +49,8 @@ class DataConfig:
     `arith_chars` (one token per character of the arithmetic task) or the path of a Hugging
     Face `tokenizer.json`.
     """
+
+    section = "train.data"
 
     source: str = "stdlib"
     tokenizer: str = "default"
@@ -49,44 +64,50 @@ class DataConfig:
 
     def validate(self) -> None:
         if not isinstance(self.source, str) or not self.source.strip():
-            raise ValueError("train.data.source: must be 'stdlib' or paths/globs of .txt/.jsonl files")
+            raise ConfigError("source", "must be 'stdlib' or paths/globs of .txt/.jsonl files")
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
-            raise ValueError("train.data.tokenizer: must be 'default', 'arith_chars' or a "
-                             "tokenizer.json path")
-        check_fraction("train.data.heldout_fraction", self.heldout_fraction)
+            raise ConfigError("tokenizer", "must be 'default', 'arith_chars' or a "
+                              "tokenizer.json path")
+        check_fraction("heldout_fraction", self.heldout_fraction)
         if not 0 < self.heldout_fraction < 1:
-            raise ValueError("train.data.heldout_fraction: must be strictly between 0 and 1")
-        check_bool("train.data.meta_tokens", self.meta_tokens)
-        check_int("train.data.meta_loss_mask_after_tokens", self.meta_loss_mask_after_tokens, -1)
-        check_bool("train.data.shuffle", self.shuffle)
-        check_int("train.data.num_workers", self.num_workers, 0)
+            raise ConfigError("heldout_fraction", "must be strictly between 0 and 1")
+        check_bool("meta_tokens", self.meta_tokens)
+        check_int("meta_loss_mask_after_tokens", self.meta_loss_mask_after_tokens, -1)
+        check_bool("shuffle", self.shuffle)
+        check_int("num_workers", self.num_workers, 0)
 
 
 @dataclasses.dataclass(frozen=True)
-class MuonConfig:
-    """Muon on hidden weight matrices (report 4.1.1, 4.2.3)."""
+class LoopConfig(Config):
+    """What a training loop does besides the math, shared by `train:` and `rl:` (which sets
+    other defaults): seed, logging, evaluation and checkpoint cadence, progress bar, and
+    JAX's persistent compilation cache (a re-run skips the ~40 s compile of the tiny model's
+    step on CPU; "" turns it off)."""
 
-    momentum: float = 0.95
-    nesterov: bool = True
-    orthogonalizer: str = "polar_express"  # or the classic Newton-Schulz-5 quintic
-    steps: int = 6  # T = 6 Polar Express iterations (report 4.1.1)
-    iteration_dtype: str = "float16"  # state and intermediates of the iteration (report 4.1.1)
-    # Update-RMS matching: scale the orthogonalised update to this RMS so AdamW's learning rate
-    # and weight decay carry over (Moonlight: 0.2); 0 = the original sqrt(max(1, m/n)) scale.
-    update_rms: float = 0.2
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 0  # 0 = no periodic held-out evaluation
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    progress: bool = True
+    xla_cache_dir: str = "~/.cache/stepjax/xla"
 
     def validate(self) -> None:
-        check_fraction("train.muon.momentum", self.momentum)
-        check_bool("train.muon.nesterov", self.nesterov)
-        check_choice("train.muon.orthogonalizer", self.orthogonalizer, ORTHOGONALIZERS)
-        check_int("train.muon.steps", self.steps, 1)
-        check_choice("train.muon.iteration_dtype", self.iteration_dtype,
-                     ("float16", "bfloat16", "float32"))
-        check_nonnegative("train.muon.update_rms", self.update_rms)
+        super().validate()
+        for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
+            check_int(name, getattr(self, name), 1)
+        for name in ("seed", "eval_every"):
+            check_int(name, getattr(self, name), 0)
+        check_bool("progress", self.progress)
+        if not isinstance(self.xla_cache_dir, str):
+            raise ConfigError("xla_cache_dir", f"must be a directory path or '', "
+                              f"got {self.xla_cache_dir!r}")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(OptimizerConfig, LoopConfig):
+    section = "train"
+
     steps: int = 1000
     batch_size: int = 8  # sequences per optimizer step (all hosts together)
     micro_batch_size: int = 0  # > 0: gradient accumulation over batch_size / micro_batch_size
@@ -95,21 +116,11 @@ class TrainConfig:
     # Every size must be a multiple of the micro-batch.
     batch_warmup: tuple = ()
     seq_len: int = 256
-    seed: int = 0
 
-    optimizer: str = "muon"
-    lr: float = 3e-3  # peak learning rate (Muon and AdamW groups alike, thanks to RMS matching)
     min_lr: float = 3e-4  # floor of the cosine
-    warmup_steps: int = 50
     schedule: str = "cosine"
     # schedule: stages -> ((steps, end_lr, shape), ...) after warm-up; shape cosine|linear|constant.
     lr_stages: tuple = ()
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    adam_b1: float = 0.9
-    adam_b2: float = 0.95
-    adam_eps: float = 1e-8
-    muon: MuonConfig = MuonConfig()
 
     loss_chunk_size: int = 1024  # tokens per chunk of the float32 cross-entropy
     # MTP (report 2.2 / 3.1): total weight 0.3 (0.1 in stage 2) spread over heads by
@@ -118,78 +129,58 @@ class TrainConfig:
     mtp_offset_weights: tuple = (1.0,)
     balance_loss_coef: float = 0.001  # EP-group balance loss, eq. 1
     router_bias_rate: float = 0.001  # loss-free balancing update u
-    freeze_router: bool = False  # mid-/post-training (report 3.2, 4.2): router weights fixed
 
-    log_every: int = 10
-    eval_every: int = 0  # 0 = no periodic held-out evaluation
     eval_batches: int = 4
-    checkpoint_every: int = 200
-    keep_checkpoints: int = 3
     max_consecutive_skips: int = 5  # non-finite loss/grad skips before giving up
     peak_flops: float = 0.0  # per device, for MFU; 0 = measure a float32 matmul at start-up
-    progress: bool = True
-    # JAX's persistent compilation cache: a re-run (resume, sweep) skips the ~40 s compile of
-    # the tiny model's step on CPU. "" turns it off.
-    xla_cache_dir: str = "~/.cache/stepjax/xla"
     data: DataConfig = DataConfig()
 
-    def validate(self, model: ModelConfig | None = None) -> None:
-        for name in ("steps", "batch_size", "seq_len", "log_every", "checkpoint_every",
-                     "keep_checkpoints", "max_consecutive_skips", "loss_chunk_size",
-                     "eval_batches"):
-            check_int(f"train.{name}", getattr(self, name), 1)
-        for name in ("micro_batch_size", "warmup_steps", "seed", "eval_every"):
-            check_int(f"train.{name}", getattr(self, name), 0)
-        check_choice("train.optimizer", self.optimizer, OPTIMIZERS)
-        check_choice("train.schedule", self.schedule, SCHEDULES)
-        check_positive("train.lr", self.lr)
-        for name in ("min_lr", "weight_decay", "grad_clip", "adam_eps", "mtp_loss_weight",
-                     "balance_loss_coef", "router_bias_rate", "peak_flops"):
-            check_nonnegative(f"train.{name}", getattr(self, name))
-        check_fraction("train.adam_b1", self.adam_b1)
-        check_fraction("train.adam_b2", self.adam_b2)
-        check_bool("train.freeze_router", self.freeze_router)
-        check_bool("train.progress", self.progress)
-        if not isinstance(self.xla_cache_dir, str):
-            raise ValueError(f"train.xla_cache_dir: must be a directory path or '', "
-                             f"got {self.xla_cache_dir!r}")
+    def validate(self) -> None:
+        super().validate()
+        for name in ("steps", "batch_size", "seq_len", "max_consecutive_skips",
+                     "loss_chunk_size", "eval_batches"):
+            check_int(name, getattr(self, name), 1)
+        check_int("micro_batch_size", self.micro_batch_size, 0)
+        check_choice("schedule", self.schedule, SCHEDULES)
+        for name in ("min_lr", "mtp_loss_weight", "balance_loss_coef", "router_bias_rate",
+                     "peak_flops"):
+            check_nonnegative(name, getattr(self, name))
+        self._validate_batch_warmup()
         for size in self.batch_sizes():
             if size % self.micro_batch():
-                raise ValueError(f"train.batch_warmup: batch size {size} is not a multiple "
-                                 f"of train.micro_batch_size={self.micro_batch()}")
-        self._validate_batch_warmup()
+                raise ConfigError("batch_warmup", f"batch size {size} is not a multiple of "
+                                  f"train.micro_batch_size={self.micro_batch()}")
         self._validate_stages()
         for i, w in enumerate(self.mtp_offset_weights):
-            check_nonnegative(f"train.mtp_offset_weights[{i}]", w)
-        if model is not None and len(self.mtp_offset_weights) > model.mtp.num_heads:
-            raise ValueError(
-                f"train.mtp_offset_weights: {len(self.mtp_offset_weights)} weights but the model "
-                f"has model.mtp.num_heads={model.mtp.num_heads}")
-        self.muon.validate()
-        self.data.validate()
+            check_nonnegative(f"mtp_offset_weights[{i}]", w)
 
     def _validate_batch_warmup(self) -> None:
         previous = -1
         for i, entry in enumerate(self.batch_warmup):
             if (not isinstance(entry, (list, tuple)) or len(entry) != 2
                     or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)):
-                raise ValueError(f"train.batch_warmup[{i}]: expected [until_step, batch_size] "
-                                 f"integers, got {entry!r}")
+                raise ConfigError(f"batch_warmup[{i}]", f"expected [until_step, batch_size] "
+                                  f"integers, got {entry!r}")
             if entry[0] <= previous or entry[1] < 1:
-                raise ValueError(f"train.batch_warmup[{i}]: steps must increase and batch "
-                                 f"sizes be >= 1, got {entry!r}")
+                raise ConfigError(f"batch_warmup[{i}]", f"steps must increase and batch "
+                                  f"sizes be >= 1, got {entry!r}")
             previous = entry[0]
 
     def _validate_stages(self) -> None:
         if self.schedule == "stages" and not self.lr_stages:
-            raise ValueError("train.lr_stages: schedule 'stages' needs at least one "
-                             "[steps, end_lr, shape] stage")
+            raise ConfigError("lr_stages", "schedule 'stages' needs at least one "
+                              "[steps, end_lr, shape] stage")
         for i, stage in enumerate(self.lr_stages):
             if not isinstance(stage, (list, tuple)) or len(stage) != 3:
-                raise ValueError(f"train.lr_stages[{i}]: expected [steps, end_lr, shape], got {stage!r}")
-            check_int(f"train.lr_stages[{i}].steps", stage[0], 1)
-            check_nonnegative(f"train.lr_stages[{i}].end_lr", stage[1])
-            check_choice(f"train.lr_stages[{i}].shape", stage[2], STAGE_SHAPES)
+                raise ConfigError(f"lr_stages[{i}]", f"expected [steps, end_lr, shape], "
+                                  f"got {stage!r}")
+            check_int(f"lr_stages[{i}].steps", stage[0], 1)
+            check_nonnegative(f"lr_stages[{i}].end_lr", stage[1])
+            check_choice(f"lr_stages[{i}].shape", stage[2], STAGE_SHAPES)
+
+    def schedule_settings(self) -> dict[str, Any]:
+        return {**super().schedule_settings(), "schedule": self.schedule,
+                "total_steps": self.steps, "min_lr": self.min_lr, "stages": self.lr_stages}
 
     def micro_batch(self) -> int:
         return self.micro_batch_size or min(self.batch_sizes())
@@ -206,16 +197,16 @@ class TrainConfig:
         return self.batch_size
 
 
-
-
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Device mesh sizes (train/parallel/sharding.py, README "Parallelism"); -1 takes the devices the
-    other axes leave (at most one axis may say -1). Report 3.2 trained with pipeline 8,
+class MeshConfig(Config):
+    """Device mesh sizes (train/parallel/sharding.py, README "Parallelism"); -1 takes the devices
+    the other axes leave (at most one axis may say -1). Report 3.2 trained with pipeline 8,
     expert 8 and ZeRO-1 data parallelism.
 
     `zero1`: optimizer state is also sharded over `data` (params and gradients are not).
     """
+
+    section = "mesh"
 
     data: int = -1
     fsdp: int = 1
@@ -228,10 +219,10 @@ class MeshConfig:
         for name in MESH_AXES:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
-                raise ValueError(f"mesh.{name}: must be a positive integer or -1, got {value!r}")
+                raise ConfigError(name, f"must be a positive integer or -1, got {value!r}")
         if [getattr(self, n) for n in MESH_AXES].count(-1) > 1:
-            raise ValueError("mesh: at most one axis may be -1 (it takes the remaining devices)")
-        check_bool("mesh.zero1", self.zero1)
+            raise ConfigError("", "at most one axis may be -1 (it takes the remaining devices)")
+        check_bool("zero1", self.zero1)
 
     def axis_sizes(self, num_devices: int) -> dict[str, int]:
         """{axis: size} for `num_devices` devices, -1 resolved; raises if they do not fit."""
@@ -256,10 +247,18 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Config):
+    """A training run: the model, its training and the device mesh; checks what spans them."""
+
     model: ModelConfig
     train: TrainConfig
     mesh: MeshConfig = MeshConfig()
+
+    def validate(self) -> None:
+        if len(self.train.mtp_offset_weights) > self.model.mtp.num_heads:
+            raise ConfigError("train.mtp_offset_weights", f"{len(self.train.mtp_offset_weights)} "
+                              f"weights but the model has model.mtp.num_heads="
+                              f"{self.model.mtp.num_heads}")
 
     def to_dict(self) -> dict:
         return {"model": config_to_dict(self.model), "train": config_to_dict(self.train),
@@ -281,12 +280,9 @@ def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
     if unknown:
         raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; "
                          f"expected {', '.join(SECTIONS)}")
-    model = config_from_dict(values.get("model") or {})
-    train = build_dataclass(TrainConfig, values.get("train") or {}, "train.")
-    train.validate(model)
-    mesh = build_dataclass(MeshConfig, values.get("mesh") or {}, "mesh.")
-    mesh.validate()
-    return RunConfig(model=model, train=train, mesh=mesh)
+    return RunConfig(model=config_from_dict(values.get("model") or {}),
+                     train=build_dataclass(TrainConfig, values.get("train") or {}, "train."),
+                     mesh=build_dataclass(MeshConfig, values.get("mesh") or {}, "mesh."))
 
 
 def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
@@ -307,28 +303,6 @@ def check_override_sections(overrides: Sequence[str], sections: Sequence[str]) -
             prefixes = ", ".join(f"'{s}.'" for s in sections)
             raise ValueError(f"override {override!r}: prefix the key with one of {prefixes}, "
                              f"e.g. {sections[0]}.{key}=...")
-
-
-def override_list(values: Any, where: str) -> tuple[str, ...]:
-    """The `overrides:` list of a sweep or recipe file (None: none), checked to be `key=value`
-    strings; `where` names it in the error."""
-    if values is None:
-        return ()
-    if not isinstance(values, list) or not all(isinstance(v, str) and "=" in v for v in values):
-        raise ValueError(f"{where}: expected a list of 'key=value' strings, got {values!r}")
-    return tuple(values)
-
-
-def resolve_base(base: Any, spec_file: Path, kind: str) -> Path:
-    """The run YAML that a sweep or recipe file (`kind`) names as `base`: a relative path is
-    tried from the current directory, then from the file's own directory."""
-    if not isinstance(base, str) or not base:
-        raise ValueError(f"{kind} base: expected the path of a run YAML, e.g. configs/tiny.yaml")
-    for candidate in (Path(base), spec_file.parent / base):
-        if candidate.is_file():
-            return candidate
-    raise ValueError(f"{kind} base: {base} not found (relative paths are tried from the current "
-                     f"directory, then from {spec_file.parent})")
 
 
 # Fields that may change between a checkpoint and its resumption: implementation switches,

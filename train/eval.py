@@ -16,20 +16,20 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from model.config.cli import ArgumentParser, report_error
-from model.lm import CausalLM
-from model.interop.workdir import CheckpointError, Checkpointer, restore_target
+from model.interop.workdir import Checkpointer, CheckpointError, restore_target
+from model.lm import CausalLM, join_variables
+from model.tokenizers.text import load_tokenizer
 from train.config import run_config_from_dict
 from train.data.pipeline import make_dataset
 from train.losses import chunked_cross_entropy, shifted_targets
 from train.state import abstract_state, build_training
-from model.tokenizers.text import load_tokenizer
 
 
 def make_eval_step(model: CausalLM, chunk_size: int):
     """-> jitted fn(params, balance, batch [B, T] dict) -> (loss sum, target count)."""
 
     def eval_step(params, balance, batch):
-        variables = {"params": params, "balance": balance} if balance else {"params": params}
+        variables = join_variables(params, balance)
         out = model.apply(variables, batch["tokens"], batch["segment_ids"], batch["positions"],
                           compute_logits=False, num_mtp_heads=0)
         targets = shifted_targets(batch["tokens"], batch["segment_ids"], batch["meta_mask"], 1,

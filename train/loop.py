@@ -14,25 +14,35 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from model.interop.workdir import Checkpointer, restore_target
+from model.lm import join_variables, split_variables
+from model.parallel.rules import named, replicated, use_mesh
+from model.tokenizers.text import load_tokenizer
 from train.config import RunConfig, incompatible_fields
 from train.data.corpus import load_documents
 from train.data.pipeline import make_dataset
-from train.parallel.distributed import (
-    any_process, from_lead, gather_process_states, is_lead, process_state,
-)
 from train.eval import evaluate, limited, make_eval_step
-from train.telemetry.metrics import DiscardingWriter, MetricsWriter, ProgressBar
-from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
+from train.parallel.distributed import (
+    any_process,
+    from_lead,
+    gather_process_states,
+    is_lead,
+    process_state,
+)
 from train.parallel.sharding import batch_spec, check_batch_fits, make_mesh, state_specs
-from model.parallel.rules import named, replicated, use_mesh
 from train.state import (
-    TrainState, abstract_state, build_training, create_state, state_from_variables,
+    TrainState,
+    abstract_state,
+    build_training,
+    create_state,
+    state_from_variables,
 )
 from train.step import make_train_step
-from model.tokenizers.text import load_tokenizer
+from train.telemetry.metrics import DiscardingWriter, MetricsWriter, ProgressBar
+from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
 
 
 class TrainingError(RuntimeError):
@@ -149,8 +159,8 @@ class Trainer:
         return state
 
     def _check_start_variables(self, variables: dict) -> None:
-        expected = {"params": self.abstract_state.params, "balance": self.abstract_state.balance}
-        got = {"params": variables["params"], "balance": variables.get("balance", {})}
+        expected = join_variables(self.abstract_state.params, self.abstract_state.balance)
+        got = join_variables(*split_variables(variables))
         if jax.tree.structure(got) != jax.tree.structure(expected) or any(
                 a.shape != b.shape for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))):
             raise TrainingError("the starting weights do not fit this run's model (a different "

@@ -1,4 +1,5 @@
-"""`python -m train.plan`: the memory planner of a mesh: the documented path; the code lives in `train.parallel.plan`."""
+"""`python -m train.plan`: the memory planner of a mesh: the documented path; the code lives in
+`train.parallel.plan`."""
 
 from train.parallel.plan import main
 

@@ -1,4 +1,5 @@
-"""`python -m train.plot`: metrics plots of runs, sweeps and recipes: the documented path; the code lives in `train.experiments.plot`."""
+"""`python -m train.plot`: metrics plots of runs, sweeps and recipes: the documented path; the code
+lives in `train.experiments.plot`."""
 
 from train.experiments.plot import main
 

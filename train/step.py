@@ -13,17 +13,16 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from model.lm import CausalLM
+from model.lm import CausalLM, join_variables
 from model.parallel.mesh import mesh_axis_size
 from model.parallel.pipeline import bubble_fraction, num_microbatches
 from train.balance import has_router_bias, update_router_bias
 from train.config import RunConfig
 from train.losses import chunked_cross_entropy, shifted_targets
+from train.optim.optimizer import applied_updates
+from train.state import Training, TrainState, apply_finite_update
 from train.telemetry.monitors import expert_param_norms, moe_monitors, tree_rms
-from train.optim.optimizer import current_learning_rate
-from train.state import TrainState, Training
 
 
 def loss_fn(model: CausalLM, run: RunConfig, params, balance, micro, mask_meta, counts,
@@ -35,7 +34,7 @@ def loss_fn(model: CausalLM, run: RunConfig, params, balance, micro, mask_meta, 
     Returns (loss, (parts dict of scalars, aux of the model))."""
     train = run.train
     heads = run.trained_mtp_heads()
-    variables = {"params": params, "balance": balance} if balance else {"params": params}
+    variables = join_variables(params, balance)
     out = model.apply(variables, micro["tokens"], micro["segment_ids"], micro["positions"],
                       compute_logits=False, num_mtp_heads=heads)
 
@@ -71,14 +70,11 @@ def grouped_rms(tree, labels) -> dict[str, jax.Array]:
             for group in sorted(set(groups) - {"frozen"})}
 
 
-def tree_where(pred, on_true, on_false):
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
-
-
 def make_train_step(training: Training, run: RunConfig
                     ) -> Callable[[TrainState, dict, Any], tuple[TrainState, dict]]:
     """The (unjitted) step of `training` = build_training(run)."""
     model, optimizer, labels = training.model, training.optimizer, training.labels
+    learning_rate = training.learning_rate
     train = run.train
     grad_and_aux = jax.value_and_grad(loss_fn, argnums=2, has_aux=True)
 
@@ -99,29 +95,19 @@ def make_train_step(training: Training, run: RunConfig
         loss = jnp.sum(losses)
         moe_aux = jax.tree.map(lambda x: jnp.mean(x, axis=0), moe_aux)
 
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        balance = state.balance
+        balance = None
         if has_router_bias(run.model) and train.router_bias_rate:
-            balance = update_router_bias(balance, moe_aux["expert_load"], run.model,
+            balance = update_router_bias(state.balance, moe_aux["expert_load"], run.model,
                                          train.router_bias_rate)
-
-        skips = jnp.where(finite, 0, state.consecutive_skips + 1)
-        new_state = state.replace(
-            step=state.step + 1,
-            params=tree_where(finite, params, state.params),
-            balance=tree_where(finite, balance, state.balance),
-            opt_state=tree_where(finite, opt_state, state.opt_state),
-            rng=jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0]),
-            skipped=state.skipped + (~finite).astype(jnp.int32),
-            consecutive_skips=skips,
-        )
-        metrics = {"loss": loss, **parts, "grad_norm": grad_norm,
-                   "lr": current_learning_rate(train, state.opt_state),  # the rate this update used
-                   "skipped": (~finite).astype(jnp.int32), "skipped_steps": new_state.skipped,
-                   "consecutive_skips": skips, **grouped_rms(updates, labels)}
+        new_state, updates, update_stats = apply_finite_update(state, optimizer, loss, grads,
+                                                               balance)
+        new_state = new_state.replace(
+            rng=jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0]))
+        metrics = {"loss": loss, **parts, **update_stats,
+                   "lr": learning_rate(applied_updates(state.opt_state)),  # this update's rate
+                   "skipped_steps": new_state.skipped,
+                   "consecutive_skips": new_state.consecutive_skips,
+                   **grouped_rms(updates, labels)}
         stages = mesh_axis_size("pipeline")
         if stages > 1:
             metrics["pipeline/bubble_fraction"] = jnp.float32(

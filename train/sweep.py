@@ -1,4 +1,5 @@
-"""`python -m train.sweep`: ablation sweeps: the documented path; the code lives in `train.experiments.sweep`."""
+"""`python -m train.sweep`: ablation sweeps: the documented path; the code lives in
+`train.experiments.sweep`."""
 
 from train.experiments.sweep import main
 

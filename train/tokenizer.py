@@ -1,6 +1,7 @@
 """`python -m train.tokenizer`: re-train the shipped byte-level BPE on the corpus.
 
-    python -m train.tokenizer --vocab-size 4096 --out model/tokenizers/assets/stdlib_bpe_4096.json --force
+    python -m train.tokenizer --vocab-size 4096 \\
+        --out model/tokenizers/assets/stdlib_bpe_4096.json --force
 
 Tokenizers themselves live in `model.tokenizers`; `load_tokenizer` is re-exported here, its
 documented path.

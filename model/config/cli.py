@@ -1,8 +1,8 @@
 """Shared plumbing of the model tools' command lines (`model.summary`, `model.flops`).
 
-Every bad input ends in one line `error: <problem>` on stderr and exit code 2 (DESIGN.md §6):
-argparse's own errors (missing flag, bad choice) and the `ValueError`s of `load_config`, which
-name the offending field.
+Every bad input ends in one line `error: <problem>` on stderr and exit code 2
+(docs/architecture.md): argparse's own errors (missing flag, bad choice) and the `ValueError`s
+of `load_config`, which name the offending field.
 """
 
 import argparse

@@ -8,15 +8,15 @@
     out.logprobs        # log-probability of each generated token under the sampling
                         # distribution (plain decoding; RL records it as pi_infer)
 
-Caches (model/inference/kv_cache.py) hold max_len positions on full layers and a W + draft ring on SWA
-layers. Prompts of different lengths share a batch: each row has its own positions, padding has
+Caches (model/inference/kv_cache.py) hold max_len positions on full layers and a W + draft ring on
+SWA layers. Prompts of different lengths share a batch: each row has its own positions, padding has
 position -1, and finished rows are frozen (their tokens get position -1).
 
 Speculative decoding (report 2.1-2.2): after the main model has seen the sequence up to
 position n-1 and token x_n is known, the MTP heads are chained at position n-1: head h reads
 the previous depth's hidden state and x_{n-1+h} (a draft when beyond x_n) and proposes
-x_{n+h}. One verify pass over [x_n, d_1 .. d_D] scores all drafts; `model.inference.speculative` decides
-how many are kept. The MTP heads then run on the verified chunk, which extends their caches
+x_{n+h}. One verify pass over [x_n, d_1 .. d_D] scores all drafts; `model.inference.speculative`
+decides how many are kept. The MTP heads then run on the verified chunk, which extends their caches
 with the committed tokens and proposes the next drafts. Keys an MTP head computed from a draft
 that was later rejected stay in its cache (at most D - 1 per head); they change only which
 tokens are proposed, never which are committed.
@@ -35,10 +35,10 @@ from tqdm import tqdm
 
 from model.config import ModelConfig
 from model.inference.kv_cache import KVCacheSpec
-from model.layers.layer_plan import layer_kinds, plan_segments
-from model.lm import CausalLM
 from model.inference.sampling import Sampling, sample, sample_with_logprob, token_probs
 from model.inference.speculative import accept_drafts
+from model.layers.layer_plan import layer_kinds, plan_segments
+from model.lm import CausalLM
 
 
 class Generation(NamedTuple):

@@ -1,7 +1,7 @@
 """Next-token distributions: temperature, top-k and top-p (nucleus) applied to logits.
 
-Greedy decoding is temperature 0, represented as the one-hot distribution of the argmax, so
-sampling and speculative acceptance (model/inference/speculative.py) need no separate greedy code path.
+Greedy decoding is temperature 0, represented as the one-hot distribution of the argmax, so sampling
+and speculative acceptance (model/inference/speculative.py) need no separate greedy code path.
 """
 
 from typing import NamedTuple

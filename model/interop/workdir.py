@@ -1,4 +1,5 @@
-"""The on-disk layout of a training workdir: orbax checkpoints `DIR/checkpoints/<step>/{state,data,config}`.
+"""The on-disk layout of a training workdir: orbax checkpoints
+`DIR/checkpoints/<step>/{state,data,config}`.
 
 `state` is the `TrainState` pytree (params, optimizer state, step, RNG, skip counters), `data`
 the grain iterator position (JSON) and `config` the resolved `RunConfig` (JSON). Saves are
@@ -15,7 +16,6 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-
 
 
 class CheckpointError(RuntimeError):

@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from model.layers.common import dtype_of, normal_init
 from model.config import ModelConfig
 from model.inference.kv_cache import KVCacheSpec, LayerCache, attend_and_update, empty_layer_cache
+from model.layers.common import dtype_of, normal_init
 from model.layers.norm import RMSNorm
+from model.layers.rope import apply_rope
 from model.ops.tables import ATTENTION
 from model.parallel.mesh import mesh_size, shard_attention_core
-from model.layers.rope import apply_rope
 
 
 class Projection(nn.Module):
@@ -42,8 +42,8 @@ class Projection(nn.Module):
 class Attention(nn.Module):
     """x: [B, T, d_model], positions/segment_ids: [B, T] -> ([B, T, d_model], aux).
 
-    With `kv_cache` set the layer decodes incrementally (model/inference/kv_cache.py): `positions` are
-    absolute (-1 marks padding), `segment_ids` is unused, and the keys/values live in the
+    With `kv_cache` set the layer decodes incrementally (model/inference/kv_cache.py): `positions`
+    are absolute (-1 marks padding), `segment_ids` is unused, and the keys/values live in the
     mutable `cache` collection."""
 
     config: ModelConfig

@@ -2,11 +2,11 @@
 
 import flax.linen as nn
 
+from model.config import ModelConfig
+from model.inference.kv_cache import KVCacheSpec
 from model.layers.attention import Attention
 from model.layers.common import dtype_of
-from model.config import ModelConfig
 from model.layers.ffn import SwiGLU
-from model.inference.kv_cache import KVCacheSpec
 from model.layers.moe import MoE
 from model.layers.norm import RMSNorm
 

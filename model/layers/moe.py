@@ -1,5 +1,6 @@
-"""Mixture-of-Experts FFN (report 2.2, Table 6; DESIGN.md §3): float32 router with a loss-free
-balancing bias, top-k routed SwiGLU experts (dropless) plus an always-on shared expert.
+"""Mixture-of-Experts FFN (report 2.2, Table 6; docs/architecture.md, "Exact semantics"):
+float32 router with a loss-free balancing bias, top-k routed SwiGLU experts (dropless) plus an
+always-on shared expert.
 
 The bias lives in the non-trainable `balance` collection (variable `router_bias`, [E]); the
 training loop updates it outside the gradient (b_e += u * sign(mean_load - load_e)).
@@ -9,14 +10,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.layers.common import dtype_of, normal_init
 from model.config import ModelConfig
-from model.parallel.expert_parallel import expert_parallel_experts
+from model.layers.common import dtype_of, normal_init
 from model.layers.ffn import SwiGLU
+from model.layers.router import expert_load, route, routing_confidence
 from model.ops.moe_dispatch import ExpertWeights, combine_copies, finalize_statistics
 from model.ops.tables import MOE
+from model.parallel.expert_parallel import expert_parallel_experts
 from model.parallel.mesh import mesh_size
-from model.layers.router import expert_load, route, routing_confidence
 
 
 def routed_experts(x, indices, combine_weights, weights: ExpertWeights, *, limit: float,

@@ -1,4 +1,4 @@
-"""Multi-token prediction heads (report 2.2; DeepSeek-V3 style, DESIGN.md §3).
+"""Multi-token prediction heads (report 2.2; DeepSeek-V3 style).
 
 Head h (1-based) reads the previous depth's hidden state at position t (the backbone's for
 h = 1) and the embedding of token x_{t+h}, and predicts x_{t+1+h}:
@@ -12,10 +12,10 @@ first); the report writes the two halves the other way round, which only permute
 import flax.linen as nn
 import jax.numpy as jnp
 
-from model.layers.block import DecoderBlock
-from model.layers.common import dtype_of, normal_init
 from model.config import ModelConfig
 from model.inference.kv_cache import KVCacheSpec
+from model.layers.block import DecoderBlock
+from model.layers.common import dtype_of, normal_init
 from model.layers.norm import RMSNorm
 
 

@@ -1,4 +1,5 @@
-"""Zero-centred RMSNorm (DESIGN.md §3): `y = x / sqrt(mean(x^2) + eps) * (1 + w)`, w init 0.
+"""Zero-centred RMSNorm: `y = x / sqrt(mean(x^2) + eps) * (1 + w)`, w init 0
+(docs/architecture.md, "Exact semantics").
 
 Computed in float32 whatever the compute dtype; the checkpoint stores `w` as an offset from 1.
 """

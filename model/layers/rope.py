@@ -1,4 +1,4 @@
-"""Rotary position embeddings (DESIGN.md §3).
+"""Rotary position embeddings (docs/architecture.md, "Exact semantics").
 
 Rotate-half (NeoX) convention on the first `rotary_dims` dims of each head; the remaining dims
 pass through unchanged (partial RoPE: 64 of 128 dims on full layers, all 128 on SWA layers).

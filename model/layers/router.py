@@ -1,4 +1,5 @@
-"""Router math (DESIGN.md §3, report 2.2 and eq. 1), pure functions in float32.
+"""Router math, pure functions in float32 (report 2.2 and eq. 1; docs/architecture.md,
+"Exact semantics").
 
 Selection uses the biased scores s + b (b: the non-trainable loss-free balancing bias); the
 combine weights are the *unbiased* scores of the chosen experts, renormalised to sum 1 and

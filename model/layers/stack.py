@@ -10,9 +10,9 @@ Param trees:
 import flax.linen as nn
 import jax
 
-from model.layers.block import DecoderBlock
 from model.config import ModelConfig
 from model.inference.kv_cache import KVCacheSpec
+from model.layers.block import DecoderBlock
 from model.layers.layer_plan import Segment, layer_kinds, plan_segments
 from model.parallel.mesh import mesh_axis_size
 from model.parallel.pipeline import num_microbatches, pipeline_forward, pipelined_segment
@@ -95,8 +95,8 @@ class LayerStack(nn.Module):
         return x, per_layer_aux
 
     def _pipelined(self, name, unit, x, positions, segment_ids, stages):
-        """The scanned segment `name` run as pipeline stages (model/parallel/pipeline.py); its variables
-        are read from this scope and applied by an unbound copy of the scan body."""
+        """The scanned segment `name` run as pipeline stages (model/parallel/pipeline.py); its
+        variables are read from this scope and applied by an unbound copy of the scan body."""
         variables = {col: tree[name] for col, tree in nn.meta.unbox(self.variables).items()
                      if name in tree}
         group = BlockGroup(self.config, unit, parent=None)

@@ -1,10 +1,12 @@
-"""Attention cores behind `attention_impl` (DESIGN.md §2): same semantics, different kernels.
+"""Attention cores behind `attention_impl`: same semantics, different kernels
+(docs/architecture.md, "Implementation tables").
 
 All cores take q: [B, T, H, D], k/v: [B, T, K, D] with H = K * G (GQA: the G query heads of a
 group share one KV head, never materialised as repeats) and return [B, T, H, D] in q.dtype.
 
-Masking (DESIGN.md §3): query i sees key j iff j <= i, i - j < window (window=None: full causal)
-and segment_ids[i] == segment_ids[j] (packed documents never attend across each other).
+Masking (docs/architecture.md, "Exact semantics"): query i sees key j iff j <= i,
+i - j < window (window=None: full causal) and segment_ids[i] == segment_ids[j] (packed
+documents never attend across each other).
 An optional per-head sink logit adds exp(sink) to each softmax denominator (report 2.3, the
 input-independent alternative to the head-wise gate).
 

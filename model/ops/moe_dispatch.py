@@ -1,5 +1,5 @@
-"""Routed-expert computation behind `moe_impl` (DESIGN.md §2, §5). Dropless: every routed copy
-of every token is computed.
+"""Routed-expert computation behind `moe_impl` (docs/architecture.md, "Implementation
+tables"). Dropless: every routed copy of every token is computed.
 
 Common frame: the N*k token copies are stably sorted by expert id ("permute"), run through their
 expert's SwiGLU, then brought back to token order ("unpermute") and combined with the router
@@ -8,7 +8,7 @@ weights. Implementations differ in how the sorted rows meet their expert's weigh
 - `sorted` (CPU default): rows padded per expert to a multiple of a row block; a loop over the
   blocks multiplies each by its expert's weights and skips the unused tail of the static
   worst-case block count (`model.ops.block_matmul`). `ragged_dot` is ~100x slower on CPU
-  (DESIGN.md §5, README benchmarks).
+  (docs/architecture.md, "Measured on CPU"; README, Performance).
 - `ragged_dot`: `jax.lax.ragged_dot` grouped matmuls (GPU/TPU).
 - `pallas`: `model.ops.pallas_moe` on the grouped-matmul kernels of `pallas_kernels`.
 

@@ -1,11 +1,12 @@
-"""`moe_impl=pallas`: routed experts on the Pallas grouped matmuls (issue #3, DESIGN.md §2, §5).
+"""`moe_impl=pallas`: routed experts on the Pallas grouped matmuls (docs/architecture.md,
+"Implementation tables").
 
     permute          token copies -> rows sorted (stably) by expert, plus group sizes
     gmm x3           gate / up projections, SwiGLU with the report's clamp (4.1.3), down
     unpermute        rows back to [N, k, D] token-copy order
     (combine)        `unpermute_combine` also applies the router weights -> [N, D]
 
-`pallas_moe_ffn` has the `model.ops.moe_dispatch` registry signature and returns what `sorted` and
+`pallas_moe_ffn` has the `moe_impl` signature (`model.ops.tables`) and returns what `sorted` and
 `ragged_dot` return: per-copy outputs [N, k, D] and the per-expert statistics. The permutes are
 XLA gathers (their gradients are scatter-adds); only the expert matmuls are Pallas kernels, which
 target TPU (see `pallas_kernels.grouped_matmul` for what lowers where).

@@ -28,7 +28,8 @@ class ImplementationTable:
 
     def check(self, value) -> None:
         if value not in self.entries:
-            raise ValueError(f"{self.switch}: got {value!r}, allowed values are {list(self.entries)}")
+            raise ValueError(
+                f"{self.switch}: got {value!r}, allowed values are {list(self.entries)}")
 
     def resolve(self, value: str) -> Callable:
         self.check(value)

@@ -1,8 +1,8 @@
 """The device mesh as the model sees it: read from JAX's mesh context while tracing.
 
 The trainer enters `jax.set_mesh(mesh)` and flax's `nn.logical_axis_rules(rules)` (see
-`train.parallel.sharding`); without them every helper here reports a single device and the model runs
-its plain single-device code. Mesh axis names: `pipeline`, `data`, `fsdp`, `expert`, `tensor`.
+`train.parallel.sharding`); without them every helper here reports a single device and the model
+runs its plain single-device code. Mesh axis names: `pipeline`, `data`, `fsdp`, `expert`, `tensor`.
 """
 
 import functools
@@ -41,8 +41,8 @@ def spec_axes(entry) -> tuple[str, ...]:
 
 
 def shard_attention_core(core):
-    """An attention core (model.attention_ops) run per shard under the current mesh: batch over
-    the rules' batch axes, heads over `tensor` when it divides both query and KV heads. XLA
+    """An attention core (`model.ops.tables.ATTENTION`) run per shard under the current mesh: batch
+    over the rules' batch axes, heads over `tensor` when it divides both query and KV heads. XLA
     cannot partition a `pallas_call`, so the Pallas kernels need this; each shard holds whole
     sequences and whole GQA groups, so the result is the unsharded one."""
 

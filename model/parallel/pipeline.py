@@ -2,8 +2,8 @@
 
 The longest scanned layer segment whose repeat count the stage count divides is split into
 `stages` contiguous groups of repeats, one per device along `pipeline` (its params' `layers`
-axis is sharded there, train/parallel/sharding.py). The batch is cut into M micro-batches; at clock tick
-t stage s runs micro-batch t - s, so M + S - 1 ticks finish all of them and the idle share of
+axis is sharded there, train/parallel/sharding.py). The batch is cut into M micro-batches; at clock
+tick t stage s runs micro-batch t - s, so M + S - 1 ticks finish all of them and the idle share of
 the stages, the bubble, is (S - 1) / (M + S - 1).
 
 Written in the global (GSPMD) view, as MaxText does: a [S, ...] activation buffer sharded over
@@ -28,7 +28,7 @@ from model.parallel.mesh import logical_spec
 
 
 def pipelined_segment(cfg: ModelConfig, stages: int) -> int:
-    """Index of the segment (model.layer_plan) the pipeline runs: the one covering the most
+    """Index of the segment (`model.layers.layer_plan`) the pipeline runs: the one covering the most
     layers among those whose repeat count `stages` divides."""
     if not cfg.scan_layers:
         raise ValueError("mesh.pipeline > 1 needs model.scan_layers=true (stages split a "

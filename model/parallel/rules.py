@@ -23,7 +23,8 @@ from typing import Any, Iterator
 
 import flax.linen as nn
 import jax
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
 from model.parallel.mesh import spec_axes
@@ -91,7 +92,7 @@ def path_keys(path) -> tuple[str, ...]:
 def param_specs(axes_tree: Any, shapes: Any, mesh: Mesh, cfg: ModelConfig) -> Any:
     """Tree of PartitionSpecs for the params (or any collection with logical axes).
 
-    axes_tree: logical-axis tuples (train.optimizer.param_axes); shapes: matching tree of arrays
+    axes_tree: logical-axis tuples (`param_axes`); shapes: matching tree of arrays
     or ShapeDtypeStructs. The pipelined segment's `layers` axis goes to `pipeline`.
     """
     stages = mesh.shape["pipeline"]

@@ -5,12 +5,13 @@
     ids, mask = tok.encode_chat(messages)   # int32 ids; True on the tokens SFT trains on
     tok.eos_ids                             # ids that end a generated turn
 
-A chat template is untrusted code shipped with a checkpoint (DESIGN.md §6). It runs in Jinja's
-`ImmutableSandboxedEnvironment`, set up as transformers' `apply_chat_template` does (trim_blocks,
-lstrip_blocks, loopcontrols, a `tojson` that does not HTML-escape, `raise_exception`,
-`strftime_now`, the `{% generation %}` tag, `bos_token`/`eos_token` in the context), so a released
-template renders the same text here as there. One difference: touching an unsafe attribute
-(`''.__class__`) raises at once instead of rendering as an empty string.
+A chat template is untrusted code shipped with a checkpoint (docs/architecture.md,
+"Guarantees to users"). It runs in Jinja's `ImmutableSandboxedEnvironment`, set up as transformers'
+`apply_chat_template` does (trim_blocks, lstrip_blocks, loopcontrols, a `tojson` that does not
+HTML-escape, `raise_exception`, `strftime_now`, the `{% generation %}` tag, `bos_token`/`eos_token`
+in the context), so a released template renders the same text here as there. One difference:
+touching an unsafe attribute (`''.__class__`) raises at once instead of rendering as an empty
+string.
 
 Special-token spellings in message text are encoded as the special tokens (as in transformers):
 content is trusted to not forge turn boundaries.

@@ -26,7 +26,8 @@ SPECIAL_TOKENS = (EOS, META_OPEN, META_CLOSE)
 # End-of-document tokens of common tokenizers, tried in order for a foreign tokenizer.json.
 EOS_CANDIDATES = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|end▁of▁sentence|>")
 DEFAULT_PATH = Path(__file__).parent / "assets" / "stdlib_bpe_4096.json"
-# Tokenizers shipped under model/tokenizers/assets, by name (`model.tokenizers.arith_chars` builds `arith_chars`).
+# Tokenizers shipped under model/tokenizers/assets, by name (`model.tokenizers.arith_chars` builds
+# `arith_chars`).
 SHIPPED = {"default": DEFAULT_PATH, "arith_chars": DEFAULT_PATH.parent / "arith_chars.json"}
 
 

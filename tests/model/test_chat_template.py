@@ -1,6 +1,6 @@
-"""model.tokenizer: chat-template rendering against hand-written strings, the SFT assistant mask
-(both the {% generation %} path and the incremental-render fallback), the Jinja sandbox, and the
-loader's one-line errors."""
+"""model.tokenizers.chat: chat-template rendering against hand-written strings, the SFT assistant
+mask (both the {% generation %} path and the incremental-render fallback), the Jinja sandbox, and
+the loader's one-line errors."""
 
 import json
 from datetime import datetime

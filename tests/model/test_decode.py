@@ -9,19 +9,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from train_helpers import SMALL_MODEL, TINY
 
 from model.config import load_config
 from model.inference.decode import Decoder, cache_bytes
 from model.inference.kv_cache import KVCacheSpec
-from model.lm import CausalLM
 from model.inference.sampling import Sampling, token_probs
 from model.inference.speculative import accept_drafts
-from train_helpers import SMALL_MODEL, TINY
+from model.lm import CausalLM, init_variables
 
 # Window 8 with sequences of ~24 tokens: every SWA ring wraps around several times.
 CFG = load_config(TINY, [o.removeprefix("model.") for o in SMALL_MODEL]
                   + ["mtp.num_heads=3", "vocab_size=64", "init_std=0.2"])
-VARIABLES = nn.meta.unbox(CausalLM(CFG).init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32)))
+VARIABLES = nn.meta.unbox(init_variables(CausalLM(CFG), jax.random.key(1)))
 SEQUENCES = [np.random.default_rng(0).integers(0, 64, 24), np.random.default_rng(1).integers(0, 64, 15)]
 
 

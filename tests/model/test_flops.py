@@ -17,7 +17,8 @@ ABLATION = ROOT / "configs" / "ablation"
 
 
 def visible_keys(query: int, window: int | None) -> int:
-    """Keys j that query i sees: j <= i and, on SWA layers, i - j < W (DESIGN.md §3)."""
+    """Keys j that query i sees: j <= i and, on SWA layers, i - j < W (docs/architecture.md,
+    "Exact semantics")."""
     return sum(1 for j in range(query + 1) if window is None or query - j < window)
 
 

@@ -5,7 +5,7 @@ References are written here from the published definitions, not from `model/`:
 - Llama-3.1 scaling and YaRN "NTK-by-parts" as in Hugging Face transformers'
   `_compute_llama3_parameters` / `_compute_yarn_parameters`, written as per-frequency loops,
   plus the YaRN paper's region properties checked separately;
-- RMSNorm y = x / sqrt(mean(x^2) + eps) * (1 + w) (DESIGN.md §3).
+- RMSNorm y = x / sqrt(mean(x^2) + eps) * (1 + w) (docs/architecture.md, "Exact semantics").
 """
 
 import math

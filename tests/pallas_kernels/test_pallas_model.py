@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
+from train_helpers import FAST_COMPILE
 
 from model import CausalLM, load_config
-from train_helpers import FAST_COMPILE
 
 
 def test_tiny_model_pallas_impls_match_xla():

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.ops.moe_dispatch import ExpertWeights, finalize_statistics
 from model.layers.moe import routed_experts
+from model.ops.moe_dispatch import ExpertWeights, finalize_statistics
+from model.ops.pallas_moe import pallas_moe_ffn, permute, unpermute, unpermute_combine
 from pallas_kernels.grouped_matmul import (
     Tiling,
     gmm,
@@ -30,7 +31,6 @@ from pallas_kernels.grouped_matmul import (
     schedule_size,
     tgmm,
 )
-from model.ops.pallas_moe import pallas_moe_ffn, permute, unpermute, unpermute_combine
 from pallas_kernels.reference import gmm_reference, moe_ffn_reference, tgmm_reference
 
 F32_TOL, BF16_TOL = 1e-5, 2e-2

@@ -12,21 +12,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from train_helpers import REPO
 
+import rl.loop as rl_loop
 from model.inference.decode import Decoder
-from model.lm import CausalLM
 from model.inference.sampling import Sampling
-from rl.config import load_rl_config, rl_config_from_dict
+from model.lm import CausalLM, init_variables
 from rl.__main__ import main as rl_main
+from rl.config import load_rl_config, rl_config_from_dict
 from rl.loop import run_rl
 from rl.models import ValueModel, critic_variables_from_policy, token_logprobs
+from rl.objectives import losses
 from rl.rollout import collect_rollouts, layout_rows
-from rl import losses
 from rl.update import actor_loss, minibatches
 from train.config import load_run_config
 from train.telemetry.metrics import read_metrics
-
-from train_helpers import REPO
 
 # Two layers (SWA dense + full MoE) and one MTP head: every code path of the RL plumbing at the
 # smallest compile time (XLA compilation dominates these tests).
@@ -56,8 +56,8 @@ def small_run(**rl_overrides):
 @pytest.fixture(scope="module")
 def policy():
     cfg = rl_config_from_dict({"model": small_model_dict()}).model
-    init = jax.jit(CausalLM(cfg).init)
-    return cfg, nn.meta.unbox(init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32)))
+    init = jax.jit(lambda key: init_variables(CausalLM(cfg), key))
+    return cfg, nn.meta.unbox(init(jax.random.key(3)))
 
 
 REFERENCE_LENGTH = 16
@@ -145,7 +145,7 @@ def test_token_logprobs_and_entropy_match_the_full_forward(policy):
 def test_critic_starts_from_the_policy_backbone_with_zero_values(policy):
     cfg, variables = policy
     critic = ValueModel(cfg)
-    init = nn.meta.unbox(jax.jit(critic.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    init = nn.meta.unbox(jax.jit(lambda key: init_variables(critic, key))(jax.random.key(0)))
     critic_vars = critic_variables_from_policy(variables, init)
     for name, value in critic_vars["params"]["backbone"].items():
         assert jax.tree.all(jax.tree.map(np.array_equal, value, variables["params"][name]))
@@ -164,6 +164,26 @@ def test_minibatches_cover_every_row_once_and_pad_with_masked_rows():
     assert sum(int((p["mask"].sum(1) == 0).sum()) for p in parts) == 2
 
 
+def is_fraction_of(value: float, count: int) -> bool:
+    """value is k / count for an integer 0 <= k <= count."""
+    return 0 <= value <= 1 and abs(value * count - round(value * count)) < 1e-5
+
+
+def check_iteration_metrics(r: dict, rows: int, max_new_tokens: int, vocab: int) -> None:
+    """The per-iteration metrics of `rows` rollouts are in range and agree with each other."""
+    # Exact-match rewards are 0 or 1: the mean reward is the fraction answered exactly.
+    assert r["reward"] == r["accuracy"] and is_fraction_of(r["accuracy"], rows), r
+    assert is_fraction_of(r["truncation_rate"], rows), r
+    # Truncated rollouts generated max_new_tokens; the others at most that, the stop included.
+    assert max_new_tokens * r["truncation_rate"] <= r["response_length"] <= max_new_tokens, r
+    for key in ("token_keep_frac", "token_filter_frac", "traj_keep_frac"):
+        assert 0 <= r[key] <= 1, (key, r)
+    assert r["token_keep_frac"] <= r["token_filter_frac"], r  # kept tokens passed both filters
+    assert 0 <= r["entropy"] <= np.log(vocab) + 1e-4, r
+    assert 0 < r["routing_confidence"] <= 1 + 1e-6 and r["kl"] >= 0, r
+    assert r["actor/grad_norm"] >= 0 and r["advantage_rms"] >= 0, r
+
+
 @pytest.mark.slow
 def test_loop_metrics_resume_and_cli_on_a_finished_run(tmp_path, capsys):
     """Two iterations from random weights (bfloat16 inference), the same run interrupted after
@@ -172,11 +192,18 @@ def test_loop_metrics_resume_and_cli_on_a_finished_run(tmp_path, capsys):
     assert (straight.first_iteration, straight.last_iteration) == (0, 2)
     records = read_metrics(straight.workdir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
-    for key in ("reward", "accuracy", "token_keep_frac", "traj_keep_frac", "entropy", "kl",
-                "truncation_rate", "routing_confidence", "actor/grad_norm", "actor/loss",
-                "critic/grad_norm", "critic/loss", "value_mean"):
-        assert key in records[1], key
-    assert "eval/accuracy" in records[0] and "eval/sample_accuracy" in records[2]
+    rl, vocab = small_run().rl, small_run().model.vocab_size
+    rows = rl.prompts_per_iteration * rl.samples_per_prompt  # rollouts per iteration
+    for r in records[1:]:
+        check_iteration_metrics(r, rows, rl.max_new_tokens, vocab)
+        assert np.isfinite([r["actor/loss"], r["critic/grad_norm"]]).all(), r
+        assert r["critic/loss"] >= 0, r  # a squared error
+    for r in (records[0], records[2]):  # held-out accuracy of eval_prompts problems
+        for key in ("eval/accuracy", "eval/sample_accuracy"):
+            assert is_fraction_of(r[key], rl.eval_prompts), (key, r)
+    # The first iteration's pi_old is the reference policy itself: KL exactly 0. The value
+    # head starts at zero (test_critic_starts_from_the_policy_backbone_with_zero_values).
+    assert records[1]["kl"] == 0.0 and records[1]["value_mean"] == 0.0
     # bfloat16 inference against float32 training: pi_infer really differs from pi_old
     # (float32 decoding matches the training path to ~1e-6, see the decoder test above).
     assert records[1]["mismatch/abs_log_ratio_mean"] > 1e-4
@@ -205,11 +232,25 @@ def test_loop_metrics_resume_and_cli_on_a_finished_run(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_group_advantages_train_without_a_critic(tmp_path):
-    summary = run_rl(small_run(iterations=1, advantages="group", entropy_top_frac=0.5),
-                     tmp_path / "group")
+def test_group_advantages_train_without_a_critic(tmp_path, monkeypatch):
+    """Group-normalised rewards drive the actor with no value model. A random policy answers
+    nothing right, so every reward and every group advantage would be 0 (and the actor gradient
+    only the KL term's, ~1e-5 in the run above); here the rewards are 1, 0 for each prompt's
+    two samples, which group normalisation turns into +1 / -1 on every response token."""
+    def one_right_one_wrong(texts, answers):
+        return np.tile(np.float32([1.0, 0.0]), len(texts) // 2)
+
+    monkeypatch.setattr(rl_loop, "arithmetic_rewards", one_right_one_wrong)
+    run = small_run(iterations=1, advantages="group", entropy_top_frac=0.5)
+    summary = run_rl(run, tmp_path / "group")
     record = [r for r in read_metrics(summary.workdir / "metrics.jsonl") if r["step"] == 1][0]
-    assert np.isfinite(record["actor/loss"]) and "critic/loss" not in record
+    rows = run.rl.prompts_per_iteration * run.rl.samples_per_prompt
+    check_iteration_metrics(record, rows, run.rl.max_new_tokens, run.model.vocab_size)
+    assert record["reward"] == record["accuracy"] == 0.5
+    # (1 - 0.5) / (std 0.5 + eps 1e-6) on every response token
+    assert record["advantage_rms"] == pytest.approx(1.0, abs=1e-5)
+    assert record["actor/grad_norm"] > 0.1 and np.isfinite(record["actor/loss"]), record
+    assert not [k for k in record if k.startswith("critic/") or k == "value_mean"], record
 
 
 @pytest.mark.parametrize("algorithm", ["mis_po", "ppo", "grpo", "gspo"])

@@ -1,4 +1,5 @@
-"""Rewards (rl/rewards.py), the arithmetic task (train/data/arithmetic.py) and its shipped tokenizer.
+"""Rewards (rl/rewards.py), the arithmetic task (train/data/arithmetic.py) and its
+shipped tokenizer.
 
 - `parse_integer` / `arithmetic_reward(s)`: only a canonical ASCII decimal integer earns reward;
   malformed and adversarial responses earn 0.0 and are never evaluated;
@@ -17,12 +18,12 @@ import numpy as np
 import pytest
 import tokenizers
 
-from rl.rewards import arithmetic_reward, arithmetic_rewards, bradley_terry_reward, parse_integer
 from model.tokenizers.arith_chars import CHARACTERS, char_tokenizer
-from train.data.arithmetic import Problem, arithmetic_problems, split_problems
-from train.data.documents import heldout_score, split_documents
-from train.data.corpus import load_documents
 from model.tokenizers.text import SHIPPED, load_tokenizer
+from rl.rewards import arithmetic_reward, arithmetic_rewards, bradley_terry_reward, parse_integer
+from train.data.arithmetic import Problem, arithmetic_problems, split_problems
+from train.data.corpus import load_documents
+from train.data.documents import heldout_score, split_documents
 
 # --------------------------------------------------------------------------------------------
 # arithmetic verifier

@@ -15,15 +15,21 @@ import jax
 import numpy as np
 import pytest
 
-from train.data import pipeline as data_module
-from train.config import DataConfig
-from train.data.documents import Document, heldout_score, split_documents
-from train.data.corpus import load_documents, meta_string, stdlib_documents
-from train.data.pipeline import DocumentEncoder, make_dataset, split_shard
-from train.data.packing import FEATURES, pack, unpack
 from model.tokenizers.text import (
-    DEFAULT_PATH, EOS, META_CLOSE, META_OPEN, TextTokenizer, load_tokenizer, train_bpe,
+    DEFAULT_PATH,
+    EOS,
+    META_CLOSE,
+    META_OPEN,
+    TextTokenizer,
+    load_tokenizer,
+    train_bpe,
 )
+from train.config import DataConfig
+from train.data import pipeline as data_module
+from train.data.corpus import load_documents, meta_string, stdlib_documents
+from train.data.documents import Document, heldout_score, split_documents
+from train.data.packing import FEATURES, pack, unpack
+from train.data.pipeline import DocumentEncoder, make_dataset, split_shard
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = Path(json.decoder.__file__).read_text()  # real Python source for small documents

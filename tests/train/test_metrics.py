@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from train.experiments.plot import main as plot_main
+from train.experiments.plot import stage_records
 from train.telemetry.metrics import MetricsWriter, ProgressBar, read_metrics
-from train.experiments.plot import main as plot_main, stage_records
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,6 @@
-"""train.monitors against explicit numpy loops on small synthetic arrays (report 4.1.2-4.1.3,
-5.2.1), and expert parameter norms in both layer layouts of a real (shape-only) model tree."""
+"""train.telemetry.monitors against explicit numpy loops on small synthetic arrays (report
+4.1.2-4.1.3, 5.2.1), and expert parameter norms in both layer layouts of a real
+(shape-only) model tree."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ import numpy as np
 import pytest
 from flax.linen import meta
 
-from model import CausalLM, load_config
+from model import load_config
 from model.layers.params import convert_layer_layout
+from model.lm import abstract_variables
 from train.telemetry.monitors import (
-    expert_norm_table, expert_param_norms, moe_monitors, tree_rms,
+    expert_norm_table,
+    expert_param_norms,
+    moe_monitors,
+    tree_rms,
 )
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
@@ -134,8 +139,7 @@ def model_params():
     the model-order of (repeat, block) is exercised; random values, shapes from eval_shape."""
     cfg = load_config(TINY, overrides=["swiglu_limits=[0,0,0,0,0,0,0,0,0]",
                                        "swiglu_limits_shared=[0,0,0,0,0,0,0,0,0]"])
-    shapes = jax.eval_shape(lambda: CausalLM(cfg).init(jax.random.key(0),
-                                                       jnp.zeros((1, 8), jnp.int32)))
+    shapes = abstract_variables(cfg)
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32),
                           meta.unbox(shapes)["params"])

@@ -9,20 +9,20 @@ running the same config on the same 8-device mesh. The two-process run stops at 
 second launch resumes it to step 4, so resuming is part of what must match the reference.
 
 What makes the comparison honest: with two processes each reads its own shard of the documents
-(train/data/pipeline.py: every 2nd document, from its process index) and contributes the first / second
-half of every global batch (`make_array_from_process_local_data`; process 0 owns mesh devices
+(train/data/pipeline.py: every 2nd document, from its process index) and contributes the first /
+second half of every global batch (`make_array_from_process_local_data`; process 0 owns mesh devices
 0-3, which hold the first half of the rows). A plain one-process run would read all documents as
 one shard, a different stream. So the one-process reference replaces the trainer's dataset with
-the two shard streams (batch size halved) concatenated row-wise (REFERENCE below, a test-only
-patch of `train.loop.make_dataset`): the same global batches. Everything else (model, mesh,
-sharded state, checkpoints, evaluation) is the unmodified trainer; the two runs differ only in
+the two shard streams (batch size halved) concatenated row-wise (tests/multihost_reference.py,
+a test-only patch of `train.loop.make_dataset`): the same global batches. Everything else (model,
+mesh, sharded state, checkpoints, evaluation) is the unmodified trainer; the two runs differ only in
 where the devices live and which collectives connect them (in-process vs gloo all-reduces, which
 sum in another order): metrics agree to float32 round-off, parameters to round-off amplified by
 the optimizer (see STATE_RTOL).
 
 Compile time dominates (each process compiles the train step; the persistent compilation cache
-cannot help multi-process CPU runs, see train/parallel/distributed.py), so the runs are shared by the
-tests through one module fixture. Every process has a deadline and a failing process brings its
+cannot help multi-process CPU runs, see train/parallel/distributed.py), so the runs are shared by
+the tests through one module fixture. Every process has a deadline and a failing process brings its
 peers down at once (they would otherwise wait minutes for it in a collective or a barrier).
 """
 
@@ -40,14 +40,19 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from train_helpers import REPO, SMALL_MODEL, SUBPROCESS_XLA_FLAGS, TINY
 
 import train.parallel.distributed as distributed
-from train.__main__ import main as train_main
 from model.interop.workdir import Checkpointer, restore_target
+from train.__main__ import main as train_main
 from train.config import load_run_config
-from train.parallel.distributed import DistributedError, gather_process_states, process_state, resolve
+from train.parallel.distributed import (
+    DistributedError,
+    gather_process_states,
+    process_state,
+    resolve,
+)
 from train.state import abstract_state, build_training
-from train_helpers import REPO, SMALL_MODEL, SUBPROCESS_XLA_FLAGS, TINY
 
 # One xdist worker runs them all: the module fixture's runs are shared, not repeated per worker.
 pytestmark = pytest.mark.xdist_group("multihost")
@@ -81,39 +86,9 @@ METRICS_RTOL = 1e-5
 STATE_RTOL = 2e-3
 
 # The one-process reference: `python -m train` whose train stream is the two processes' shard
-# streams, each with half the batch, concatenated row-wise (process 0's rows first).
-REFERENCE = """
-import sys
-import numpy as np
-import train.loop
-from train.data.pipeline import make_dataset
-
-class TwoShards:
-    def __init__(self, shards):
-        self.shards = shards
-    def __iter__(self):
-        return self
-    def __next__(self):
-        parts = [next(s) for s in self.shards]
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    def get_state(self):
-        return {"shards": [s.get_state() for s in self.shards]}
-    def set_state(self, state):
-        for s, st in zip(self.shards, state["shards"]):
-            s.set_state(st)
-
-def as_two_processes(data_cfg, tokenizer, *, batch_size, split, shard_index=0, shard_count=1,
-                     **kwargs):
-    if split != "train":  # held-out evaluation reads all documents in every process
-        return make_dataset(data_cfg, tokenizer, batch_size=batch_size, split=split, **kwargs)
-    assert (shard_index, shard_count) == (0, 1) and batch_size % 2 == 0
-    return TwoShards([make_dataset(data_cfg, tokenizer, batch_size=batch_size // 2, split=split,
-                                   shard_index=i, shard_count=2, **kwargs) for i in range(2)])
-
-train.loop.make_dataset = as_two_processes
-from train.__main__ import main
-sys.exit(main(sys.argv[1:]))
-"""
+# streams, each with half the batch, concatenated row-wise (a test-only patch of
+# `train.loop.make_dataset`, run as a module so that its failures name the values).
+REFERENCE = Path(__file__).resolve().parents[1] / "multihost_reference.py"
 
 NOISE = ("Involuntary full rematerialization", "[Gloo]")
 
@@ -190,7 +165,7 @@ def two_processes(workdir: Path, cache: Path, *overrides: str) -> list[Path]:
 
 def one_process(workdir: Path) -> Path:
     """The reference: one process with 8 CPU devices reading the 2-process global batches."""
-    command = [sys.executable, "-c", REFERENCE,
+    command = [sys.executable, str(REFERENCE),
                *train_command(workdir, "--num-processes", "1", *RUN,
                               f"train.xla_cache_dir={jax.config.jax_compilation_cache_dir or ''}")]
     log = workdir.parent / f"{workdir.name}.log"
@@ -345,7 +320,7 @@ def test_two_processes_train_and_resume_like_one(runs):
     # Both processes wrote one checkpoint; it restores (here into one device) to the
     # reference's parameters and optimizer state.
     state_two, data_two = restore(runs["two"], STEPS)
-    state_one, _ = restore(runs["one"], STEPS)
+    state_one, data_one = restore(runs["one"], STEPS)
     assert int(state_two.step) == int(state_one.step) == STEPS
     assert_trees_close(state_two.params, state_one.params)
     assert_trees_close(state_two.opt_state, state_one.opt_state)
@@ -353,6 +328,9 @@ def test_two_processes_train_and_resume_like_one(runs):
     shards = [s["pipeline"] for s in data_two["processes"]]
     assert [(s["shard_index"], s["shard_count"], s["batch_size"]) for s in shards] == \
         [(0, 2, 4), (1, 2, 4)]
+    # The reference read the same two shard streams (its patched dataset's state), one process.
+    assert [(s["pipeline"]["shard_index"], s["pipeline"]["shard_count"],
+             s["pipeline"]["batch_size"]) for s in data_one["shards"]] == [(0, 2, 4), (1, 2, 4)]
 
     # Only process 0 reports; the second launch resumed from the first one's checkpoint.
     first, second = (log.read_text() for log in runs["two_logs"])

@@ -1,5 +1,5 @@
-"""Tests of `train.optim.muon`: Polar Express / Newton-Schulz orthogonalisation against float64 numpy
-SVD, float16 robustness (report 4.1.1), per-expert batching (4.2.3), matrix views and the
+"""Tests of `train.optim.muon`: Polar Express / Newton-Schulz orthogonalisation against float64
+numpy SVD, float16 robustness (report 4.1.1), per-expert batching (4.2.3), matrix views and the
 update scale of `scale_by_muon`."""
 
 from __future__ import annotations
@@ -10,9 +10,14 @@ import numpy as np
 import optax
 import pytest
 
-from train.config import MuonConfig
 from train.optim import muon
-from train.optim.muon import POLAR_EXPRESS_COEFFS, MatrixView, matrix_view, scale_by_muon, update_scale
+from train.optim.muon import (
+    POLAR_EXPRESS_COEFFS,
+    MatrixView,
+    matrix_view,
+    scale_by_muon,
+    update_scale,
+)
 
 # Jitted: one compilation per shape is faster than eager dispatch of 18 matmuls.
 orthogonalize = jax.jit(muon.orthogonalize, static_argnames=("method", "steps", "dtype"))
@@ -179,10 +184,10 @@ def test_matrix_view_rejects_batch_axes_after_matrix_axes():
 @pytest.mark.parametrize("m, n", [(128, 32), (32, 128), (64, 64)])
 def test_update_scale(m, n):
     orthogonal = _polar(_gaussian((m, n)))
-    rms = np.sqrt(np.mean(np.square(orthogonal * update_scale(MuonConfig(update_rms=0.2), m, n))))
+    rms = np.sqrt(np.mean(np.square(orthogonal * update_scale(m, n, update_rms=0.2))))
     assert rms == pytest.approx(0.2, rel=1e-6)
     # Original Muon: sqrt(max(1, fan_out / fan_in)); flax kernels are [fan_in, fan_out].
-    assert update_scale(MuonConfig(update_rms=0.0), m, n) == pytest.approx(np.sqrt(max(1, n / m)))
+    assert update_scale(m, n, update_rms=0.0) == pytest.approx(np.sqrt(max(1, n / m)))
 
 
 def test_scale_by_muon_per_expert_views_and_rms():
@@ -192,7 +197,7 @@ def test_scale_by_muon_per_expert_views_and_rms():
             "o_proj": ("heads", "head_dim", "embed")}
     grads = {"experts": jnp.asarray(_gaussian((2, 3, 32, 48), seed=4), jnp.bfloat16),
              "o_proj": jnp.asarray(_gaussian((4, 8, 40), seed=5))}
-    tx = scale_by_muon(MuonConfig(nesterov=False), axes)
+    tx = scale_by_muon(axes, nesterov=False)
     state = tx.init(grads)
     assert all(m.dtype == jnp.float32 for m in jax.tree.leaves(state))
     updates, state = jax.jit(tx.update)(grads, state)
@@ -212,8 +217,7 @@ def test_scale_by_muon_momentum_and_nesterov():
     g1, g2 = _gaussian((16, 8), seed=6), _gaussian((16, 8), seed=7)
     mu = 0.9
     for nesterov in (False, True):
-        cfg = MuonConfig(momentum=mu, nesterov=nesterov, update_rms=0.0)
-        tx = scale_by_muon(cfg)
+        tx = scale_by_muon(momentum=mu, nesterov=nesterov, update_rms=0.0)
         state = tx.init(jnp.zeros((16, 8)))
         update_fn = jax.jit(tx.update)
         _, state = update_fn(jnp.asarray(g1), state)
@@ -226,7 +230,7 @@ def test_scale_by_muon_momentum_and_nesterov():
 
 def test_scale_by_muon_skips_masked_params():
     params = {"w": jnp.ones((8, 4)), "b": jnp.ones((4,))}
-    tx = optax.partition({"muon": scale_by_muon(MuonConfig()), "none": optax.set_to_zero()},
+    tx = optax.partition({"muon": scale_by_muon(), "none": optax.set_to_zero()},
                          {"w": "muon", "b": "none"})
     grads = {"w": jnp.asarray(_gaussian((8, 4))), "b": jnp.ones((4,))}
     updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)

@@ -1,7 +1,7 @@
-"""Parallelism on 8 CPU devices (DESIGN.md §5): a train step on several meshes equals the same
-step on one device, params are laid out as the rules table says, and expert-parallel dispatch
-drops nothing under skewed routing. The 8-device runs happen in a subprocess
-(tests/parallel_worker.py) because the device count is fixed when JAX starts."""
+"""Parallelism on 8 CPU devices (docs/architecture.md, "Measured on CPU"): a train step on several
+meshes equals the same step on one device, params are laid out as the rules table says, and
+expert-parallel dispatch drops nothing under skewed routing. The 8-device runs happen in a
+subprocess (tests/parallel_worker.py) because the device count is fixed when JAX starts."""
 
 import json
 import math
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 from jax.sharding import PartitionSpec as P
+from train_helpers import SUBPROCESS_XLA_FLAGS, TINY
 
+from model.parallel.rules import MESH_AXES, abstract_mesh, logical_to_spec
 from train.config import MeshConfig, load_run_config
 from train.parallel.sharding import zero1_spec
-from model.parallel.rules import MESH_AXES, abstract_mesh, logical_to_spec
-from train_helpers import SUBPROCESS_XLA_FLAGS, TINY
 
 WORKER = Path(__file__).resolve().parents[1] / "parallel_worker.py"
 TOLERANCE = 1e-5  # relative, float32 with a different reduction order

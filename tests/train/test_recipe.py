@@ -1,6 +1,6 @@
-"""Tests of staged recipes (`train.experiments.recipe`, `python -m train --recipe`): the recipe file, MTP
-cloning, and one real two-stage recipe (frozen router across a stage, MTP-2 equal to MTP-1 at
-the clone point, resumption mid-recipe in the right stage)."""
+"""Tests of staged recipes (`train.experiments.recipe`, `python -m train --recipe`): the recipe
+file, MTP cloning, and one real two-stage recipe (frozen router across a stage, MTP-2 equal to MTP-1
+at the clone point, resumption mid-recipe in the right stage)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from train_helpers import SMALL_LOOP, TINY
 
 from model.weights import load_model
 from train.__main__ import main as train_main
 from train.experiments.recipe import clone_mtp_heads, load_recipe, run_recipe, stage_start_variables
-from train_helpers import SMALL_LOOP, TINY
 
 
 def write_recipe(tmp_path: Path, stages, **values) -> Path:

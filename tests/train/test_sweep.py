@@ -1,6 +1,6 @@
-"""Tests of ablation sweeps (`train.experiments.sweep`, `train.experiments.sweep_report`): expansion of the sweep file,
-one real 2-run sweep (results.csv / results.md / plots, a failing run that does not stop the
-others, re-running does no new work) and the command line's one-line errors."""
+"""Tests of ablation sweeps (`train.experiments.sweep_file`, `.sweep`, `.sweep_report`): expansion
+of the sweep file, one real 2-run sweep (results.csv / results.md / plots, a failing run that does
+not stop the others, re-running does no new work) and the command line's one-line errors."""
 
 from __future__ import annotations
 
@@ -10,15 +10,17 @@ from pathlib import Path
 
 import pytest
 import yaml
+from train_helpers import SMALL_LOOP, TINY
 
 import train.experiments.sweep as sweep_module
+from model.summary import count_params
+from train.experiments.sweep import main, run_sweep
+from train.experiments.sweep_file import load_sweep
+from train.experiments.sweep_report import markdown_table
 from train.loop import TrainingError, TrainSummary
 from train.telemetry.metrics import read_metrics
-from train.experiments.sweep import load_sweep, main, run_sweep
-from train.experiments.sweep_report import markdown_table
-from model.summary import count_params
 from train.telemetry.mfu import train_flops_per_token
-from train_helpers import SMALL_LOOP, TINY
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -17,20 +17,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from train_helpers import SMALL_MODEL, TINY, small_run, synthetic_batch
 
 import train.step as step_module
 from model.config import load_config
-from model.lm import CausalLM
+from model.interop.workdir import Checkpointer
 from model.layers.params import unstack_layers
 from model.layers.router import expert_load, route
+from model.lm import abstract_variables
 from train.__main__ import main as train_main
 from train.balance import update_router_bias
-from model.interop.workdir import Checkpointer
 from train.eval import main as eval_main
 from train.loop import Trainer, TrainingError, meta_loss_masked, train
 from train.state import abstract_state, build_training, create_state
 from train.step import make_train_step
-from train_helpers import SMALL_MODEL, TINY, small_run, synthetic_batch
 
 VOCAB = 4096  # the shipped tokenizer's size: loop tests read the real stdlib corpus
 STEPS = 6  # every loop test shares it, so their step functions compile once (persistent cache)
@@ -211,7 +211,7 @@ def test_loss_free_bias_balances_a_skewed_router(scan):
     must even out every layer's load, which also checks that loads reach the right layers."""
     cfg = load_config(TINY, [o.removeprefix("model.") for o in SMALL_MODEL] +
                       [f"scan_layers={str(scan).lower()}", "moe.num_experts=8", "moe.top_k=2"])
-    shapes = jax.eval_shape(CausalLM(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    shapes = abstract_variables(cfg)
     balance = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                            nn.meta.unbox(shapes["balance"]))  # the bias starts at zero
     moe_layers = cfg.moe_layer_indices()

@@ -29,11 +29,11 @@ import numpy as np
 from absl import flags
 from grain.experimental import WindowShuffleIterDataset
 
-from train.config import DataConfig
-from train.data.documents import Document, split_documents
-from train.data.corpus import load_documents, meta_string
-from train.data.packing import document_example, pack, pad_batch
 from model.tokenizers.text import TextTokenizer
+from train.config import DataConfig
+from train.data.corpus import load_documents, meta_string
+from train.data.documents import Document, split_documents
+from train.data.packing import document_example, pack, pad_batch
 
 SPLITS = ("train", "heldout")
 SHUFFLE_WINDOW_TOKENS = 1 << 18  # packed rows are shuffled within windows of this many tokens

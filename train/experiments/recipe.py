@@ -40,14 +40,14 @@ from typing import Callable, Sequence
 
 import jax
 
-from model.config import read_yaml
+from model.interop.workdir import latest_checkpoint_step
 from model.weights import load_model
 from train.checkpoint import changed_since_checkpoint
-from model.interop.workdir import latest_checkpoint_step
-from train.config import RunConfig, load_run_config, override_list, resolve_base
+from train.config import RunConfig, load_run_config
+from train.experiments.spec import override_list, read_spec
 from train.loop import TrainingError, TrainSummary, train
 
-RECIPE_KEYS = ("base", "overrides", "stages", "description")
+RECIPE_KEYS = ("stages",)  # besides spec.COMMON_KEYS
 STAGE_KEYS = ("name", "overrides", "clone_mtp")
 
 
@@ -79,16 +79,10 @@ class Recipe:
 def load_recipe(path: str | Path, extra: Sequence[str] = ()) -> Recipe:
     """Reads and checks a recipe file; every stage's config (with the command line's `extra`
     overrides) is resolved here, so a mistake in a late stage fails before the first trains."""
-    path = Path(path)
-    values = read_yaml(path)
-    unknown = set(values) - set(RECIPE_KEYS)
-    if unknown:
-        raise ValueError(f"recipe {path}: unknown key(s) {sorted(unknown)}; expected "
-                         f"{', '.join(RECIPE_KEYS)}")
-    base = resolve_base(values.get("base"), path, "recipe")
-    entries = values.get("stages")
+    spec = read_spec(path, "recipe", RECIPE_KEYS)
+    entries = spec.values.get("stages")
     if not isinstance(entries, list) or not entries:
-        raise ValueError(f"recipe {path}: 'stages' must be a non-empty list")
+        raise ValueError(f"recipe {spec.path}: 'stages' must be a non-empty list")
     stages = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or "name" not in entry or set(entry) - set(STAGE_KEYS):
@@ -104,8 +98,7 @@ def load_recipe(path: str | Path, extra: Sequence[str] = ()) -> Recipe:
             raise ValueError("recipe stages[0].clone_mtp: the first stage has no MTP-1 to clone")
         overrides = override_list(entry.get("overrides"), f"recipe stages[{i}].overrides")
         stages.append(Stage(name, overrides, clone))
-    recipe = Recipe(base, override_list(values.get("overrides"), "recipe overrides"),
-                    tuple(stages), str(values.get("description") or ""))
+    recipe = Recipe(spec.base, spec.overrides, tuple(stages), spec.description)
     for i, stage in enumerate(recipe.stages):
         try:
             run = recipe.stage_config(i, extra)

@@ -20,144 +20,26 @@ the command skips finished runs and resumes unfinished ones; it refuses, writing
 whose runs were trained with other settings (a changed sweep file or other command-line
 overrides). A run that fails is reported with its reason and the others go on. Afterwards DIR
 holds results.csv, results.md, loss_curves.png and quality_vs_flops.png
-(train/experiments/sweep_report.py). Runs end with a held-out evaluation: a run without `train.eval_every`
-gets `train.eval_every=<train.steps>`.
+(train/experiments/sweep_report.py). Runs end with a held-out evaluation: a run without
+`train.eval_every` gets `train.eval_every=<train.steps>`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
-import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from model.config.cli import ArgumentParser, report_error
-from model.config import read_yaml, yaml_load
-from train.checkpoint import changed_since_checkpoint
 from model.interop.workdir import CheckpointError, latest_checkpoint_step
-from train.config import RunConfig, load_run_config, override_list, resolve_base
-from train.loop import TrainingError, train
+from train.checkpoint import changed_since_checkpoint
+from train.experiments.sweep_file import Sweep, load_sweep
 from train.experiments.sweep_report import STATUS_FILE, collect_results, write_report
-
-SWEEP_KEYS = ("base", "overrides", "grid", "runs", "description", "metrics")
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepRun:
-    name: str
-    overrides: tuple[str, ...]  # the run's own, after the sweep-wide ones
-
-
-@dataclasses.dataclass(frozen=True)
-class Sweep:
-    base: Path
-    overrides: tuple[str, ...]
-    runs: tuple[SweepRun, ...]
-    description: str = ""
-    metrics: tuple[str, ...] = ()  # extra metrics.jsonl names reported (last logged value)
-    command_line: tuple[str, ...] = ()  # overrides given to the CLI: every run, last
-
-    def run_overrides(self, run: SweepRun) -> list[str]:
-        return [*self.overrides, *run.overrides, *self.command_line]
-
-    def run_config(self, run: SweepRun) -> RunConfig:
-        config = load_run_config(self.base, self.run_overrides(run))
-        if not config.train.eval_every:  # every run must end with a held-out loss
-            config = dataclasses.replace(config, train=dataclasses.replace(
-                config.train, eval_every=config.train.steps))
-        return config
-
-
-def _override(key: str, value: Any) -> str:
-    """`key=value` that parses back to `value`: plain when YAML reads it so, else in flow
-    syntax (JSON is valid YAML)."""
-    if isinstance(value, str) and yaml_load(value) == value:
-        return f"{key}={value}"
-    return f"{key}={json.dumps(value)}"
-
-
-def _short(key: str, value: Any) -> str:
-    shown = value if isinstance(value, str) else json.dumps(value)
-    return f"{key.split('.')[-1]}={shown}"
-
-
-def _grid_points(grid: Any) -> list[tuple[str, tuple[str, ...]]]:
-    """[(name suffix, overrides)] of the cartesian product of `grid` ({key: [values]})."""
-    if grid is None:
-        return []
-    if not isinstance(grid, dict) or not grid:
-        raise ValueError(f"sweep grid: expected a mapping {{key: [values]}}, got {grid!r}")
-    for key, values in grid.items():
-        if not isinstance(values, list) or not values:
-            raise ValueError(f"sweep grid.{key}: expected a non-empty list of values, got {values!r}")
-    points = []
-    for combo in itertools.product(*grid.values()):
-        pairs = list(zip(grid, combo))
-        points.append((",".join(_short(k, v) for k, v in pairs),
-                       tuple(_override(k, v) for k, v in pairs)))
-    return points
-
-
-def _named_runs(runs: Any) -> list[SweepRun]:
-    if runs is None:
-        return []
-    if not isinstance(runs, list) or not runs:
-        raise ValueError(f"sweep runs: expected a non-empty list of {{name, overrides}}, got {runs!r}")
-    out = []
-    for i, entry in enumerate(runs):
-        if not isinstance(entry, dict) or set(entry) - {"name", "overrides"} or "name" not in entry:
-            raise ValueError(f"sweep runs[{i}]: expected {{name: ..., overrides: [...]}}, "
-                             f"got {entry!r}")
-        overrides = override_list(entry.get("overrides"), f"sweep runs[{i}].overrides")
-        out.append(SweepRun(str(entry["name"]), overrides))
-    return out
-
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]+")
-
-
-def load_sweep(path: str | Path, extra: Sequence[str] = ()) -> Sweep:
-    """Reads and checks a sweep file; `extra` overrides (the command line's) apply to every
-    run, last. Every run's config is resolved once here, so a typo in any run fails before the
-    first one trains."""
-    path = Path(path)
-    values = read_yaml(path)
-    unknown = set(values) - set(SWEEP_KEYS)
-    if unknown:
-        raise ValueError(f"sweep {path}: unknown key(s) {sorted(unknown)}; expected "
-                         f"{', '.join(SWEEP_KEYS)}")
-    base = resolve_base(values.get("base"), path, "sweep")
-    named, points = _named_runs(values.get("runs")), _grid_points(values.get("grid"))
-    if not named and not points:
-        raise ValueError(f"sweep {path}: needs a 'grid' and/or a 'runs' list")
-    if named and points:
-        runs = [SweepRun(f"{r.name},{suffix}", r.overrides + point)
-                for r in named for suffix, point in points]
-    else:
-        runs = named or [SweepRun(suffix, point) for suffix, point in points]
-    runs = [dataclasses.replace(r, name=_UNSAFE.sub("_", r.name)) for r in runs]
-    names = [r.name for r in runs]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"sweep {path}: run names must be unique, repeated: {duplicates}")
-    metrics = values.get("metrics") or []
-    if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
-        raise ValueError(f"sweep metrics: expected a list of metric names, got {metrics!r}")
-    sweep = Sweep(base=base, overrides=override_list(values.get("overrides"), "sweep overrides"),
-                  runs=tuple(runs), description=str(values.get("description") or ""),
-                  metrics=tuple(metrics),
-                  command_line=override_list(list(extra), "command-line overrides"))
-    for run in sweep.runs:
-        try:
-            sweep.run_config(run)
-        except ValueError as err:
-            raise ValueError(f"sweep run {run.name}: {err}") from None
-    return sweep
+from train.loop import TrainingError, train
 
 
 @dataclasses.dataclass

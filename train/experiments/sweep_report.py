@@ -9,15 +9,13 @@ import csv
 import json
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from model.config.cli import human
 from model.summary import count_params
+from train.experiments.sweep_file import Sweep, SweepRun
 from train.telemetry.metrics import METRICS_FILE, read_metrics
 from train.telemetry.mfu import train_flops_per_token
-
-if TYPE_CHECKING:
-    from train.experiments.sweep import Sweep
 
 STATUS_FILE = "sweep_run.json"  # per run: wall-clock seconds spent training it, over invocations
 COLUMNS = ("name", "status", "heldout_loss", "heldout_step", "train_loss", "steps", "tokens",
@@ -32,7 +30,7 @@ def _last(records: list[dict], key: str) -> tuple[int | None, float | None]:
     return None, None
 
 
-def _run_row(sweep: "Sweep", run, workdir: Path) -> dict | None:
+def _run_row(sweep: Sweep, run: SweepRun, workdir: Path) -> dict | None:
     run_dir = workdir / "runs" / run.name
     metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
@@ -65,7 +63,7 @@ def _run_row(sweep: "Sweep", run, workdir: Path) -> dict | None:
     }
 
 
-def collect_results(sweep: "Sweep", workdir: Path) -> list[dict]:
+def collect_results(sweep: Sweep, workdir: Path) -> list[dict]:
     """One row per run of `sweep` that has metrics under `workdir`/runs, in sweep order. Each
     row has the COLUMNS, the sweep's extra `metrics` and `curves` (the run's metrics records)."""
     return [row for run in sweep.runs if (row := _run_row(sweep, run, workdir)) is not None]
@@ -106,7 +104,7 @@ def markdown_table(results: list[dict], extra: Sequence[str] = ()) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(results: list[dict], path: Path, sweep: "Sweep") -> None:
+def write_markdown(results: list[dict], path: Path, sweep: Sweep) -> None:
     common = [*sweep.overrides, *sweep.command_line]
     parts = [f"# Sweep results\n\nBase config `{sweep.base}`"
              + (f", overrides for every run: `{' '.join(common)}`" if common else "") + ".\n"]
@@ -174,7 +172,7 @@ def plot_quality_vs_flops(results: list[dict], path: Path) -> None:
         plt.close(fig)
 
 
-def write_report(results: list[dict], workdir: Path, sweep: "Sweep") -> None:
+def write_report(results: list[dict], workdir: Path, sweep: Sweep) -> None:
     """results.csv, results.md, loss_curves.png and quality_vs_flops.png in `workdir`."""
     write_csv(results, workdir / "results.csv", sweep.metrics)
     write_markdown(results, workdir / "results.md", sweep)

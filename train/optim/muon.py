@@ -28,8 +28,6 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from train.config import MuonConfig
-
 # Polar Express degree-5 coefficients (a, b, c) of p(x) = a x + b x^3 + c x^5, one per iteration,
 # from Algorithm 1 of Amsel, Persson, Musco, Gower, "The Polar Express: Optimal Matrix Sign
 # Methods and Their Application to the Muon Algorithm" (arXiv 2505.16932; reference code
@@ -134,7 +132,7 @@ def matrix_view(axes: tuple[str, ...], shape: tuple[int, ...]) -> MatrixView:
     return MatrixView(batch_shape, math.prod(rest[:split]), math.prod(rest[split:]))
 
 
-def update_scale(cfg: MuonConfig, m: int, n: int) -> float:
+def update_scale(m: int, n: int, update_rms: float) -> float:
     """Multiplier of the orthogonalised [m, n] update.
 
     update_rms > 0 (Moonlight-style RMS matching): an orthogonal m x n matrix has RMS
@@ -143,8 +141,8 @@ def update_scale(cfg: MuonConfig, m: int, n: int) -> float:
     Muon scale sqrt(max(1, fan_out / fan_in)) (Keller Jordan's torch code uses
     sqrt(max(1, rows / cols)) on [out, in] weights; ours are [in, out], hence n / m).
     """
-    if cfg.update_rms > 0:
-        return cfg.update_rms * math.sqrt(max(m, n))
+    if update_rms > 0:
+        return update_rms * math.sqrt(max(m, n))
     return math.sqrt(max(1.0, n / m))
 
 
@@ -152,8 +150,13 @@ class ScaleByMuonState(NamedTuple):
     momentum: Any  # float32 tree like the params (optax.MaskedNode where another group rules)
 
 
-def scale_by_muon(cfg: MuonConfig, matrix_axes: Any = None) -> optax.GradientTransformation:
+def scale_by_muon(matrix_axes: Any = None, *, momentum: float = 0.95, nesterov: bool = True,
+                  orthogonalizer: str = "polar_express", steps: int = 6,
+                  iteration_dtype: str = "float16", update_rms: float = 0.2
+                  ) -> optax.GradientTransformation:
     """Momentum -> per-matrix orthogonalisation -> update scale (no learning rate, no decay).
+    The defaults are the report's (4.1.1): Polar Express, T = 6 float16 iterations; `update_rms`
+    as in `update_scale`.
 
     matrix_axes: tree of logical-axis tuples lining up with the params (an entry for every
     param, including those another optax.partition group handles); each param is seen as
@@ -162,21 +165,21 @@ def scale_by_muon(cfg: MuonConfig, matrix_axes: Any = None) -> optax.GradientTra
     (1 - mu) G + mu M (Keller Jordan's Muon). Orthogonalisation removes the overall scale, so the
     EMA form only matters for the normalisation epsilon.
     """
-    mu = cfg.momentum
-    dtype = jnp.dtype(cfg.iteration_dtype)
+    mu = momentum
+    dtype = jnp.dtype(iteration_dtype)
 
     def init_fn(params):
         return ScaleByMuonState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
 
     def update_fn(updates, state, params=None):
         del params
-        momentum = jax.tree.map(lambda m, g: mu * m + (1 - mu) * g.astype(jnp.float32),
-                                state.momentum, updates)
-        if cfg.nesterov:
+        average = jax.tree.map(lambda m, g: mu * m + (1 - mu) * g.astype(jnp.float32),
+                               state.momentum, updates)
+        if nesterov:
             direction = jax.tree.map(lambda m, g: (1 - mu) * g.astype(jnp.float32) + mu * m,
-                                     momentum, updates)
+                                     average, updates)
         else:
-            direction = momentum
+            direction = average
         # Masked entries (optax.MaskedNode: params of other groups) are leaves passed through.
         leaves, treedef = jax.tree.flatten(
             direction, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
@@ -186,13 +189,13 @@ def scale_by_muon(cfg: MuonConfig, matrix_axes: Any = None) -> optax.GradientTra
         views = [_view(leaves[i].shape, axes[i]) for i in active]
         batches = [leaves[i].reshape(*(v.batch_shape or (1,)), v.m, v.n)
                    for i, v in zip(active, views)]
-        orthogonal = _orthogonalize_grouped(batches, method=cfg.orthogonalizer, steps=cfg.steps,
+        orthogonal = _orthogonalize_grouped(batches, method=orthogonalizer, steps=steps,
                                             dtype=dtype)
         new = list(leaves)
         for i, v, o in zip(active, views, orthogonal):
-            new[i] = (o * update_scale(cfg, v.m, v.n)).reshape(leaves[i].shape).astype(
+            new[i] = (o * update_scale(v.m, v.n, update_rms)).reshape(leaves[i].shape).astype(
                 grads[i].dtype)
-        return treedef.unflatten(new), ScaleByMuonState(momentum)
+        return treedef.unflatten(new), ScaleByMuonState(average)
 
     return optax.GradientTransformation(init_fn, update_fn)
 

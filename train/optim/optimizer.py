@@ -1,33 +1,31 @@
 """The optimizer: Muon on hidden matrices, AdamW on the rest, frozen router (report 3.1, 4.2.3).
 
-    axes = param_axes(boxed_variables)          # model.parallel.rules: logical-axis tuples
-    labels = param_labels(axes, cfg)            # 'muon' | 'adamw' | 'frozen' per param
-    tx = build_optimizer(cfg, axes)
-    lr = current_learning_rate(cfg, opt_state)  # the rate the next update uses (for logging)
+    axes = param_axes(boxed_variables)                 # model.parallel.rules: logical axes
+    schedule = learning_rate_schedule(lr=..., ...)     # train.optim.schedules, built once
+    tx = build_optimizer(axes, learning_rate=schedule, weight_decay=0.1, ...)
+    lr = schedule(applied_updates(opt_state))          # the rate the next update uses (logging)
 
-Groups (labels):
+Groups (labels, `param_labels`):
   muon   - hidden matrices, experts per expert, router (report 4.2.3): scale_by_muon, decoupled
            weight decay, learning rate.
   adamw  - anything with a `vocab` axis (embedding, LM head, MTP output heads) and params with
            fewer than 2 matrix axes (norm weights, attention sinks): Adam, weight decay on the
-           vocab matrices only, learning rate. With cfg.optimizer == 'adamw', every trained param.
-  frozen - MoE router kernels when cfg.freeze_router (mid/post-training, report 3.2 / 4.2), and
+           vocab matrices only, learning rate. With optimizer='adamw', every trained param.
+  frozen - MoE router kernels when freeze_router (mid/post-training, report 3.2 / 4.2), and
            MTP heads that the loss does not use (MTP-2/3 before their fine-tuning stage).
-One schedule drives both groups: Muon's update-RMS matching (train.muon.update_scale) makes
-AdamW's learning rate and weight decay fit Muon too.
+One schedule drives both groups: Muon's update-RMS matching (train.optim.muon.update_scale)
+makes AdamW's learning rate and weight decay fit Muon too.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import optax
 
-from train.config import TrainConfig
 from train.optim.muon import batch_axes, scale_by_muon
-from train.optim.schedules import learning_rate_schedule
 
 _is_axes = lambda x: isinstance(x, tuple)  # noqa: E731  (axes tuples are leaves, not nodes)
 
@@ -37,56 +35,63 @@ def _matrix_rank(axes: tuple[str, ...]) -> int:
     return len(axes) - len(batch_axes(axes))
 
 
-def _label(path, axes: tuple[str, ...], cfg: TrainConfig, trained_mtp_heads: int | None) -> str:
+def _label(path, axes: tuple[str, ...], optimizer: str, freeze_router: bool,
+           trained_mtp_heads: int | None) -> str:
     name = getattr(path[-1], "key", None)
-    if name == "router" and cfg.freeze_router:
+    if name == "router" and freeze_router:
         return "frozen"
     head = re.fullmatch(r"mtp_(\d+)", str(getattr(path[0], "key", "")))
     if head and trained_mtp_heads is not None and int(head.group(1)) >= trained_mtp_heads:
         return "frozen"  # an MTP head outside the loss (report 2.2: only MTP-1 trains at first)
-    if cfg.optimizer == "adamw" or "vocab" in axes or _matrix_rank(axes) < 2:
+    if optimizer == "adamw" or "vocab" in axes or _matrix_rank(axes) < 2:
         return "adamw"
     return "muon"
 
 
-def param_labels(axes_tree: Any, cfg: TrainConfig, trained_mtp_heads: int | None = None) -> Any:
+def param_labels(axes_tree: Any, *, optimizer: str = "muon", freeze_router: bool = False,
+                 trained_mtp_heads: int | None = None) -> Any:
     """Tree of 'muon' / 'adamw' / 'frozen' labels, one per param of `axes_tree`.
     `trained_mtp_heads`: MTP heads `mtp_h` with h >= this are frozen (None: all train)."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, a: _label(p, a, cfg, trained_mtp_heads), axes_tree, is_leaf=_is_axes)
+        lambda p, a: _label(p, a, optimizer, freeze_router, trained_mtp_heads), axes_tree,
+        is_leaf=_is_axes)
 
 
-def build_optimizer(cfg: TrainConfig, axes_tree: Any,
+def build_optimizer(axes_tree: Any, *, learning_rate: optax.ScalarOrSchedule,
+                    optimizer: str = "muon", weight_decay: float = 0.1, grad_clip: float = 1.0,
+                    adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
+                    muon: Mapping[str, Any] | None = None, freeze_router: bool = False,
                     trained_mtp_heads: int | None = None) -> optax.GradientTransformation:
-    """clip_by_global_norm(cfg.grad_clip) -> per-label group, see the module docstring.
+    """clip_by_global_norm(grad_clip) -> per-label group, see the module docstring.
 
-    axes_tree: `param_axes(...)`, one logical-axis tuple per param. Heads outside the loss
-    (`trained_mtp_heads`, see param_labels) are frozen: no Muon work, no weight decay on them.
-    Weight decay is decoupled: add_decayed_weights before the learning rate, so params shrink
-    by lr * wd * param per step. Frozen params get zero updates and leave the clipping norm.
+    axes_tree: `param_axes(...)`, one logical-axis tuple per param. `muon`: keyword arguments
+    of `scale_by_muon` (its defaults where None). Heads outside the loss (`trained_mtp_heads`,
+    see param_labels) are frozen: no Muon work, no weight decay on them. Weight decay is
+    decoupled: add_decayed_weights before the learning rate, so params shrink by
+    lr * wd * param per step. Frozen params get zero updates and leave the clipping norm.
     """
-    schedule = learning_rate_schedule(cfg)
-    labels = param_labels(axes_tree, cfg, trained_mtp_heads)
+    labels = param_labels(axes_tree, optimizer=optimizer, freeze_router=freeze_router,
+                          trained_mtp_heads=trained_mtp_heads)
     decay_mask = jax.tree.map(lambda a: "vocab" in a or _matrix_rank(a) >= 2, axes_tree,
                               is_leaf=_is_axes)
-    muon = optax.chain(
-        scale_by_muon(cfg.muon, axes_tree),
-        optax.add_decayed_weights(cfg.weight_decay),
-        optax.scale_by_learning_rate(schedule),
+    muon_group = optax.chain(
+        scale_by_muon(axes_tree, **(muon or {})),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
     )
-    adamw = optax.chain(
-        optax.scale_by_adam(cfg.adam_b1, cfg.adam_b2, cfg.adam_eps),
-        optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
-        optax.scale_by_learning_rate(schedule),
+    adamw_group = optax.chain(
+        optax.scale_by_adam(adam_b1, adam_b2, adam_eps),
+        optax.add_decayed_weights(weight_decay, mask=decay_mask),
+        optax.scale_by_learning_rate(learning_rate),
     )
-    groups = optax.partition({"muon": muon, "adamw": adamw, "frozen": optax.set_to_zero()},
-                             labels)
+    groups = optax.partition(
+        {"muon": muon_group, "adamw": adamw_group, "frozen": optax.set_to_zero()}, labels)
     chain = []
     frozen = jax.tree.map(lambda label: label == "frozen", labels)
     if any(jax.tree.leaves(frozen)):  # a frozen gradient must not shrink the others by clipping
         chain.append(optax.masked(optax.set_to_zero(), frozen))
-    if cfg.grad_clip > 0:
-        chain.append(optax.clip_by_global_norm(cfg.grad_clip))
+    if grad_clip > 0:
+        chain.append(optax.clip_by_global_norm(grad_clip))
     return optax.chain(*chain, groups)
 
 
@@ -99,8 +104,3 @@ def applied_updates(opt_state: Any) -> jax.Array:
     if not counts:
         raise ValueError("applied_updates: opt_state has no learning-rate schedule state")
     return counts[0]
-
-
-def current_learning_rate(cfg: TrainConfig, opt_state: Any) -> jax.Array:
-    """The learning rate the next `update` with `opt_state` applies (log it next to the step)."""
-    return learning_rate_schedule(cfg)(applied_updates(opt_state))

@@ -1,6 +1,7 @@
 """Learning-rate schedules (report 3.1): linear warm-up from 0, then cosine / constant / stages.
 
-    schedule = learning_rate_schedule(cfg)   # optax.Schedule: step (int or int array) -> lr
+    schedule = learning_rate_schedule(lr=3e-3, warmup_steps=50, schedule="cosine",
+                                      total_steps=1000, min_lr=3e-4)  # step -> lr
 
 Report 3.1 pre-training, as `stages`: warm-up to 2.5e-4 over 2k steps, cosine to 5e-5 (stage 1),
 cosine to 2e-5 (stage 2, 4k), then constant 2e-5 (32k annealing):
@@ -11,11 +12,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Sequence
 
 import jax.numpy as jnp
 import optax
-
-from train.config import TrainConfig
 
 
 def _cosine(start: float, end: float, steps: int) -> optax.Schedule:
@@ -33,33 +33,38 @@ def _stage(start: float, end: float, steps: int, shape: str) -> optax.Schedule:
         return optax.linear_schedule(start, end, steps)
     if shape == "constant":  # holds the stage's start value; `end` takes over afterwards
         return optax.constant_schedule(start)
-    raise ValueError(f"train.lr_stages: unknown shape {shape!r}; expected cosine|linear|constant")
+    raise ValueError(f"stages: unknown shape {shape!r}; expected cosine|linear|constant")
 
 
-def _after_warmup(cfg: TrainConfig) -> tuple[list[optax.Schedule], list[int]]:
+def _after_warmup(lr: float, schedule: str, decay_steps: int, min_lr: float,
+                  stages: Sequence[tuple[int, float, str]]
+                  ) -> tuple[list[optax.Schedule], list[int]]:
     """Schedules after warm-up with their lengths (the last one is unbounded: length 0)."""
-    if cfg.schedule == "constant":
-        return [optax.constant_schedule(cfg.lr)], [0]
-    if cfg.schedule == "cosine":
-        return [_cosine(cfg.lr, cfg.min_lr, max(1, cfg.steps - cfg.warmup_steps))], [0]
-    if cfg.schedule == "stages":
-        schedules, lengths, start = [], [], cfg.lr
-        for steps, end, shape in cfg.lr_stages:
+    if schedule == "constant":
+        return [optax.constant_schedule(lr)], [0]
+    if schedule == "cosine":
+        return [_cosine(lr, min_lr, max(1, decay_steps))], [0]
+    if schedule == "stages":
+        schedules, lengths, start = [], [], lr
+        for steps, end, shape in stages:
             schedules.append(_stage(start, end, steps, shape))
             lengths.append(steps)
             start = end
         return schedules + [optax.constant_schedule(start)], lengths + [0]
-    raise ValueError(f"train.schedule: unknown schedule {cfg.schedule!r}")
+    raise ValueError(f"schedule: unknown schedule {schedule!r}; expected constant|cosine|stages")
 
 
-def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """Step -> learning rate: 0 at step 0, `cfg.lr` at `cfg.warmup_steps` (linear), then
-    `cfg.schedule` (cosine reaches `cfg.min_lr` at `cfg.steps` and stays there; stages chain
-    from `cfg.lr` through each stage's end_lr and hold the last one)."""
-    schedules, lengths = _after_warmup(cfg)
-    if cfg.warmup_steps > 0:
-        schedules = [optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)] + schedules
-        lengths = [cfg.warmup_steps] + lengths
+def learning_rate_schedule(*, lr: float, warmup_steps: int, schedule: str = "constant",
+                           total_steps: int = 0, min_lr: float = 0.0,
+                           stages: Sequence[tuple[int, float, str]] = ()) -> optax.Schedule:
+    """Step -> learning rate: 0 at step 0, `lr` at `warmup_steps` (linear), then `schedule`:
+    `constant` holds `lr`; `cosine` reaches `min_lr` at `total_steps` and stays there;
+    `stages` ((steps, end_lr, shape), ...) chain from `lr` through each stage's end_lr and hold
+    the last one."""
+    schedules, lengths = _after_warmup(lr, schedule, total_steps - warmup_steps, min_lr, stages)
+    if warmup_steps > 0:
+        schedules = [optax.linear_schedule(0.0, lr, warmup_steps)] + schedules
+        lengths = [warmup_steps] + lengths
     if len(schedules) == 1:
         return schedules[0]
     boundaries = list(itertools.accumulate(lengths[:-1]))

@@ -17,12 +17,14 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 from model.parallel.mesh import spec_axes
 from model.parallel.pipeline import num_microbatches
 from model.parallel.rules import BATCH_AXES, MESH_AXES, param_specs, path_keys
 from train.config import MeshConfig, RunConfig
+
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     """Mesh over `devices` (default: all, every process's) with axes MESH_AXES, all Auto

@@ -1,8 +1,8 @@
 """Stability monitors computed inside the jitted train step (report 3.3, 4.1.2, 4.1.3, 5.2.1).
 
 Pure jnp functions from the model's MoE aux and the params to a flat dict of metrics; the
-trainer hands that dict, still on device, to `train.telemetry.metrics.MetricsWriter` so logging never
-waits for the step (report 3.3: asynchronous metrics).
+trainer hands that dict, still on device, to `train.telemetry.metrics.MetricsWriter` so logging
+never waits for the step (report 3.3: asynchronous metrics).
 
 Why these signals:
 - 4.1.2 "expert collapse beyond routing collapse": an expert can die while dispatch looks healthy,

@@ -1,0 +1,199 @@
+"""The config machinery every config of the repository shares (model, train, rl).
+
+A config is a frozen dataclass deriving from `Config`: it validates on construction, naming the
+bad field in one line (`train.lr: must be a positive number, got -1`). Run files are YAML read
+with `read_yaml`, changed by dotted `key=value` overrides (`apply_overrides`) and turned into
+configs by `build_dataclass`, which rejects unknown keys by name; `config_to_dict` goes back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, ClassVar, Mapping, Sequence
+
+import yaml
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads YAML 1.2 floats such as `1e-5` and `5e6` (YAML 1.1, and so
+    PyYAML, would read them as strings)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+"
+               r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)
+
+
+# ---- validation ---------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """A bad config value. `field`: its dotted name ('' for the config as a whole)."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}" if field else problem)
+        self.field, self.problem = field, problem
+
+    def within(self, section: str) -> ConfigError:
+        """The same error as named from the config that holds this one at `section`."""
+        if not section:
+            return self
+        return ConfigError(f"{section}.{self.field}" if self.field else section, self.problem)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_choice(field: str, value: Any, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ConfigError(field, f"got {value!r}, allowed values are {list(allowed)}")
+
+
+def check_positive(field: str, value: Any) -> None:
+    if not _is_number(value) or value <= 0:
+        raise ConfigError(field, f"must be a positive number, got {value!r}")
+
+
+def check_nonnegative(field: str, value: Any) -> None:
+    if not _is_number(value) or value < 0:
+        raise ConfigError(field, f"must be a number >= 0, got {value!r}")
+
+
+def check_fraction(field: str, value: Any) -> None:
+    if not _is_number(value) or not 0 <= value <= 1:
+        raise ConfigError(field, f"must be a number in [0, 1], got {value!r}")
+
+
+def check_bool(field: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(field, f"must be true or false, got {value!r}")
+
+
+def check_int(field: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(field, f"must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Base of every config dataclass: frozen and validated on construction.
+
+    `validate` names fields relative to the config itself (`lr`, `muon.steps`) and raises
+    `ConfigError`; the error then gets the class's `section`, its place in a run YAML (`train`,
+    `moe`). A class used at several places (full/SWA attention, actor/critic optimizer) has no
+    section: `build_dataclass` names its fields by the path it builds.
+    """
+
+    section: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        try:
+            self.validate()
+        except ConfigError as err:
+            raise err.within(self.section) from None
+
+    def validate(self) -> None:
+        """Raises `ConfigError` for the first bad field; field groups extend it with super()."""
+
+
+# ---- dicts <-> configs --------------------------------------------------------------------------
+
+
+def build_dataclass(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+    """Builds dataclass `cls` from a nested mapping, rejecting unknown keys by name.
+    `prefix`: the dotted path of `values` in the run YAML ('' or ending in '.')."""
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            raise ValueError(f"{name}: unknown config field; known fields: {sorted(fields)}")
+        default = fields[key].default
+        if dataclasses.is_dataclass(default):
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{name}: expected a mapping of sub-fields, got {value!r}")
+            merged = dataclasses.asdict(default)
+            merged.update(value)
+            kwargs[key] = build_dataclass(type(default), merged, f"{name}.")
+        elif isinstance(value, list):
+            kwargs[key] = tuple(value)
+        else:
+            kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        if getattr(cls, "section", ""):  # already named by its fixed place
+            raise
+        raise err.within(prefix.rstrip(".")) from None
+
+
+def config_to_dict(config: Any) -> dict:
+    """Nested plain-python dict of a config (round-trips through `build_dataclass`)."""
+    return dataclasses.asdict(config)
+
+
+# ---- YAML files and dotted overrides ------------------------------------------------------------
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    try:
+        values = yaml_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping of fields")
+    return values
+
+
+def parse_override(override: str) -> tuple[str, Any]:
+    """`"moe.top_k=4"` -> `("moe.top_k", 4)`; values are parsed as YAML (numbers, bools, lists)."""
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(f"override {override!r}: expected key=value, e.g. d_model=128")
+    try:
+        value = yaml_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ValueError(f"override {override!r}: cannot parse value: {err}") from None
+    return key, value
+
+
+def apply_overrides(values: dict, overrides: Sequence[str]) -> dict:
+    """A copy of the nested `values` with each `key.sub=value` override applied in order."""
+    values = _deep_copy(values)
+    for override in overrides:
+        key, value = parse_override(override)
+        _set_dotted(values, key, value)
+    return values
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ValueError(f"{key}: {part!r} is not a group of fields")
+        node = child
+    node[parts[-1]] = value
+
+
+def _deep_copy(values: Mapping[str, Any]) -> dict:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in values.items()}

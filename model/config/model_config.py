@@ -1,0 +1,320 @@
+"""`ModelConfig`: everything that defines the network, one frozen dataclass tree validated on
+construction (model/config/core.py). Defaults are Step 3.5 Flash (report Table 6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from model.config.core import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    build_dataclass,
+    check_bool,
+    check_choice,
+    check_fraction,
+    check_int,
+    check_positive,
+    read_yaml,
+)
+from model.ops.tables import ATTENTION, MOE
+
+GATE_TYPES = ("headwise", "sink", "none")
+ROPE_SCALING_TYPES = ("none", "yarn", "llama3")
+ROUTER_ACTIVATIONS = ("sigmoid", "softmax")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "dots", "save_attention_out", "save_ffn_out")
+EP_COLLECTIVES = ("auto", "ragged", "padded")
+
+_LAYOUT_TERM = re.compile(r"^([FS]+)(?:\*(\d+))?$")
+
+
+def expand_layout(layout: str) -> str:
+    """Expands the layout shorthand: `F+SSSF*2` -> `FSSSFSSSF`.
+
+    Terms are joined with `+`; each term is a run of `F`/`S` optionally repeated with `*N`.
+    """
+    if not isinstance(layout, str):
+        raise ConfigError("layout", f"must be a string of 'F'/'S' such as 'F+SSSF*11', "
+                                    f"got {layout!r}")
+    compact = layout.replace(" ", "").upper()
+    if not compact:
+        raise ConfigError("layout", "must not be empty")
+    expanded = []
+    for term in compact.split("+"):
+        match = _LAYOUT_TERM.match(term)
+        if match is None:
+            raise ConfigError(
+                "layout", f"cannot parse term {term!r} in {layout!r}; use runs of 'F' (full) and "
+                "'S' (sliding window) joined by '+', each optionally repeated with '*N', "
+                "e.g. 'F+SSSF*11'"
+            )
+        unit, repeat = match.group(1), int(match.group(2) or 1)
+        if repeat < 1:
+            raise ConfigError("layout", f"repeat count in {term!r} must be >= 1")
+        expanded.append(unit * repeat)
+    return "".join(expanded)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling(Config):
+    """Context-extension scaling of RoPE frequencies; applies to full-attention layers only.
+
+    `type`: `none`, `yarn` (YaRN, NTK-by-parts + attention temperature) or `llama3`.
+    `factor`: extension factor; `original_max_len`: the pre-extension context length.
+    """
+
+    type: str = "none"
+    factor: float = 1.0
+    original_max_len: int = 4096
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+
+    def validate(self) -> None:
+        check_choice("type", self.type, ROPE_SCALING_TYPES)
+        if self.type == "none":
+            return
+        check_positive("factor", self.factor)
+        check_int("original_max_len", self.original_max_len, 1)
+        if self.type == "yarn" and not self.beta_fast > self.beta_slow > 0:
+            raise ConfigError("", "need beta_fast > beta_slow > 0 for yarn")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ConfigError("", "need high_freq_factor > low_freq_factor > 0 for llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTypeConfig(Config):
+    """Per-attention-type settings (report Table 6: 64 query heads full / 96 SWA). Their fit
+    to the shared head geometry (head_dim, num_kv_heads) is checked by `ModelConfig`."""
+
+    num_heads: int = 64
+    rope_theta: float = 10_000.0
+    partial_rotary_factor: float = 1.0
+    rope_scaling: RopeScaling = RopeScaling()
+
+    def validate(self) -> None:
+        check_int("num_heads", self.num_heads, 1)
+        check_positive("rope_theta", self.rope_theta)
+        check_fraction("partial_rotary_factor", self.partial_rotary_factor)
+
+    def check_head_geometry(self, head_dim: int, num_kv_heads: int) -> None:
+        """GQA needs whole groups of query heads; rotate-half RoPE an even number of dims."""
+        if self.num_heads % num_kv_heads:
+            raise ConfigError("num_heads", f"{self.num_heads} query heads are not divisible by "
+                              f"num_kv_heads={num_kv_heads} (GQA needs whole groups)")
+        rotary_dims = self.partial_rotary_factor * head_dim
+        if rotary_dims != int(rotary_dims) or int(rotary_dims) % 2:
+            raise ConfigError(
+                "partial_rotary_factor", f"{self.partial_rotary_factor} * head_dim={head_dim} "
+                "must be an even whole number of rotary dims")
+
+    def rotary_dims(self, head_dim: int) -> int:
+        """Leading dims of each head that RoPE rotates (Step 3.5 Flash: 64 full / 128 SWA)."""
+        return int(self.partial_rotary_factor * head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(Config):
+    """Routed + shared experts (report 2.2, Table 6) and the router (docs/architecture.md)."""
+
+    section = "moe"
+
+    num_experts: int = 288
+    top_k: int = 8
+    expert_hidden: int = 1280
+    num_shared_experts: int = 1
+    shared_hidden: int = 1280
+    router_activation: str = "sigmoid"
+    router_bias: bool = True  # loss-free balancing bias used for selection only
+    renormalize: bool = True
+    routed_scaling_factor: float = 3.0
+    num_ep_groups: int = 8  # G of the EP-group balance loss (eq. 1)
+    block_size: int = 128  # `sorted` row block (upper bound) and Pallas row tile
+
+    def validate(self) -> None:
+        check_int("num_experts", self.num_experts, 1)
+        check_int("top_k", self.top_k, 1)
+        if self.top_k > self.num_experts:
+            raise ConfigError("top_k", f"{self.top_k} exceeds num_experts={self.num_experts}")
+        check_int("expert_hidden", self.expert_hidden, 1)
+        check_int("num_shared_experts", self.num_shared_experts, 0)
+        if self.num_shared_experts:
+            check_int("shared_hidden", self.shared_hidden, 1)
+        check_choice("router_activation", self.router_activation, ROUTER_ACTIVATIONS)
+        check_bool("router_bias", self.router_bias)
+        check_bool("renormalize", self.renormalize)
+        check_positive("routed_scaling_factor", self.routed_scaling_factor)
+        check_int("num_ep_groups", self.num_ep_groups, 1)
+        if self.num_experts % self.num_ep_groups:
+            raise ConfigError("num_ep_groups", f"{self.num_ep_groups} does not divide "
+                              f"num_experts={self.num_experts}")
+        check_int("block_size", self.block_size, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig(Config):
+    """Multi-token prediction heads (report 2.2): each is eh_proj + one dense SWA block + head."""
+
+    section = "mtp"
+
+    num_heads: int = 3
+    share_output_head: bool = False  # the released checkpoint stores one head per MTP layer
+
+    def validate(self) -> None:
+        check_int("num_heads", self.num_heads, 0)
+        check_bool("share_output_head", self.share_output_head)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(Config):
+    """Everything that defines the network. Defaults are Step 3.5 Flash (report Table 6)."""
+
+    vocab_size: int = 128_896
+    d_model: int = 4096
+    num_layers: int = 45
+    layout: str = "F+SSSF*11"  # one char per layer after expansion; layer i%4==0 is full
+    window: int = 512
+    head_dim: int = 128
+    num_kv_heads: int = 8
+    full_attention: AttentionTypeConfig = AttentionTypeConfig(
+        num_heads=64, rope_theta=5_000_000.0, partial_rotary_factor=0.5
+    )
+    swa_attention: AttentionTypeConfig = AttentionTypeConfig(
+        num_heads=96, rope_theta=10_000.0, partial_rotary_factor=1.0
+    )
+    gate: str = "headwise"
+    qk_norm: bool = True
+    num_dense_layers: int = 3
+    moe_layers: tuple[int, ...] | None = None  # explicit MoE layer indices override the above
+    dense_hidden: int = 11_264
+    moe: MoEConfig = MoEConfig()
+    # Per-layer SwiGLU clamps (report 4.1.3); 0 = no clamp. `swiglu_limits` for routed experts,
+    # `swiglu_limits_shared` for the shared expert and dense FFNs (checkpoint convention).
+    swiglu_limits: tuple[float, ...] = ()
+    swiglu_limits_shared: tuple[float, ...] = ()
+    mtp: MTPConfig = MTPConfig()
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    attention_impl: str = "xla"
+    moe_impl: str = "sorted"
+    remat_policy: str = "none"
+    scan_layers: bool = True
+    init_std: float = 0.02
+    # Parallel execution under a device mesh (model/parallel/expert_parallel.py,
+    # model/parallel/pipeline.py): the collective that moves tokens to their experts' devices
+    # (`ragged`: ragged_all_to_all, GPU/TPU; `padded`: all_to_all of worst-case-sized chunks, any
+    # backend; `auto`: padded on CPU, whose XLA lacks ragged_all_to_all), and GPipe micro-batches
+    # per pipelined forward (0 = twice the number of stages).
+    ep_collective: str = "auto"
+    pipeline_microbatches: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("num_layers", self.num_layers, 1)  # the per-layer lists below depend on it
+        object.__setattr__(self, "layout", expand_layout(self.layout))
+        for name in ("swiglu_limits", "swiglu_limits_shared"):
+            object.__setattr__(self, name, self._per_layer_limits(name, getattr(self, name)))
+        if self.moe_layers is not None:
+            if not isinstance(self.moe_layers, (list, tuple)):
+                raise ConfigError("moe_layers", f"must be a list of layer indices, "
+                                                f"got {self.moe_layers!r}")
+            object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        super().__post_init__()
+
+    def _per_layer_limits(self, name: str, value: Any) -> tuple[float, ...]:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = (float(value),) * self.num_layers
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            raise ConfigError(name, f"must be a number or a list of numbers, got {value!r}")
+        limits = tuple(float(v) for v in value)
+        if not limits:
+            return (0.0,) * self.num_layers
+        if len(limits) != self.num_layers:
+            raise ConfigError(name, f"has {len(limits)} entries, expected one per layer "
+                              f"(num_layers={self.num_layers}) or a single number")
+        if any(v < 0 for v in limits):
+            raise ConfigError(name, f"limits must be >= 0 (0 disables the clamp), got {limits}")
+        return limits
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "d_model", "num_layers", "window", "head_dim", "num_kv_heads",
+                     "dense_hidden"):
+            check_int(name, getattr(self, name), 1)
+        if len(self.layout) != self.num_layers:
+            raise ConfigError("layout", f"expands to {len(self.layout)} layers ({self.layout!r}) "
+                              f"but num_layers={self.num_layers}")
+        for name in ("full_attention", "swa_attention"):
+            try:
+                getattr(self, name).check_head_geometry(self.head_dim, self.num_kv_heads)
+            except ConfigError as err:
+                raise err.within(name) from None
+        if self.swa_attention.rope_scaling.type != "none":
+            raise ConfigError("swa_attention.rope_scaling", "context-extension scaling applies "
+                              "to full-attention layers only (docs/architecture.md); set it under "
+                              "full_attention")
+        check_choice("gate", self.gate, GATE_TYPES)
+        check_int("num_dense_layers", self.num_dense_layers, 0)
+        if self.num_dense_layers > self.num_layers:
+            raise ConfigError("num_dense_layers",
+                              f"{self.num_dense_layers} exceeds num_layers={self.num_layers}")
+        if self.moe_layers is not None:
+            bad = [i for i in self.moe_layers if not (isinstance(i, int) and 0 <= i < self.num_layers)]
+            if bad or len(set(self.moe_layers)) != len(self.moe_layers):
+                raise ConfigError("moe_layers", f"entries must be distinct layer indices in "
+                                  f"[0, {self.num_layers}), got {list(self.moe_layers)}")
+        check_positive("norm_eps", self.norm_eps)
+        check_positive("init_std", self.init_std)
+        check_choice("param_dtype", self.param_dtype, DTYPES)
+        check_choice("compute_dtype", self.compute_dtype, DTYPES)
+        ATTENTION.check(self.attention_impl)
+        MOE.check(self.moe_impl)
+        check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
+        check_choice("ep_collective", self.ep_collective, EP_COLLECTIVES)
+        check_int("pipeline_microbatches", self.pipeline_microbatches, 0)
+        for name in ("qk_norm", "tie_embeddings", "scan_layers"):
+            check_bool(name, getattr(self, name))
+
+    # ---- derived per-layer facts -------------------------------------------------------------
+
+    def attention_type(self, layer: int) -> str:
+        return self.layout[layer]
+
+    def attention_config(self, attention_type: str) -> AttentionTypeConfig:
+        return self.full_attention if attention_type == "F" else self.swa_attention
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if self.moe_layers is not None:
+            return layer in self.moe_layers
+        return layer >= self.num_dense_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def moe_layer_indices(self) -> list[int]:
+        """Model layer index of each MoE layer, in order (the order of `out.aux['moe']`)."""
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def config_from_dict(values: Mapping[str, Any]) -> ModelConfig:
+    return build_dataclass(ModelConfig, values, "")
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ModelConfig:
+    """Loads a YAML preset (its `model:` section if present) and applies dotted overrides
+    (`load_config("configs/tiny.yaml", ["d_model=128", "moe.top_k=2"])`)."""
+    values = read_yaml(path)
+    if "model" in values and isinstance(values["model"], dict):
+        values = values["model"]
+    return config_from_dict(apply_overrides(values, overrides))

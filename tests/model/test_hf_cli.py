@@ -1,0 +1,50 @@
+"""Tests of the Hugging Face checkpoint command line (`python -m model.hf import|export`): help,
+an import/export round trip that is tensor-exact, and bad input reported in one line without
+writing anything. The source directory is the hand-written checkpoint of
+tests/hf_step3p5_checkpoint.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hf_step3p5_checkpoint import REPO, assert_same_tensors, random_tensors, read_dir, write_hf_dir
+
+from model.hf import main
+
+
+@pytest.fixture(scope="module")
+def hf_source(tmp_path_factory) -> tuple[Path, dict]:
+    tensors = random_tensors()
+    return write_hf_dir(tmp_path_factory.mktemp("hf"), tensors), tensors
+
+
+def test_cli_help():
+    result = subprocess.run([sys.executable, "-m", "model.hf", "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "import" in result.stdout and "export" in result.stdout
+
+
+def test_cli_import_then_export_round_trips(hf_source, tmp_path):
+    hf_dir, _ = hf_source
+    assert main(["import", str(hf_dir), "--out", str(tmp_path / "model")]) == 0
+    assert main(["export", str(tmp_path / "model"), "--out", str(tmp_path / "hf"),
+                 "--dtype", "bfloat16"]) == 0
+    assert_same_tensors(read_dir(hf_dir), read_dir(tmp_path / "hf"))
+
+
+def test_cli_bad_input_is_one_line_and_writes_nothing(hf_source, tmp_path, capsys):
+    assert main(["import", str(tmp_path / "nowhere"), "--out", str(tmp_path / "model")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "nowhere" in err and err.count("\n") == 1
+    assert not (tmp_path / "model").exists()
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "x").write_text("keep")
+    assert main(["import", str(hf_source[0]), "--out", str(taken)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "not empty" in err and err.count("\n") == 1
+    assert [p.name for p in taken.iterdir()] == ["x"]

@@ -1,0 +1,216 @@
+"""The `MoE` module (router, routed and shared experts, the SwiGLU clamps, aux statistics and
+the eq. 1 balance loss formed from them) against the float64 numpy references of
+tests/moe_references.py (docs/architecture.md, "Exact semantics"; report eq. 1 and 4.1.3)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from moe_references import (
+    fast_jit,
+    np_ep_balance_loss,
+    np_route,
+    np_routed_experts,
+    np_sigmoid,
+    np_swiglu,
+)
+
+from model.config import load_config
+from model.layers.moe import MoE
+from model.lm import collect_aux
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+
+
+IMPLS = ["sorted", "ragged_dot"]
+
+
+# ---- the MoE module ----------------------------------------------------------------------------
+
+D_MODEL, EXPERTS, TOP_K, HIDDEN, SHARED_HIDDEN, GROUPS = 16, 8, 2, 12, 10, 4
+LIMIT, SHARED_LIMIT = 0.4, 0.6
+
+
+def _module_cfg(impl="sorted", compute_dtype="float32"):
+    return load_config(TINY, overrides=[
+        f"d_model={D_MODEL}", f"moe.num_experts={EXPERTS}", f"moe.top_k={TOP_K}",
+        f"moe.expert_hidden={HIDDEN}", f"moe.shared_hidden={SHARED_HIDDEN}",
+        f"moe.num_ep_groups={GROUPS}", f"moe_impl={impl}", f"compute_dtype={compute_dtype}",
+        "moe.block_size=8",
+    ])
+
+
+@pytest.fixture(scope="module")
+def moe_setup():
+    """Params with our own random values (scales chosen so both clamps bind)."""
+    cfg = _module_cfg()
+    x = jnp.asarray(np.random.default_rng(9).normal(size=(2, 7, D_MODEL)), jnp.float32)
+    shapes = nn.unbox(jax.eval_shape(MoE(cfg, LIMIT, SHARED_LIMIT).init, jax.random.PRNGKey(0), x))
+    rng = np.random.default_rng(10)
+
+    def fill(path, leaf):
+        fan_in = leaf.shape[-2] if leaf.ndim >= 2 else 1
+        return jnp.asarray(rng.normal(size=leaf.shape) / np.sqrt(fan_in), leaf.dtype)
+
+    params = jax.tree_util.tree_map_with_path(fill, shapes["params"])
+    return cfg, x, params, shapes
+
+
+def _apply(cfg, params, bias, x):
+    apply = _jitted_moe_apply(cfg.moe_impl, cfg.compute_dtype)
+    return apply({"params": params, "balance": {"router_bias": bias}}, x)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_moe_apply(impl, compute_dtype):
+    return fast_jit(MoE(_module_cfg(impl, compute_dtype), LIMIT, SHARED_LIMIT).apply)
+
+
+def _np_moe(params, bias, x):
+    """Reference MoE output and aux from the module's params, in float64."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    tokens = np.asarray(x, np.float64).reshape(-1, D_MODEL)
+    routes, probs = np_route(tokens @ p["router"], bias, TOP_K)
+    indices = np.array([sorted(r) for r in routes])
+    combine = np.array([[r[e] for e in sorted(r)] for r in routes])
+    y, stats = np_routed_experts(tokens, indices, combine, p["gate_proj"], p["up_proj"],
+                                 p["down_proj"], LIMIT)
+    shared = p["shared_expert"]
+    shared_out, _ = np_swiglu(tokens, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],
+                              shared["down_proj"]["kernel"], SHARED_LIMIT)
+    load = stats["expert_tokens"] / indices.size
+    aux = {
+        "expert_load": load,
+        "expert_prob": probs.mean(0),
+        "routing_confidence": np.array([sum(probs[n, e] for e in r) for n, r in enumerate(routes)]),
+        **stats,
+    }
+    return (y + shared_out).reshape(x.shape), aux, routes
+
+
+def test_collect_aux_forms_the_eq1_balance_loss_from_layer_aux(moe_setup):
+    _, x, params, _ = moe_setup
+    cfg = _module_cfg("sorted").replace(gate="none")
+    _, aux = _apply(cfg, params, jnp.zeros(EXPERTS), x)
+    per_layer = [aux if cfg.is_moe_layer(i) else {} for i in range(cfg.num_layers)]
+    collected = collect_aux(cfg, per_layer)
+    ref = np_ep_balance_loss(np.asarray(aux["expert_load"], np.float64),
+                             np.asarray(aux["expert_prob"], np.float64), GROUPS)
+    assert GROUPS == cfg.moe.num_ep_groups
+    np.testing.assert_allclose(float(collected["balance_loss"]), ref, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(collected["moe"]["balance_loss"]),
+                               ref, rtol=1e-5)
+
+
+def test_moe_param_layout(moe_setup):
+    _, _, _, shapes = moe_setup
+    params = shapes["params"]
+    assert set(params) == {"router", "gate_proj", "up_proj", "down_proj", "shared_expert"}
+    assert params["router"].shape == (D_MODEL, EXPERTS)
+    assert params["router"].dtype == jnp.float32
+    assert params["gate_proj"].shape == (EXPERTS, D_MODEL, HIDDEN)
+    assert params["up_proj"].shape == (EXPERTS, D_MODEL, HIDDEN)
+    assert params["down_proj"].shape == (EXPERTS, HIDDEN, D_MODEL)
+    assert params["shared_expert"]["gate_proj"]["kernel"].shape == (D_MODEL, SHARED_HIDDEN)
+    assert params["shared_expert"]["down_proj"]["kernel"].shape == (SHARED_HIDDEN, D_MODEL)
+    assert shapes["balance"]["router_bias"].shape == (EXPERTS,)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bias_kind", ["zero", "random"])
+def test_moe_module_matches_reference(moe_setup, impl, bias_kind):
+    cfg, x, params, _ = moe_setup
+    cfg = _module_cfg(impl)
+    bias = (np.zeros(EXPERTS, np.float32) if bias_kind == "zero"
+            else np.random.default_rng(11).normal(scale=0.3, size=EXPERTS).astype(np.float32))
+    y, aux = _apply(cfg, params, jnp.asarray(bias), x)
+    ref_y, ref_aux, routes = _np_moe(params, bias, x)
+    np.testing.assert_allclose(np.asarray(y), ref_y, rtol=1e-4, atol=1e-5)
+    assert set(aux) == set(ref_aux)
+    n = x.shape[0] * x.shape[1]
+    expected_shapes = {k: (EXPERTS,) for k in ref_aux}
+    expected_shapes.update(routing_confidence=x.shape[:2])
+    for key, ref in ref_aux.items():
+        assert aux[key].shape == expected_shapes[key], key
+        np.testing.assert_allclose(np.asarray(aux[key]).reshape(np.shape(ref)), ref, rtol=1e-4,
+                                   atol=1e-6, err_msg=key)
+    # dropless: every token has exactly top_k distinct experts, all computed
+    assert all(len(r) == TOP_K for r in routes)
+    assert float(jnp.sum(aux["expert_tokens"])) == n * TOP_K
+    if bias_kind == "random":  # this bias changes some choices, so the test checks the bias path
+        unbiased = _np_moe(params, np.zeros(EXPERTS), x)[2]
+        assert any(set(a) != set(b) for a, b in zip(routes, unbiased))
+    # the clamps bind for these params (so the reference comparison covers them)
+    tokens = np.asarray(x, np.float64).reshape(-1, D_MODEL)
+    shared = params["shared_expert"]
+    gate_pre = tokens @ np.asarray(shared["gate_proj"]["kernel"], np.float64)
+    assert np.any(gate_pre * np_sigmoid(gate_pre) > SHARED_LIMIT)
+
+
+def test_uniform_bias_changes_nothing_and_large_bias_forces_experts(moe_setup):
+    cfg, x, params, _ = moe_setup
+    zero = jnp.zeros(EXPERTS)
+    y0, aux0 = _apply(cfg, params, zero, x)
+    # adding the same constant to every expert's bias keeps every selection and every weight
+    y1, aux1 = _apply(cfg, params, zero + 5.0, x)
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+    np.testing.assert_array_equal(np.asarray(aux1["expert_tokens"]), np.asarray(aux0["expert_tokens"]))
+    # a large bias on experts 5 and 2 sends every token there (no capacity drop), while the
+    # combine weights stay the unbiased scores of {2, 5}
+    forced = np.zeros(EXPERTS, np.float32)
+    forced[[2, 5]] = 10.0
+    y2, aux2 = _apply(cfg, params, jnp.asarray(forced), x)
+    n = x.shape[0] * x.shape[1]
+    expected_tokens = np.zeros(EXPERTS)
+    expected_tokens[[2, 5]] = n
+    np.testing.assert_array_equal(np.asarray(aux2["expert_tokens"]), expected_tokens)
+    ref_y, _, routes = _np_moe(params, forced, x)
+    assert all(set(r) == {2, 5} for r in routes)
+    np.testing.assert_allclose(np.asarray(y2), ref_y, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(np.asarray(y2), np.asarray(y0), atol=1e-3)
+
+
+def test_router_runs_in_float32_under_bfloat16_compute(moe_setup):
+    """The router runs in float32 whatever the compute dtype (docs/architecture.md, "Exact
+    semantics"). With bf16 compute the routing probabilities must still agree with a float64
+    reference to float32 precision (a bf16 router would be off by ~1e-3)."""
+    _, x, params, _ = moe_setup
+    cfg = _module_cfg(compute_dtype="bfloat16")
+    x_bf16 = x.astype(jnp.bfloat16)
+    bias = jnp.zeros(EXPERTS)
+    y, aux = _apply(cfg, params, bias, x_bf16)
+    assert y.dtype == jnp.bfloat16
+    _, ref_aux, _ = _np_moe(params, np.zeros(EXPERTS), np.asarray(x_bf16.astype(jnp.float32)))
+    np.testing.assert_allclose(np.asarray(aux["expert_prob"]), ref_aux["expert_prob"], rtol=1e-5,
+                               atol=1e-7)
+    np.testing.assert_allclose(np.asarray(aux["routing_confidence"]).reshape(-1),
+                               ref_aux["routing_confidence"], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(aux["expert_tokens"]), ref_aux["expert_tokens"])
+
+
+def test_moe_without_shared_expert_and_without_bias(moe_setup):
+    _, x, params, _ = moe_setup
+    cfg = load_config(TINY, overrides=[
+        f"d_model={D_MODEL}", f"moe.num_experts={EXPERTS}", f"moe.top_k={TOP_K}",
+        f"moe.expert_hidden={HIDDEN}", f"moe.num_ep_groups={GROUPS}", "moe.num_shared_experts=0",
+        "moe.router_bias=false"])
+    module = MoE(cfg, LIMIT, SHARED_LIMIT)
+    shapes = jax.eval_shape(module.init, jax.random.PRNGKey(0), x)
+    assert set(shapes) == {"params"}  # no `balance` collection without the bias
+    assert "shared_expert" not in shapes["params"]
+    routed_params = {k: v for k, v in params.items() if k != "shared_expert"}
+    y, aux = fast_jit(module.apply)({"params": routed_params}, x)
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), routed_params)
+    tokens = np.asarray(x, np.float64).reshape(-1, D_MODEL)
+    routes, _ = np_route(tokens @ p["router"], None, TOP_K)
+    indices = np.array([sorted(r) for r in routes])
+    combine = np.array([[r[e] for e in sorted(r)] for r in routes])
+    ref_y, _ = np_routed_experts(tokens, indices, combine, p["gate_proj"], p["up_proj"],
+                                 p["down_proj"], LIMIT)
+    np.testing.assert_allclose(np.asarray(y), ref_y.reshape(x.shape), rtol=1e-4, atol=1e-5)

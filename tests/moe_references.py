@@ -1,0 +1,110 @@
+"""Independent float64 numpy references of the router, SwiGLU and routed experts (explicit
+loops; docs/architecture.md "Exact semantics", report eq. 1 and 4.1.3), routing comparisons
+and a fast-compiling jit, shared by tests/model/test_moe_router.py, test_moe_routed_experts.py and test_moe_module.py.
+Nothing here imports `model/`."""
+
+import jax
+import numpy as np
+
+# Tests compile many small programs; LLVM optimisation level 0 halves XLA:CPU compile time and
+# does not change what is computed (same HLO; no fast-math either way).
+FAST = {"xla_backend_optimization_level": 0}
+
+
+def fast_jit(fn, **kwargs):
+    return jax.jit(fn, compiler_options=FAST, **kwargs)
+
+
+# ---- independent numpy references (float64) ----------------------------------------------------
+
+
+def np_sigmoid(z):
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def np_softmax(z):
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def np_route(logits, bias, top_k, activation="sigmoid", renormalize=True, scale=3.0):
+    """Returns (list of {expert: weight} per token, probs [N, E], chosen sets)."""
+    logits = np.asarray(logits, np.float64)
+    scores = np_sigmoid(logits) if activation == "sigmoid" else np_softmax(logits)
+    probs = scores / scores.sum(-1, keepdims=True)
+    selection = scores + (0.0 if bias is None else np.asarray(bias, np.float64))
+    routes = []
+    for n in range(logits.shape[0]):
+        chosen = sorted(range(logits.shape[1]), key=lambda e: -selection[n, e])[:top_k]
+        weights = np.array([scores[n, e] for e in chosen])  # unbiased scores
+        if renormalize:
+            weights = weights / weights.sum()
+        routes.append({e: w * scale for e, w in zip(chosen, weights)})
+    return routes, probs
+
+
+def np_swiglu(x, w_gate, w_up, w_down, limit):
+    gate_pre, up = x @ w_gate, x @ w_up
+    gate = gate_pre * np_sigmoid(gate_pre)  # silu
+    if limit > 0:
+        gate = np.minimum(gate, limit)
+        up = np.clip(up, -limit, limit)
+    h = gate * up
+    return h @ w_down, h
+
+
+def np_routed_experts(x, indices, combine, wg, wu, wd, limit):
+    """Per-token loop over the chosen experts; returns (y, stats dict)."""
+    x, combine = np.asarray(x, np.float64), np.asarray(combine, np.float64)
+    wg, wu, wd = (np.asarray(w, np.float64) for w in (wg, wu, wd))
+    num_tokens, top_k = indices.shape
+    num_experts, hidden = wg.shape[0], wg.shape[2]
+    y = np.zeros_like(x)
+    count = np.zeros(num_experts)
+    h_sq = np.zeros(num_experts)
+    norm_sum = np.zeros(num_experts)
+    norm_max = np.zeros(num_experts)
+    for t in range(num_tokens):
+        for j in range(top_k):
+            e = int(indices[t, j])
+            out, h = np_swiglu(x[t], wg[e], wu[e], wd[e], limit)
+            y[t] += combine[t, j] * out
+            count[e] += 1
+            h_sq[e] += np.sum(h**2)
+            norm = np.linalg.norm(out)
+            norm_sum[e] += norm
+            norm_max[e] = max(norm_max[e], norm)
+    safe = np.maximum(count, 1)
+    stats = {
+        "expert_tokens": count,
+        "expert_act_rms": np.sqrt(h_sq / (safe * hidden)),
+        "expert_out_norm_mean": norm_sum / safe,
+        "expert_out_norm_max": norm_max,
+    }
+    return y, stats
+
+
+def np_ep_balance_loss(load, mean_probs, num_groups):
+    """Eq. 1 with explicit loops: L = G * sum_g f_g p_g over contiguous expert groups."""
+    num_experts = len(load)
+    size = num_experts // num_groups
+    total = 0.0
+    for g in range(num_groups):
+        f_g = sum(float(load[e]) for e in range(g * size, (g + 1) * size))
+        p_g = sum(float(mean_probs[e]) for e in range(g * size, (g + 1) * size))
+        total += f_g * p_g
+    return num_groups * total
+
+
+def routes_of(indices, weights):
+    """Module routing output -> list of {expert: weight} (order of the k slots is irrelevant)."""
+    indices, weights = np.asarray(indices), np.asarray(weights)
+    return [{int(e): float(w) for e, w in zip(row_i, row_w)} for row_i, row_w in zip(indices, weights)]
+
+
+def assert_routes_equal(got, expected, rtol=1e-5):
+    assert len(got) == len(expected)
+    for n, (g, e) in enumerate(zip(got, expected)):
+        assert set(g) == set(e), f"token {n}: experts {sorted(g)} != {sorted(e)}"
+        for expert in e:
+            np.testing.assert_allclose(g[expert], e[expert], rtol=rtol, atol=1e-6)

@@ -1,0 +1,46 @@
+"""Tests of `rl.config`: the RL sections validate on construction like the training ones, and
+share the optimizer and loop fields (and their checks) with `train:`. Pure Python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rl.config import RLConfig, TaskConfig, load_rl_config
+from train.optim.config import OptimizerConfig
+
+RL_ARITH = Path(__file__).resolve().parents[2] / "configs" / "rl_arith.yaml"
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: RLConfig(top_p=0), "rl.top_p: must be in (0, 1], got 0"),
+    (lambda: RLConfig(keep_checkpoints=0), "rl.keep_checkpoints: must be an integer >= 1"),
+    (lambda: RLConfig(token_bounds=(1.5, 2.0)), "rl.token_bounds: need 0 < low <= 1 <= high"),
+    (lambda: TaskConfig(ops="/"), "task.ops: must be a non-empty string of + - *"),
+    (lambda: OptimizerConfig(lr=0), "lr: must be a positive number, got 0"),
+])
+def test_bad_value_raises_on_construction(make, message):
+    with pytest.raises(ValueError) as info:
+        make()
+    assert str(info.value).startswith(message), str(info.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rl.actor.lr=-1", "rl.actor.lr: must be a positive number, got -1"),
+    ("rl.critic.optimizer=sgd", "rl.critic.optimizer: got 'sgd'"),
+    ("rl.actor.muon.steps=0", "rl.actor.muon.steps: must be an integer >= 1, got 0"),
+    ("rl.log_every=0", "rl.log_every: must be an integer >= 1, got 0"),
+])
+def test_loaded_sections_name_the_dotted_field(override, message):
+    with pytest.raises(ValueError) as info:
+        load_rl_config(RL_ARITH, [override])
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_rl_defaults_differ_from_training_where_the_report_says_so():
+    rl = RLConfig()
+    assert (rl.actor.lr, rl.actor.warmup_steps) == (2e-6, 20)  # report 5.2.3
+    assert (rl.critic.lr, rl.critic.warmup_steps) == (5e-6, 50)
+    assert rl.actor.schedule_settings() == {"lr": 2e-6, "warmup_steps": 20}  # then constant
+    assert (rl.log_every, rl.checkpoint_every, rl.keep_checkpoints) == (1, 10, 2)

@@ -1,0 +1,86 @@
+"""The optimizer's hyperparameters as config groups (train/optim/optimizer.py builds from plain
+values; these dataclasses hold them in a run YAML under `train:`, `rl.actor:` and `rl.critic:`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from model.config import (
+    Config,
+    check_bool,
+    check_choice,
+    check_fraction,
+    check_int,
+    check_nonnegative,
+    check_positive,
+    config_to_dict,
+)
+
+OPTIMIZERS = ("muon", "adamw")
+ORTHOGONALIZERS = ("polar_express", "newton_schulz")
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonConfig(Config):
+    """Muon on hidden weight matrices (report 4.1.1, 4.2.3); the keyword arguments of
+    `train.optim.muon.scale_by_muon`."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    orthogonalizer: str = "polar_express"  # or the classic Newton-Schulz-5 quintic
+    steps: int = 6  # T = 6 Polar Express iterations (report 4.1.1)
+    iteration_dtype: str = "float16"  # state and intermediates of the iteration (report 4.1.1)
+    # Update-RMS matching: scale the orthogonalised update to this RMS so AdamW's learning rate
+    # and weight decay carry over (Moonlight: 0.2); 0 = the original sqrt(max(1, m/n)) scale.
+    update_rms: float = 0.2
+
+    def validate(self) -> None:
+        check_fraction("momentum", self.momentum)
+        check_bool("nesterov", self.nesterov)
+        check_choice("orthogonalizer", self.orthogonalizer, ORTHOGONALIZERS)
+        check_int("steps", self.steps, 1)
+        check_choice("iteration_dtype", self.iteration_dtype, ("float16", "bfloat16", "float32"))
+        check_nonnegative("update_rms", self.update_rms)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig(Config):
+    """One model's optimizer (train/optim/optimizer.py): Muon on hidden matrices, AdamW on the
+    rest, a linear warm-up to `lr`. Pre-training (`train:`, which adds the decay after warm-up)
+    and RL's actor and critic (`rl.actor:`, `rl.critic:`, constant after warm-up) share it."""
+
+    optimizer: str = "muon"
+    lr: float = 3e-3  # peak learning rate (Muon and AdamW groups alike, thanks to RMS matching)
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    muon: MuonConfig = MuonConfig()
+    freeze_router: bool = False  # mid-/post-training (report 3.2, 4.2): router weights fixed
+
+    def validate(self) -> None:
+        super().validate()
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_positive("lr", self.lr)
+        check_int("warmup_steps", self.warmup_steps, 0)
+        for name in ("weight_decay", "grad_clip", "adam_eps"):
+            check_nonnegative(name, getattr(self, name))
+        check_fraction("adam_b1", self.adam_b1)
+        check_fraction("adam_b2", self.adam_b2)
+        check_bool("freeze_router", self.freeze_router)
+
+    def schedule_settings(self) -> dict[str, Any]:
+        """Keyword arguments of `train.optim.schedules.learning_rate_schedule`."""
+        return {"lr": self.lr, "warmup_steps": self.warmup_steps}
+
+    def optimizer_settings(self) -> dict[str, Any]:
+        """Keyword arguments of `train.optim.optimizer.build_optimizer` (the learning rate and
+        the trained MTP heads aside)."""
+        return {"optimizer": self.optimizer, "weight_decay": self.weight_decay,
+                "grad_clip": self.grad_clip, "adam_b1": self.adam_b1, "adam_b2": self.adam_b2,
+                "adam_eps": self.adam_eps, "muon": config_to_dict(self.muon),
+                "freeze_router": self.freeze_router}

@@ -1,0 +1,293 @@
+"""The memory planner behind `python -m train.plan` (whose command line and table are
+`plan.py`): state bytes, the activation estimate and `plan_memory`.
+
+The state's shapes come from `jax.eval_shape` (train/state.py) and its PartitionSpecs from the
+training's own sharding rules (train/parallel/sharding.py `state_specs`) applied to a
+`jax.sharding.AbstractMesh`. Per-device bytes of an array =
+prod(shape) / prod(mesh sizes of the axes in its spec) * itemsize.
+
+Rows (per device):
+- params: the `params` collection (param_dtype, sharded like training shards it: `embed` over
+  fsdp, heads/FFN/vocab over tensor, routed experts over expert, the pipelined segment's
+  `layers` axis over pipeline).
+- optimizer state: every optax leaf (Muon momentum, Adam moments, counts), with ZeRO-1
+  (`mesh.zero1`) sharding it over `data` as well.
+- gradients: one param-shaped float32 tree sharded like the params; two when the step
+  accumulates gradients over several micro-batches (train.batch_size > micro-batch: the
+  running sum and the current micro-batch's gradient are both live).
+- other state: the `balance` collection (router biases), step, rng.
+- activations: an ESTIMATE (below), not a measurement; XLA's buffer assignment, fusion and
+  collective buffers move the real peak either way. Check a real run's peak on a small mesh.
+
+Activation estimate. T = train.seq_len, c = bytes of model.compute_dtype, D = d_model,
+t = mesh.tensor (divides head/FFN-sized tensors when it divides the head count / hidden size).
+Tokens per device N = micro_batch * T / (data * fsdp * expert) (rows split over the batch axes;
+rounded up, with a warning, when they do not split). Per token, each decoder layer has
+  projections   M = c * [(H*hd + 2*KV*hd + G)/t + D]                          (q, k, v, gate, o)
+                  + c * [2*F/t + D]  or  4*E + c * Ns*(2*Hs/t + D)              (dense SwiGLU, or
+                                                                  MoE router + shared experts)
+  other tensors O = c * [2*D + 2*H*hd/t] + (attention scores)                  (norms, residual,
+                  + c * [2*D + F/t]                                             core out, SwiGLU
+                    or 4*E + c * [3*D + k*(2*D + 3*He/t) + Ns*Hs/t]             act; MoE: router
+                                   probabilities, top-k dispatched rows, routed gate/up/act/out)
+  (G = H with the head-wise gate; E experts, k = top_k, He/Hs routed/shared hidden, Ns shared
+  experts, F dense hidden.) M holds the outputs of the unbatched matmuls, which the `dots`
+  policy saves; routed-expert products (ragged/batched dots) and attention scores it recomputes.
+  attention scores = H/t * keys * (4 + c) with attention_impl=xla (float32 scores plus
+                    compute-dtype probabilities; keys = T on full layers, 2*max(W, 128) on
+                    sliding-window layers when that is < T), else 4*H/t (flash log-sum-exp).
+What a layer keeps for the backward pass depends on model.remat_policy:
+  none -> M + O;  dots -> c*D + M (the layer input and the projection outputs);
+  save_attention_out / save_ffn_out -> 2*c*D;  full -> c*D (the layer input only).
+Activations = N * sum over the device's layers of that
+            + N * max over layers of 2 * (M + O)      (the layer being differentiated: its
+                                                       recomputed forward and its cotangents)
+            + N * c*D * (2, +2 with a pipeline)       (embeddings, final hidden, pipeline I/O)
+            + N * per trained MTP head (6*c*D + M + O of its dense SWA block, never rematted)
+            + 2 * min(loss_chunk_size, micro_batch*T) * V/t * 4   (one float32 logits chunk
+                                                                   and its gradient)
+With mesh.pipeline = S > 1 the pipelined segment (model/parallel/pipeline.py) contributes only its
+layers / S per device, but every stage runs all m + S - 1 ticks of the GPipe schedule (bubble
+ticks included), so its saved activations are scaled by (m + S - 1) / m (m = pipeline
+micro-batches) and its working set by 1 / m. Routing is assumed balanced (each device holds
+about top_k * N expert rows); EP all-to-all buffers are not counted.
+
+Calibration: for configs/tiny.yaml on one CPU device (float32, batch 8 x 256) XLA's compiled
+gradient step reported 870 MiB of temporaries with remat none and 341 MiB with full, against
+estimates of 624 and 198 MiB: 1.4-1.7x low (XLA kept several float32 copies of the attention
+scores and more than one layer's working set live). Treat the activation row as a lower bound.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax.traverse_util import flatten_dict
+from jax.sharding import PartitionSpec as P
+
+from model.config import ModelConfig
+from model.layers.layer_plan import LayerKind, layer_kinds, plan_segments
+from model.parallel.mesh import spec_axes
+from model.parallel.pipeline import bubble_fraction, num_microbatches, pipelined_segment
+from model.parallel.rules import abstract_mesh
+from model.summary import param_group
+from train.config import RunConfig
+from train.parallel.sharding import check_batch_fits, data_parallel_size, state_specs
+from train.state import abstract_state, build_training
+
+GIB = 2**30
+MIN_ATTENTION_CHUNK = 128  # model/ops/attention_cores.py MIN_CHUNK: smallest sliding-window chunk
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class PlanError(ValueError):
+    """A mesh/config combination that training would refuse (exit code 2 on the CLI)."""
+
+
+# ---- state bytes -----------------------------------------------------------------------------
+
+
+_STATE_CACHE: dict[str, tuple] = {}
+
+
+def _training_and_state(run: RunConfig) -> tuple:
+    """(Training, abstract TrainState); cached per model + train config (the mesh does not
+    change shapes), so planning several meshes traces the model once."""
+    key = json.dumps({"model": run.to_dict()["model"], "train": run.to_dict()["train"]},
+                     sort_keys=True, default=str)
+    if key not in _STATE_CACHE:
+        training = build_training(run)
+        _STATE_CACHE[key] = (training, abstract_state(training, run.train.seed))
+    return _STATE_CACHE[key]
+
+
+def sharded_bytes(shape: Sequence[int], dtype: Any, spec: P, sizes: dict[str, int]) -> int:
+    """Bytes one device holds of an array of `shape` laid out by `spec` on a mesh of `sizes`."""
+    ways = math.prod(sizes[a] for entry in spec for a in spec_axes(entry))
+    return math.prod(shape) * np.dtype(dtype).itemsize // ways
+
+
+def _tree_bytes(tree: Any, specs: Any, sizes: dict[str, int]) -> int:
+    leaves = jax.tree.leaves(tree)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    assert len(leaves) == len(spec_leaves), (len(leaves), len(spec_leaves))
+    return sum(sharded_bytes(x.shape, x.dtype, s, sizes) for x, s in zip(leaves, spec_leaves))
+
+
+def state_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
+    """Per-device bytes of params / optimizer state / other state, params per group, and the
+    global parameter count."""
+    training, state = _training_and_state(run)
+    specs = state_specs(state, training.variable_axes, abstract_mesh(sizes), run)
+    groups: dict[str, int] = {}
+    flat_params = flatten_dict(state.params)
+    flat_specs = flatten_dict(specs.params, is_leaf=lambda _, x: isinstance(x, P))
+    for path, leaf in flat_params.items():
+        group = param_group(tuple(str(k) for k in path))
+        groups[group] = groups.get(group, 0) + sharded_bytes(leaf.shape, leaf.dtype,
+                                                             flat_specs[path], sizes)
+    other = sum(_tree_bytes(getattr(state, name), getattr(specs, name), sizes)
+                for name in ("balance", "step", "rng", "skipped", "consecutive_skips"))
+    return {
+        "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
+        "params": sum(groups.values()),
+        "params_by_group": dict(sorted(groups.items())),
+        "optimizer": _tree_bytes(state.opt_state, specs.opt_state, sizes),
+        "other": other,
+    }
+
+
+# ---- activation estimate ---------------------------------------------------------------------
+
+
+def _split(n: int, ways: int) -> float:
+    """n elements over `ways` tensor shards when they divide it, else replicated."""
+    return n / ways if ways > 1 and n % ways == 0 else float(n)
+
+
+def layer_bytes(cfg: ModelConfig, kind: LayerKind, seq_len: int,
+                tensor: int) -> tuple[float, float]:
+    """(matmul outputs M, other saved tensors O) of one decoder layer, bytes per token (see the
+    module docstring)."""
+    c = _DTYPE_BYTES[cfg.compute_dtype]
+    d, hd, kv = cfg.d_model, cfg.head_dim, cfg.num_kv_heads
+    heads = cfg.attention_config(kind.attention_type).num_heads
+    h = _split(heads, tensor) / heads  # share of the heads on this device
+    gate = heads if cfg.gate == "headwise" else 0
+    matmul = c * ((heads * hd + 2 * kv * hd + gate) * h + d)
+    other = c * (2 * d + 2 * heads * hd * h)
+    if cfg.attention_impl == "xla":
+        chunk = max(cfg.window, MIN_ATTENTION_CHUNK)
+        keys = 2 * chunk if kind.attention_type == "S" and chunk < seq_len else seq_len
+        other += heads * h * keys * (4 + c)
+    else:
+        other += 4 * heads * h
+    if kind.is_moe:
+        moe = cfg.moe
+        shared = moe.num_shared_experts
+        hidden = _split(moe.expert_hidden, tensor)
+        # Routed-expert products are ragged/batched dots, which the `dots` policy recomputes:
+        # they count as "other", with the dispatched rows, activations and combine.
+        matmul += 4 * moe.num_experts + c * shared * (2 * _split(moe.shared_hidden, tensor) + d)
+        other += 4 * moe.num_experts + c * (
+            3 * d + moe.top_k * (2 * d + 3 * hidden) + shared * _split(moe.shared_hidden, tensor))
+    else:
+        matmul += c * (2 * _split(cfg.dense_hidden, tensor) + d)
+        other += c * (2 * d + _split(cfg.dense_hidden, tensor))
+    return matmul, other
+
+
+def saved_per_layer(policy: str, matmul: float, other: float, d_bytes: float) -> float:
+    """Bytes per token a layer keeps for the backward pass under remat `policy`."""
+    if policy == "none":
+        return matmul + other
+    if policy == "dots":
+        return d_bytes + matmul
+    if policy in ("save_attention_out", "save_ffn_out"):
+        return 2 * d_bytes
+    return d_bytes  # full
+
+
+def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
+    """Activation estimate per device (module docstring), with its parts."""
+    cfg, train = run.model, run.train
+    seq_len, micro = train.seq_len, train.micro_batch()
+    tensor, stages = sizes["tensor"], sizes["pipeline"]
+    ways = math.prod(sizes[a] for a in ("data", "fsdp", "expert"))
+    rows = -(-micro // ways)
+    tokens = rows * seq_len
+    c = _DTYPE_BYTES[cfg.compute_dtype]
+    d_bytes = c * cfg.d_model
+
+    kinds = layer_kinds(cfg)
+    piped_layers: set[int] = set()
+    microbatches = 1
+    if stages > 1:
+        segment = plan_segments(kinds)[pipelined_segment(cfg, stages)]
+        piped_layers = set(segment.layers)
+        microbatches = num_microbatches(cfg, stages)
+    saved = working = 0.0
+    for i, kind in enumerate(kinds):
+        matmul, other = layer_bytes(cfg, kind, seq_len, tensor)
+        keep = saved_per_layer(cfg.remat_policy, matmul, other, d_bytes)
+        if i in piped_layers:  # 1/S of the layers, all m + S - 1 ticks, one micro-batch at a time
+            saved += tokens * keep * (microbatches + stages - 1) / microbatches / stages
+            working = max(working, 2 * tokens * (matmul + other) / microbatches)
+        else:
+            saved += tokens * keep
+            working = max(working, 2 * tokens * (matmul + other))
+    extras = tokens * d_bytes * (2 + (2 if stages > 1 else 0))
+    mtp_block = sum(layer_bytes(cfg, LayerKind("S", False, 0.0, 0.0), seq_len, tensor))
+    mtp = run.trained_mtp_heads() * tokens * (6 * d_bytes + mtp_block)
+    chunk = min(train.loss_chunk_size, micro * seq_len)
+    logits = 2 * chunk * _split(cfg.vocab_size, tensor) * 4
+    parts = {"layers_saved": saved, "layer_working_set": working, "embeddings_and_io": extras,
+             "mtp_heads": mtp, "logits_chunk": logits}
+    parts = {k: int(round(v)) for k, v in parts.items()}
+    return {"total": sum(parts.values()), "parts": parts, "rows_per_device": rows,
+            "tokens_per_device": tokens}
+
+
+# ---- the plan --------------------------------------------------------------------------------
+
+
+def plan_memory(run: RunConfig, sizes: dict[str, int], device_memory_gib: float = 80.0) -> dict:
+    """The memory plan of `run` on a mesh of `sizes` ({axis: size}, -1 resolved): a JSON-able
+    dict. Raises PlanError when training would refuse the mesh (pipeline vs layer plan)."""
+    mesh = abstract_mesh(sizes)
+    warnings = []
+    stages = sizes["pipeline"]
+    pipeline = None
+    if stages > 1:
+        try:
+            index = pipelined_segment(run.model, stages)
+        except ValueError as err:
+            raise PlanError(str(err)) from None
+        segment = plan_segments(layer_kinds(run.model))[index]
+        m = num_microbatches(run.model, stages)
+        pipeline = {"stages": stages, "segment": index, "segment_period": segment.period,
+                    "segment_repeats": segment.repeats,
+                    "layers_per_stage": segment.period * segment.repeats // stages,
+                    "microbatches": m, "bubble_fraction": bubble_fraction(stages, m)}
+    try:
+        check_batch_fits(run, mesh)
+    except ValueError as err:
+        warnings.append(f"{err} (the plan assumes the rows per device rounded up)")
+
+    state = state_bytes(run, sizes)
+    accumulation = max(run.train.batch_sizes()) // run.train.micro_batch()
+    gradient_copies = 2 if accumulation > 1 else 1
+    gradients = gradient_copies * state["params"]
+    activations = activation_bytes(run, sizes)
+    per_device = {"params": state["params"], "optimizer_state": state["optimizer"],
+                  "gradients": gradients, "other_state": state["other"],
+                  "activations": activations["total"]}
+    total = sum(per_device.values())
+    budget = int(device_memory_gib * GIB)
+    within = total <= budget
+    if not within:
+        warnings.append(f"over budget: {total / GIB:.2f} GiB per device needed, "
+                        f"{device_memory_gib:g} GiB available (--device-memory)")
+    return {
+        "mesh": dict(sizes), "devices": math.prod(sizes.values()), "zero1": run.mesh.zero1,
+        "data_parallel_size": data_parallel_size(mesh),
+        "num_params": state["num_params"], "param_dtype": run.model.param_dtype,
+        "compute_dtype": run.model.compute_dtype, "remat_policy": run.model.remat_policy,
+        "attention_impl": run.model.attention_impl,
+        "batch_size": run.train.batch_size, "micro_batch_size": run.train.micro_batch(),
+        "accumulation_steps": accumulation, "seq_len": run.train.seq_len,
+        "rows_per_device": activations["rows_per_device"],
+        "tokens_per_device": activations["tokens_per_device"],
+        "pipeline": pipeline,
+        "per_device_bytes": {**per_device, "total": total},
+        "params_by_group_bytes": state["params_by_group"],
+        "activation_parts_bytes": activations["parts"],
+        "gradient_copies": gradient_copies,
+        "budget_bytes": budget, "within_budget": within,
+        "utilisation": total / budget if budget else math.inf,
+        "warnings": warnings,
+    }
