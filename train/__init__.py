@@ -1,1 +1,2 @@
-"""Training: data (grain), Muon/AdamW, the jitted step, monitors, checkpoints, CLI (`python -m train`)."""
+"""Training: config, state, the jitted step, losses, the loop, evaluation and `python -m train`;
+the rooms below hold data, optimizers, parallelism, telemetry and experiment tools."""

@@ -1,0 +1,1 @@
+"""Generation: KV caches, the `Decoder` (prefill, decode, MTP speculative decoding) and sampling."""

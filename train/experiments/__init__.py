@@ -1,0 +1,1 @@
+"""Experiment tools: sweeps and their reports, staged recipes, plots."""

@@ -1,0 +1,2 @@
+"""Optimizers: hyperparameter groups, Muon, the Muon/AdamW/frozen parameter groups and the
+learning-rate schedules."""

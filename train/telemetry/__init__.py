@@ -1,0 +1,1 @@
+"""What a run reports: expert monitors, the background metrics writer, FLOPs and MFU."""
