@@ -11,7 +11,6 @@ from tiny_preset import TINY, tiny_model_dict
 
 from model.config import ModelConfig, config_from_dict, expand_layout, load_config
 
-
 # ---- layout shorthand ---------------------------------------------------------------------------
 
 

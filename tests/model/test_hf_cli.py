@@ -7,18 +7,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-from hf_step3p5_checkpoint import REPO, assert_same_tensors, random_tensors, read_dir, write_hf_dir
+from hf_step3p5_checkpoint import REPO, assert_same_tensors, read_dir
 
 from model.hf import main
-
-
-@pytest.fixture(scope="module")
-def hf_source(tmp_path_factory) -> tuple[Path, dict]:
-    tensors = random_tensors()
-    return write_hf_dir(tmp_path_factory.mktemp("hf"), tensors), tensors
 
 
 def test_cli_help():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -21,7 +20,6 @@ import numpy as np
 import pytest
 from hf_step3p5_checkpoint import (
     CFG,
-    D,
     HEAD_DIM,
     HF_CONFIG,
     KV,
@@ -30,10 +28,10 @@ from hf_step3p5_checkpoint import (
     MTP_HEADS,
     SHARED_HIDDEN,
     VOCAB,
+    D,
     assert_same_tensors,
     assert_same_variables,
     heads,
-    random_tensors,
     read_dir,
     write_hf_dir,
 )
@@ -108,15 +106,6 @@ def reference_variables(t: dict[str, np.ndarray]) -> dict:
     return {"params": params, "balance": balance}
 
 
-@pytest.fixture(scope="module")
-def hf_source(tmp_path_factory) -> tuple[Path, dict]:
-    tensors = random_tensors()
-    return write_hf_dir(tmp_path_factory.mktemp("hf"), tensors), tensors
-
-
-@pytest.fixture(scope="module")
-def imported(hf_source):
-    return load_hf_checkpoint(hf_source[0], progress=False)
 
 
 def test_an_unknown_model_type_is_named_with_the_known_families(imported, tmp_path):

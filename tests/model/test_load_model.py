@@ -19,24 +19,10 @@ from hf_step3p5_checkpoint import (
     EXPERTS,
     REPO,
     assert_same_variables,
-    random_tensors,
-    write_hf_dir,
 )
 
 from model.config import config_to_dict
-from model.interop.hf import load_hf_checkpoint
 from model.weights import load_model, save_model_dir
-
-
-@pytest.fixture(scope="module")
-def hf_source(tmp_path_factory) -> tuple[Path, dict]:
-    tensors = random_tensors()
-    return write_hf_dir(tmp_path_factory.mktemp("hf"), tensors), tensors
-
-
-@pytest.fixture(scope="module")
-def imported(hf_source):
-    return load_hf_checkpoint(hf_source[0], progress=False)
 
 
 def make_workdir(path: Path, config, variables) -> Path:

@@ -19,7 +19,6 @@ from small_lm import (
     MTP_HEADS,
     VOCAB,
     assert_tree_close,
-    baseline,
     fast_jit,
     small_cfg,
     unscan,
@@ -32,10 +31,6 @@ from model.config import MTPConfig
 # the baseline model (small_lm.baseline) is compiled once.
 pytestmark = pytest.mark.xdist_group("test_model_small_lm")
 
-
-@pytest.fixture(scope="module")
-def base():
-    return baseline()
 
 
 # ---- causality and MTP offsets ------------------------------------------------------------------

@@ -20,7 +20,6 @@ from small_lm import (
     NUM_MOE_LAYERS,
     VOCAB,
     assert_tree_close,
-    baseline,
     comparable,
     fast_jit,
     rescan,
@@ -36,10 +35,6 @@ from model.layers.layer_plan import Segment, layer_kinds, plan_segments
 # the baseline model (small_lm.baseline) is compiled once.
 pytestmark = pytest.mark.xdist_group("test_model_small_lm")
 
-
-@pytest.fixture(scope="module")
-def base():
-    return baseline()
 
 
 # ---- outputs ------------------------------------------------------------------------------------
