@@ -53,6 +53,21 @@ RESUMABLE_CHANGES = {"iterations", "log_every", "eval_every", "eval_prompts",
                      "checkpoint_every", "keep_checkpoints", "progress", "xla_cache_dir"}
 
 
+def resumed_config(run: RLRunConfig, saved: dict, workdir: Path) -> RLRunConfig:
+    """The saved run's config (its model included) with this run's resumable fields; raises
+    TrainingError naming the fields that differ otherwise. The saved config is compared as this
+    version reads it, so a field added since it was saved counts at its default."""
+    saved_run = rl_config_from_dict(saved)
+    sections = lambda values: {k: values[k] for k in ("rl", "task")}  # noqa: E731
+    changed = incompatible_fields(sections(saved_run.to_dict()), sections(run.to_dict()),
+                                  {f"rl.{k}" for k in RESUMABLE_CHANGES})
+    if changed:
+        raise TrainingError(f"cannot resume {workdir}: the config differs from the "
+                            f"checkpoint's in {', '.join(changed)}; use another --workdir")
+    rl = dataclasses.replace(saved_run.rl, **{k: getattr(run.rl, k) for k in RESUMABLE_CHANGES})
+    return dataclasses.replace(saved_run, rl=rl)
+
+
 class RLState(flax.struct.PyTreeNode):
     actor: TrainState
     critic: TrainState | None  # None for GRPO
@@ -78,7 +93,8 @@ class RLTrainer:
         self.resume_step = self.checkpoints.latest_step()
         self.initial_variables = None
         if self.resume_step is not None:
-            run = self._resumable(run, self.checkpoints.read_config(self.resume_step))
+            run = resumed_config(run, self.checkpoints.read_config(self.resume_step),
+                                 self.workdir)
         elif init_from:
             config, self.initial_variables = load_model(init_from)
             run = run.with_model(config)
@@ -123,19 +139,6 @@ class RLTrainer:
             self._values = jax.jit(self.critic.apply)
             self._critic_step = jax.jit(make_critic_step(self.critic, self.critic_optimizer),
                                         donate_argnums=0)
-
-    def _resumable(self, run: RLRunConfig, saved: dict) -> RLRunConfig:
-        """The saved run's config (its model included) with this run's resumable fields."""
-        saved_run = rl_config_from_dict(saved)
-        sections = lambda values: {k: values[k] for k in ("rl", "task")}  # noqa: E731
-        changed = incompatible_fields(sections(saved), sections(run.to_dict()),
-                                      {f"rl.{k}" for k in RESUMABLE_CHANGES})
-        if changed:
-            raise TrainingError(f"cannot resume {self.workdir}: the config differs from the "
-                                f"checkpoint's in {', '.join(changed)}; use another --workdir")
-        rl = dataclasses.replace(saved_run.rl, **{k: getattr(run.rl, k)
-                                                  for k in RESUMABLE_CHANGES})
-        return dataclasses.replace(saved_run, rl=rl)
 
     # ---- state ----------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """Tests of `rl.config`: the RL sections validate on construction like the training ones, and
-share the optimizer and loop fields (and their checks) with `train:`. Pure Python."""
+share the optimizer and loop fields (and their checks) with `train:`; a resumed run reads the
+saved config as this version does."""
 
 from __future__ import annotations
 
@@ -44,3 +45,22 @@ def test_rl_defaults_differ_from_training_where_the_report_says_so():
     assert (rl.critic.lr, rl.critic.warmup_steps) == (5e-6, 50)
     assert rl.actor.schedule_settings() == {"lr": 2e-6, "warmup_steps": 20}  # then constant
     assert (rl.log_every, rl.checkpoint_every, rl.keep_checkpoints) == (1, 10, 2)
+
+
+def test_resume_reads_the_saved_config_as_this_version_does(tmp_path):
+    """A checkpoint saved before `rl.actor`/`rl.critic` had Adam and Muon fields resumes (they
+    count at their defaults, what that version used); a real difference is still refused."""
+    from rl.loop import resumed_config
+    from train.loop import TrainingError
+
+    run = load_rl_config(RL_ARITH, ["rl.iterations=7"])
+    saved = run.to_dict()
+    saved["rl"]["iterations"] = 3  # resumable: the new run may go on for longer
+    for section in ("actor", "critic"):
+        for key in ("adam_b1", "adam_b2", "adam_eps", "muon"):
+            del saved["rl"][section][key]
+    assert resumed_config(run, saved, tmp_path).rl.iterations == 7
+
+    saved["rl"]["actor"]["lr"] = run.rl.actor.lr * 2
+    with pytest.raises(TrainingError, match=r"differs from the checkpoint's in rl\.actor\.lr;"):
+        resumed_config(run, saved, tmp_path)
