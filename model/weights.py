@@ -23,8 +23,8 @@ from model.interop.model_dir import (
     MODEL_CONFIG,
     is_model_dir,
     load_model_dir,
-    restore_target,
     save_model_dir,
+    variables_target,
 )
 from model.interop.workdir import Checkpointer, latest_run_config
 
@@ -53,6 +53,6 @@ def _load_workdir(path: Path, mesh) -> tuple[ModelConfig, dict]:
     config = config_from_dict(run["model"])
     checkpoints = Checkpointer(path / "checkpoints", keep=1 << 30)
     try:
-        return config, checkpoints.restore_subset(step, restore_target(config, mesh))
+        return config, checkpoints.restore_subset(step, variables_target(config, mesh))
     finally:
         checkpoints.close()

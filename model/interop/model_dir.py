@@ -25,6 +25,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from model.config import ModelConfig, config_from_dict, config_to_dict
+from model.interop.workdir import restore_target
 from model.lm import abstract_variables
 from model.parallel.rules import named, param_axes, param_specs
 
@@ -43,11 +44,11 @@ def variable_shardings(config: ModelConfig, mesh: jax.sharding.Mesh | None = Non
             for name, tree in boxed.items()}
 
 
-def restore_target(config: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> dict:
-    """ShapeDtypeStructs (with shardings) of the variables, what a checkpoint restores into."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        nn.meta.unbox(abstract_variables(config)),
-                        variable_shardings(config, mesh))
+def variables_target(config: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> dict:
+    """ShapeDtypeStructs (with shardings) of the model's variables, what a checkpoint of them
+    restores into."""
+    return restore_target(nn.meta.unbox(abstract_variables(config)),
+                          variable_shardings(config, mesh))
 
 
 # ---- writing ------------------------------------------------------------------------------------
@@ -110,5 +111,5 @@ def load_model_dir(path: Path, mesh: jax.sharding.Mesh | None = None) -> tuple[M
     config = config_from_dict(saved.get("model") or {})
     with ocp.StandardCheckpointer() as checkpointer:
         variables = checkpointer.restore((path / "variables").absolute(),
-                                         restore_target(config, mesh))
+                                         variables_target(config, mesh))
     return config, variables
