@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.interop.workdir import Checkpointer, restore_target
-from model.lm import join_variables, split_variables
+from model.lm import split_variables
 from model.parallel.rules import named, replicated, use_mesh
 from model.tokenizers.text import load_tokenizer
 from train.config import RunConfig, incompatible_fields
@@ -159,8 +159,8 @@ class Trainer:
         return state
 
     def _check_start_variables(self, variables: dict) -> None:
-        expected = join_variables(self.abstract_state.params, self.abstract_state.balance)
-        got = join_variables(*split_variables(variables))
+        expected = (self.abstract_state.params, self.abstract_state.balance)
+        got = split_variables(variables)
         if jax.tree.structure(got) != jax.tree.structure(expected) or any(
                 a.shape != b.shape for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))):
             raise TrainingError("the starting weights do not fit this run's model (a different "

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import flax.linen as nn
 import jax
@@ -373,3 +374,22 @@ def test_metrics_lines_have_the_promised_fields(trained):
     for record in records:
         assert {"loss", "tokens_per_sec", "lr", "grad_norm", "mfu", "moe/routing_confidence",
                 "moe/act_rms_max_over_median", "update_rms/muon"} <= set(record)
+
+
+def test_starting_weights_must_fit_the_model():
+    """A stage's starting variables are checked against the run's state before training: a
+    missing or extra collection, parameter or a changed shape is refused."""
+    params = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}
+    bias = {"b": jax.ShapeDtypeStruct((3,), jnp.float32)}
+    check = Trainer._check_start_variables  # needs only the trainer's abstract state
+    without_bias = SimpleNamespace(abstract_state=SimpleNamespace(params=params, balance={}))
+    check(without_bias, {"params": {"w": jnp.zeros((2, 3))}})  # no `balance`: same as empty
+    for bad in ({"params": {"w": jnp.zeros((2, 4))}},
+                {"params": {"w": jnp.zeros((2, 3)), "v": jnp.zeros(1)}},
+                {"params": {"w": jnp.zeros((2, 3))}, "balance": {"b": jnp.zeros(3)}}):
+        with pytest.raises(TrainingError, match="do not fit this run's model"):
+            check(without_bias, bad)
+    with_bias = SimpleNamespace(abstract_state=SimpleNamespace(params=params, balance=bias))
+    check(with_bias, {"params": {"w": jnp.zeros((2, 3))}, "balance": {"b": jnp.zeros(3)}})
+    with pytest.raises(TrainingError, match="do not fit this run's model"):
+        check(with_bias, {"params": {"w": jnp.zeros((2, 3))}})
