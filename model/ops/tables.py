@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+from model.config.core import check_choice
+
 
 class ImplementationTable:
     """Switch values -> "module:function" entries, resolved lazily."""
@@ -27,9 +29,7 @@ class ImplementationTable:
         return tuple(self.entries)
 
     def check(self, value) -> None:
-        if value not in self.entries:
-            raise ValueError(
-                f"{self.switch}: got {value!r}, allowed values are {list(self.entries)}")
+        check_choice(self.switch, value, self.names)
 
     def resolve(self, value: str) -> Callable:
         self.check(value)
