@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stepjax-installed
 
-.PHONY: test train rl sweep bench clean-venv
+.PHONY: test train rl sweep bench bench-torch clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ bench: $(STAMP)
 	$(PY) -m train --config configs/tiny.yaml --workdir $(DECODE_DIR) train.steps=480 \
 		"train.mtp_offset_weights=[1.0, 1.0, 1.0]"
 	$(PY) -m benchmarks.decode --workdir $(DECODE_DIR)
+
+# stepjax against transformers' torch implementation on the same checkpoint (README, Performance).
+bench-torch: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[torch]'
+	$(PY) -m benchmarks.vs_torch $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -24,6 +24,7 @@ from model.inference.kv_cache import KVCacheSpec
 from model.layers.common import dtype_of, normal_init
 from model.layers.mtp import MTPHead, shift_tokens_left
 from model.layers.norm import RMSNorm
+from model.layers.projection import Projection
 from model.layers.router import ep_group_balance_loss
 from model.layers.stack import LayerStack
 from model.parallel.mesh import mesh_axis_size
@@ -87,9 +88,8 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype,
                             axis_name="embed")
         if not cfg.tie_embeddings:
-            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype,
-                                    param_dtype=param_dtype,
-                                    kernel_init=normal_init(cfg.init_std, ("embed", "vocab")))
+            self.lm_head = Projection((cfg.vocab_size,), ("embed", "vocab"), 1, cfg.init_std,
+                                      dtype, param_dtype)
         self.mtp = [MTPHead(cfg, self.kv_cache) for _ in range(cfg.mtp.num_heads)]
 
     def __call__(self, tokens, segment_ids=None, positions=None, *, compute_logits=True,
@@ -144,6 +144,16 @@ class CausalLM(nn.Module):
         else:
             out = self.lm_head(normed_hidden)
         return out.astype(jnp.float32)
+
+
+def output_head_params(config: ModelConfig, params: dict, head: int = 0) -> dict:
+    """The part of `params` that `CausalLM.project(..., head)` reads: apply `project` with
+    `{"params": output_head_params(...)}` to differentiate the loss in the head alone."""
+    if head > 0 and not config.mtp.share_output_head:
+        name = f"mtp_{head - 1}"
+        return {name: {"output_head": params[name]["output_head"]}}
+    name = "embed_tokens" if config.tie_embeddings else "lm_head"
+    return {name: params[name]}
 
 
 def init_variables(module: nn.Module, key: jax.Array) -> dict:

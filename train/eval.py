@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from model.config.cli import ArgumentParser, report_error
 from model.interop.workdir import Checkpointer, CheckpointError, restore_target
-from model.lm import CausalLM, join_variables
+from model.lm import CausalLM, join_variables, output_head_params
 from model.tokenizers.text import load_tokenizer
 from train.config import run_config_from_dict
 from train.data.pipeline import make_dataset
@@ -34,8 +34,9 @@ def make_eval_step(model: CausalLM, chunk_size: int):
                           compute_logits=False, num_mtp_heads=0)
         targets = shifted_targets(batch["tokens"], batch["segment_ids"], batch["meta_mask"], 1,
                                   jnp.bool_(True))
-        project = lambda h: model.apply({"params": params}, h, method=CausalLM.project)
-        return chunked_cross_entropy(project, out.hidden, targets, chunk_size)
+        project = lambda p, h: model.apply({"params": p}, h, method=CausalLM.project)  # noqa: E731
+        return chunked_cross_entropy(project, output_head_params(model.config, params),
+                                     out.hidden, targets, chunk_size)
 
     return jax.jit(eval_step)
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from model.lm import CausalLM, join_variables
+from model.lm import CausalLM, join_variables, output_head_params
 from model.parallel.mesh import mesh_axis_size
 from model.parallel.pipeline import bubble_fraction, num_microbatches
 from train.balance import has_router_bias, update_router_bias
@@ -41,8 +41,10 @@ def loss_fn(model: CausalLM, run: RunConfig, params, balance, micro, mask_meta, 
     def head_loss(hidden, offset, head):
         targets = shifted_targets(micro["tokens"], micro["segment_ids"], micro["meta_mask"],
                                   offset, mask_meta)
-        project = lambda h: model.apply({"params": params}, h, head=head, method=CausalLM.project)
-        total, _ = chunked_cross_entropy(project, hidden, targets, train.loss_chunk_size)
+        project = lambda p, h: model.apply({"params": p}, h, head=head,  # noqa: E731
+                                           method=CausalLM.project)
+        total, _ = chunked_cross_entropy(project, output_head_params(run.model, params, head),
+                                         hidden, targets, train.loss_chunk_size)
         return total / jnp.maximum(counts[head], 1.0)
 
     lm = head_loss(out.hidden, 1, 0)

@@ -12,31 +12,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from model.config import ModelConfig
 from model.inference.kv_cache import KVCacheSpec, LayerCache, attend_and_update, empty_layer_cache
-from model.layers.common import dtype_of, normal_init
+from model.layers.common import dtype_of
 from model.layers.norm import RMSNorm
+from model.layers.projection import Projection
 from model.layers.rope import apply_rope
 from model.ops.tables import ATTENTION
 from model.parallel.mesh import mesh_size, shard_attention_core
-
-
-class Projection(nn.Module):
-    """x [..., *in] -> [..., *features] with a `kernel` [*in, *features] (flax DenseGeneral's
-    param name and layout). Flax's DenseGeneral builds its kernel flat and reshapes it, which
-    under a mesh context applies the logical sharding constraint to the flat array and fails;
-    this one creates the kernel in its final shape."""
-
-    features: tuple[int, ...]
-    axes: tuple[str, ...]  # logical axes of the kernel
-    contract: int  # number of trailing input dims contracted
-    std: float
-    dtype: jnp.dtype
-    param_dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self, x):
-        shape = (*x.shape[x.ndim - self.contract:], *self.features)
-        kernel = self.param("kernel", normal_init(self.std, self.axes), shape, self.param_dtype)
-        return jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.contract)
 
 
 class Attention(nn.Module):

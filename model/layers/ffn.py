@@ -7,7 +7,8 @@ import flax.linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from model.config import ModelConfig
-from model.layers.common import dtype_of, normal_init
+from model.layers.common import dtype_of
+from model.layers.projection import Projection
 from model.ops.swiglu import swiglu_activation
 
 
@@ -21,13 +22,12 @@ class SwiGLU(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        dense = dict(use_bias=False, dtype=dtype_of(cfg.compute_dtype),
-                     param_dtype=dtype_of(cfg.param_dtype))
-        gate = nn.Dense(self.hidden, kernel_init=normal_init(cfg.init_std, ("embed", "mlp")),
-                        name="gate_proj", **dense)(x)
-        up = nn.Dense(self.hidden, kernel_init=normal_init(cfg.init_std, ("embed", "mlp")),
-                      name="up_proj", **dense)(x)
+        def projection(name, features, axes):
+            return Projection((features,), axes, 1, cfg.init_std, dtype_of(cfg.compute_dtype),
+                              dtype_of(cfg.param_dtype), name=name)
+
+        gate = projection("gate_proj", self.hidden, ("embed", "mlp"))(x)
+        up = projection("up_proj", self.hidden, ("embed", "mlp"))(x)
         h = swiglu_activation(gate, up, self.limit)
-        out = nn.Dense(x.shape[-1], kernel_init=normal_init(cfg.init_std, ("mlp", "embed")),
-                       name="down_proj", **dense)(h)
+        out = projection("down_proj", x.shape[-1], ("mlp", "embed"))(h)
         return checkpoint_name(out, "ffn_out")

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from model.config import ModelConfig
 from model.inference.kv_cache import KVCacheSpec
 from model.layers.block import DecoderBlock
-from model.layers.common import dtype_of, normal_init
+from model.layers.common import dtype_of
 from model.layers.norm import RMSNorm
+from model.layers.projection import Projection
 
 
 def shift_tokens_left(tokens, offset: int):
@@ -39,14 +40,13 @@ class MTPHead(nn.Module):
         norm = dict(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, axis_name="embed")
         self.enorm = RMSNorm(**norm)
         self.hnorm = RMSNorm(**norm)
-        self.eh_proj = nn.Dense(cfg.d_model, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                                kernel_init=normal_init(cfg.init_std, ("mtp_concat", "embed")))
+        self.eh_proj = Projection((cfg.d_model,), ("mtp_concat", "embed"), 1, cfg.init_std,
+                                  dtype, param_dtype)
         self.block = DecoderBlock(cfg, "S", is_moe=False, kv_cache=self.kv_cache)
         self.norm = RMSNorm(**norm)
         if not cfg.mtp.share_output_head:
-            self.output_head = nn.Dense(
-                cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                kernel_init=normal_init(cfg.init_std, ("embed", "vocab")))
+            self.output_head = Projection((cfg.vocab_size,), ("embed", "vocab"), 1,
+                                          cfg.init_std, dtype, param_dtype)
 
     def __call__(self, h_prev, next_embeddings, positions, segment_ids):
         h = self.eh_proj(jnp.concatenate([self.enorm(next_embeddings), self.hnorm(h_prev)], -1))

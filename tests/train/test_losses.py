@@ -24,7 +24,8 @@ def test_chunked_cross_entropy_matches_full_logits(chunk):
     kernel = rng.normal(size=(6, 11)).astype(np.float32)
     tokens = rng.integers(0, 11, size=(2, 8))
     weights = (rng.random((2, 8)) > 0.3).astype(np.float32)
-    total, count = chunked_cross_entropy(lambda h: h @ kernel, jnp.asarray(hidden),
+    total, count = chunked_cross_entropy(lambda k, h: h @ k, jnp.asarray(kernel),
+                                         jnp.asarray(hidden),
                                          Targets(jnp.asarray(tokens), jnp.asarray(weights)), chunk)
     np.testing.assert_allclose(total, numpy_cross_entropy(hidden, kernel, tokens, weights),
                                rtol=1e-5)
@@ -32,20 +33,26 @@ def test_chunked_cross_entropy_matches_full_logits(chunk):
 
 
 def test_chunked_cross_entropy_gradient_matches_dense():
+    """The gradients formed in the forward pass (and scaled by the incoming cotangent) equal
+    autodiff of the plain full-logits loss, for the head's params and the hidden states."""
     rng = np.random.default_rng(1)
-    hidden = jnp.asarray(rng.normal(size=(1, 10, 4)), jnp.float32)
+    hidden = jnp.asarray(rng.normal(size=(2, 5, 4)), jnp.float32)
     kernel = jnp.asarray(rng.normal(size=(4, 7)), jnp.float32)
-    targets = Targets(jnp.asarray(rng.integers(0, 7, size=(1, 10))), jnp.ones((1, 10)))
+    weights = jnp.asarray(rng.random((2, 5)) > 0.3, jnp.float32)
+    targets = Targets(jnp.asarray(rng.integers(0, 7, size=(2, 5))), weights)
 
-    def chunked(k):
-        return chunked_cross_entropy(lambda h: h @ k, hidden, targets, 3)[0]
+    def chunked(k, h):
+        return 2.5 * chunked_cross_entropy(lambda p, x: x @ p["w"], {"w": k}, h, targets, 3)[0]
 
-    def dense(k):
-        logits = hidden[0] @ k
-        return -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits), targets.tokens[0][:, None], 1))
+    def dense(k, h):
+        log_probs = jax.nn.log_softmax(h @ k)
+        picked = jnp.take_along_axis(log_probs, targets.tokens[..., None], -1)[..., 0]
+        return -2.5 * jnp.sum(picked * weights)
 
-    np.testing.assert_allclose(jax.grad(chunked)(kernel), jax.grad(dense)(kernel), rtol=1e-5,
-                               atol=1e-6)
+    got = jax.grad(chunked, argnums=(0, 1))(kernel, hidden)
+    want = jax.grad(dense, argnums=(0, 1))(kernel, hidden)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_shifted_targets_stay_inside_documents():
