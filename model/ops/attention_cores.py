@@ -10,7 +10,9 @@ documents never attend across each other).
 An optional per-head sink logit adds exp(sink) to each softmax denominator (report 2.3, the
 input-independent alternative to the head-wise gate).
 
-- `xla`: full layers build [T, T] scores; SWA layers run chunked local attention in O(T·W).
+- `xla`: full layers build [T, T] scores (skipping most of the causally masked half); SWA
+  layers run chunked local attention in O(T·W). Both reduce to `masked_attention`, whose kernel
+  `model.ops.attention_vjp.grouped_attention` has a hand-written VJP laid out for XLA:CPU.
 - `cudnn`: `jax.nn.dot_product_attention` (cuDNN on NVIDIA GPUs, XLA elsewhere).
 - `pallas`: `pallas_kernels.flash_attention` (imported on first use).
 
@@ -25,8 +27,10 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-_NEG = -1e30  # finite "minus infinity": keeps gradients NaN-free on fully masked entries
+from model.ops.attention_vjp import grouped_attention
+
 MIN_CHUNK = 128  # smallest query chunk of the local path (small windows still get wide matmuls)
+CAUSAL_BLOCKS = 4  # query blocks of the dense path (at least MIN_CHUNK rows each)
 
 
 class AttentionCore(Protocol):
@@ -42,20 +46,6 @@ class AttentionCore(Protocol):
     ) -> jax.Array: ...
 
 
-def masked_softmax(scores: jax.Array, mask: jax.Array, sink: jax.Array | None) -> jax.Array:
-    """Softmax over the last axis in float32; `sink` broadcasts against scores[..., 0]."""
-    scores = jnp.where(mask, scores, _NEG)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    if sink is not None:
-        row_max = jnp.maximum(row_max, sink[..., None])
-    row_max = jax.lax.stop_gradient(row_max)
-    weights = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
-    denominator = jnp.sum(weights, axis=-1, keepdims=True)
-    if sink is not None:
-        denominator = denominator + jnp.exp(sink[..., None] - row_max)
-    return weights / jnp.maximum(denominator, jnp.finfo(jnp.float32).tiny)
-
-
 def _visible(q_idx, k_idx, window: int | None):
     """Causal (+window) visibility of key index k_idx from query index q_idx (broadcasting)."""
     visible = k_idx <= q_idx
@@ -64,33 +54,52 @@ def _visible(q_idx, k_idx, window: int | None):
     return visible
 
 
-def sink_for_groups(sink: jax.Array | None, num_kv: int):
-    """[H] -> [K, G, 1] so it broadcasts against scores [..., K, G, Tq, Tk][..., 0]."""
-    if sink is None:
-        return None
-    return sink.astype(jnp.float32).reshape(num_kv, -1, 1)
-
-
 def masked_attention(q, k, v, mask, sink):
-    """Attention with an explicit visibility mask. q: [B, T, H, D]; k/v: [B, S, K, D];
-    mask: [B or 1, T, S] bool (query t sees key s); sink: [H] or None -> [B, T, H, D]."""
-    batch, length, num_heads, head_dim = q.shape
-    num_kv = k.shape[2]
-    qg = q.reshape(batch, length, num_kv, num_heads // num_kv, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * head_dim**-0.5
-    probs = masked_softmax(scores, mask[:, None, None], sink_for_groups(sink, num_kv))
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
-    return out.reshape(batch, length, num_heads, head_dim).astype(q.dtype)
+    """Attention with an explicit visibility mask. q: [..., T, H, D]; k/v: [..., S, K, D];
+    mask: bool [..., T, S], leading axes of size 1 broadcast (query t sees key s); sink: [H] or
+    None -> [..., T, H, D] in q.dtype.
+
+    Lays the heads out as `grouped_attention` blocks: one block per leading index and KV head,
+    holding that KV head's G query heads as G·T rows. Only [T, D]-sized arrays are transposed.
+    """
+    *lead, length, num_heads, head_dim = q.shape
+    num_kv = k.shape[-2]
+    groups = num_heads // num_kv
+    # [..., T, K, G, D] -> [..., K, G, T, D]
+    q_rows = jnp.moveaxis(q.reshape(*lead, length, num_kv, groups, head_dim), -4, -2)
+    k_rows, v_rows = (jnp.moveaxis(x, -2, -3) for x in (k, v))  # [..., K, S, D]
+    mask = jnp.broadcast_to(mask[..., None, :, :], (*lead, num_kv, *mask.shape[-2:]))
+    if sink is not None:
+        sink = sink.astype(jnp.float32).reshape(num_kv, groups)
+        sink = jnp.broadcast_to(sink, (*lead, num_kv, groups)).reshape(-1, groups)
+
+    def blocks(x, rows):
+        """[..., K, (G,) rows, last] -> [L, rows, last] (L = blocks)."""
+        return x.reshape(-1, rows, x.shape[-1])
+
+    out = grouped_attention(blocks(q_rows, groups * length), blocks(k_rows, k.shape[-3]),
+                            blocks(v_rows, v.shape[-3]), blocks(mask, length), sink)
+    out = out.reshape(*lead, num_kv, groups, length, head_dim)
+    return jnp.moveaxis(out, -2, -4).reshape(q.shape)
 
 
 def dense_attention(q, k, v, *, window, segment_ids, sink):
-    """Materialises [T, T] scores per head: the full-layer path (and SWA when W >= T)."""
-    idx = jnp.arange(q.shape[1])
+    """The full-layer path (and SWA when W >= T): O(T²) scores, less most of the causally
+    masked half: queries are split into up to `CAUSAL_BLOCKS` blocks, and a block attends only
+    to the keys up to its last query (4 blocks: 5/8 of the [T, T] scores are computed).
+    """
+    length = q.shape[1]
+    idx = jnp.arange(length)
     mask = _visible(idx[:, None], idx[None, :], window)[None]
     if segment_ids is not None:
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    return masked_attention(q, k, v, mask, sink)
+    block = max(-(-length // CAUSAL_BLOCKS), MIN_CHUNK)
+    outs = []
+    for start in range(0, length, block):
+        end = min(start + block, length)
+        outs.append(masked_attention(q[:, start:end], k[:, :end], v[:, :end],
+                                     mask[:, start:end, :end], sink))
+    return jnp.concatenate(outs, axis=1)
 
 
 def local_attention(q, k, v, *, window, segment_ids, sink):
@@ -103,7 +112,6 @@ def local_attention(q, k, v, *, window, segment_ids, sink):
     chunk = max(window, MIN_CHUNK)
     if chunk >= length:
         return dense_attention(q, k, v, window=window, segment_ids=segment_ids, sink=sink)
-    num_kv, groups = k.shape[2], num_heads // k.shape[2]
     num_chunks = -(-length // chunk)
     pad = num_chunks * chunk - length
 
@@ -119,25 +127,18 @@ def local_attention(q, k, v, *, window, segment_ids, sink):
         xc = chunked(x, chunk)
         return jnp.concatenate([xc[:, :-1], xc[:, 1:]], axis=2)
 
-    qc = chunked(q, 0).reshape(batch, num_chunks, chunk, num_kv, groups, head_dim)
-    kc, vc = with_previous_chunk(k), with_previous_chunk(v)
-    scores = jnp.einsum("bnukgd,bnrkd->bnkgur", qc, kc, preferred_element_type=jnp.float32)
-    scores = scores * head_dim**-0.5
-
     q_idx = jnp.arange(chunk)[:, None] + chunk  # query index relative to the chunk pair start
     k_idx = jnp.arange(2 * chunk)[None, :]
     key_position = (jnp.arange(num_chunks)[:, None] - 1) * chunk + k_idx  # [n, 2C] absolute
     key_exists = (key_position >= 0) & (key_position < length)  # excludes all padding keys
-    mask = _visible(q_idx, k_idx, window)[None] & key_exists[:, None, :]  # [n, C, 2C]
-    mask = mask[None, :, None, None]
+    mask = (_visible(q_idx, k_idx, window)[None] & key_exists[:, None, :])[None]  # [1, n, C, 2C]
     if segment_ids is not None:
         q_seg = chunked(segment_ids, 0)
         k_seg = with_previous_chunk(segment_ids)
-        mask = mask & (q_seg[..., :, None] == k_seg[..., None, :])[:, :, None, None]
-    probs = masked_softmax(scores, mask, sink_for_groups(sink, num_kv))
-    out = jnp.einsum("bnkgur,bnrkd->bnukgd", probs.astype(v.dtype), vc)
-    out = out.reshape(batch, num_chunks * chunk, num_heads, head_dim)[:, :length]
-    return out.astype(q.dtype)
+        mask = mask & (q_seg[..., :, None] == k_seg[..., None, :])
+    out = masked_attention(chunked(q, 0), with_previous_chunk(k), with_previous_chunk(v), mask,
+                           sink)
+    return out.reshape(batch, num_chunks * chunk, num_heads, head_dim)[:, :length]
 
 
 def xla_attention(q, k, v, *, window, segment_ids, sink):

@@ -8,7 +8,7 @@ elementwise loops that produce g (SiLU, norm and softmax backward), which run se
 slower than a plain transpose. Here the backward transposes x on its own, a cheap copy of an
 activation, and multiplies xᵀ [K, N] by g [N, M] in the layout the matmul wants; dx = g·Wᵀ
 contracts both operands over their innermost axis. On GPU/TPU the matmul units take either
-layout, so the transpose is left to XLA there (docs/architecture.md, "Performance").
+layout, so the transpose is left to XLA there (docs/architecture.md, "Measured on CPU").
 """
 
 from __future__ import annotations

@@ -26,11 +26,13 @@ from attention_references import (
     visible_keys,
 )
 
+from model.ops import attention_vjp
 from model.ops.attention_cores import (
     MIN_CHUNK,
     cudnn_attention,
     dense_attention,
     local_attention,
+    masked_attention,
     xla_attention,
 )
 from model.ops.tables import ATTENTION, MOE
@@ -39,6 +41,7 @@ from model.ops.tables import ATTENTION, MOE
 
 BATCH, KV_HEADS, GROUPS, HEAD_DIM = 2, 2, 3, 8
 HEADS = KV_HEADS * GROUPS
+F32, BF16 = jnp.float32, jnp.bfloat16
 
 
 def make_qkv(length, seed):
@@ -237,7 +240,7 @@ def test_local_attention_is_linear_in_length():
     largest, square = _largest_and_square(local_attention, length)
     assert not square, square
     assert largest <= heads * length * 2 * chunk, largest
-    # Control: the dense path does build [T, T] scores, so the check above can fail.
+    # Control: the dense path does build [T, T] arrays (its mask), so the check above can fail.
     _, dense_square = _largest_and_square(dense_attention, length)
     assert dense_square
 
@@ -245,36 +248,120 @@ def test_local_attention_is_linear_in_length():
 # ---- gradients ------------------------------------------------------------------------------
 
 
+def float64_value_and_grads(reference, q, k, v, sink, proj):
+    """reference(q, k, v, sink) in float64 and the gradients of sum(reference * proj) w.r.t. q,
+    k, v, sink by autodiff (None for a None sink)."""
+    with jax.enable_x64(True):
+        args = [None if a is None else jnp.asarray(np.asarray(a, np.float64))
+                for a in (q, k, v, sink)]
+
+        def loss(*args):
+            out = reference(*args)
+            return jnp.sum(out * proj), out
+
+        grads, out = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*args)
+        return np.asarray(out), [None if g is None else np.asarray(g) for g in grads]
+
+
+def assert_gradients_close(grads, expected, tol):
+    for name, got, want in zip(["q", "k", "v", "sink"], grads, expected):
+        if want is not None:
+            assert np.all(np.isfinite(np.asarray(got))), name
+            assert_close(got, want, tol=tol, err_msg=f"d loss / d {name}")
+
+
 @pytest.mark.parametrize(
-    "core_name,window",
-    [("local", 5), ("local", 130), ("dense", 130), ("dense", None), ("cudnn", 130), ("cudnn", None)],
+    "core_name,window,with_sink,dtype",
+    [("local", 5, True, F32), ("local", 130, True, F32), ("local", 130, False, F32),
+     ("dense", 130, True, F32), ("dense", None, True, F32), ("dense", None, False, F32),
+     ("cudnn", 130, True, F32), ("cudnn", None, True, F32), ("xla", 5, True, BF16),
+     ("xla", None, True, BF16)],
 )
-def test_core_gradients_match_float64(core_name, window):
+def test_core_gradients_match_float64(core_name, window, with_sink, dtype):
+    """Output and gradients against float64 autodiff of the reference. bfloat16 q/k/v (rounded
+    before the reference sees them) keep their dtype; errors ~5e-3, checked at 2e-2."""
     length = 300
-    q, k, v = make_qkv(length, seed=21)
+    q, k, v = (jnp.asarray(a, dtype) for a in make_qkv(length, seed=21))
     seg = make_segments(length)
-    sink = make_sink(seed=22)
+    sink = make_sink(seed=22) if with_sink else None
     proj = np.random.default_rng(23).normal(size=q.shape)
     core = CORES[core_name]
 
     def loss32(q, k, v, sink):
         out = core(q, k, v, window=window, segment_ids=jnp.asarray(seg), sink=sink)
-        return jnp.sum(out * jnp.asarray(proj, jnp.float32))
+        return jnp.sum(out.astype(F32) * jnp.asarray(proj, F32)), out
 
-    grads = jax.jit(jax.grad(loss32, argnums=(0, 1, 2, 3)))(q, k, v, sink)
+    grads, out = jax.jit(jax.grad(loss32, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, sink)
+    assert out.dtype == dtype
+    assert all(g.dtype == a.dtype for g, a in zip(grads, (q, k, v, sink)) if g is not None)
+    mask = jnp.asarray(visibility_mask(length, window, seg, BATCH))
+    # No sink: a -inf logit, which the reference's softmax ignores (every query sees itself).
+    no_sink = jnp.full(HEADS, -jnp.inf)
+    expected_out, expected = float64_value_and_grads(
+        lambda q, k, v, s: jnp_reference_attention(q, k, v, no_sink if s is None else s, mask),
+        q, k, v, sink, proj)
+    tol = 2e-5 if dtype == F32 else 2e-2  # float32: sums of ~300 products per gradient entry
+    assert_close(out, expected_out, tol=tol)
+    assert_gradients_close(grads, expected, tol=tol)
 
-    mask = visibility_mask(length, window, seg, BATCH)
-    with jax.enable_x64(True):
-        def loss64(q, k, v, sink):
-            return jnp.sum(jnp_reference_attention(q, k, v, sink, jnp.asarray(mask)) * proj)
 
-        f64 = lambda a: jnp.asarray(a, jnp.float64)
-        expected = jax.grad(loss64, argnums=(0, 1, 2, 3))(f64(q), f64(k), f64(v), f64(sink))
-        expected = [np.asarray(g) for g in expected]
-    for name, got, want in zip("q k v sink".split(), grads, expected):
-        assert got.dtype == jnp.float32
-        # Sums of ~300 float32 products per gradient entry: 2e-5 relative to the max magnitude.
-        assert_close(got, want, tol=2e-5, err_msg=f"d loss / d {name}")
+def reference_masked_attention(q, k, v, mask, sink):
+    """`jnp_reference_attention` for any mask [B, T, S], also one hiding every key of a row
+    (whose output is then zero), and for no sink (None)."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    logits = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+    logits = jnp.where(mask[:, None], logits, -jnp.inf)
+    if sink is not None:
+        sink_col = jnp.broadcast_to(sink[None, :, None, None], logits.shape[:-1] + (1,))
+        logits = jnp.concatenate([logits, sink_col], axis=-1)
+    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    weights = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    denominator = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights[..., :k.shape[1]] / jnp.where(denominator > 0, denominator, 1.0)
+    return jnp.einsum("bhts,bshd->bthd", probs, v)
+
+
+@pytest.mark.parametrize("with_sink", [False, True])
+@pytest.mark.parametrize("scores_per_step", [1, 1 << 30], ids=["block-per-step", "one-step"])
+def test_masked_attention_gradients_with_empty_rows(monkeypatch, with_sink, scores_per_step):
+    """The hand-written VJP of `grouped_attention` (q, k, v and sink gradients) on an arbitrary
+    mask with fully masked rows and S != T, run one block per `lax.map` step and all blocks in
+    one step, against float64 autodiff of the reference above."""
+    monkeypatch.setattr(attention_vjp, "_SCORES_PER_STEP", scores_per_step)
+    length, keys = 9, 13
+    rng = np.random.default_rng(41)
+    q = rng.normal(size=(BATCH, length, HEADS, HEAD_DIM)).astype(np.float32)
+    k, v = rng.normal(size=(2, BATCH, keys, KV_HEADS, HEAD_DIM)).astype(np.float32)
+    mask = rng.random((BATCH, length, keys)) < 0.5
+    mask[0, [2, 5]] = False  # queries that see no key at all
+    mask[1, :, 4] = False  # a key nobody sees
+    sink = make_sink(seed=42) if with_sink else None
+    proj = rng.normal(size=q.shape)
+
+    def loss32(q, k, v, sink):
+        out = masked_attention(q, k, v, jnp.asarray(mask), sink)
+        return jnp.sum(out * jnp.asarray(proj, F32)), out
+
+    grads, out = jax.jit(jax.grad(loss32, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, sink)
+    expected_out, expected = float64_value_and_grads(
+        lambda q, k, v, s: reference_masked_attention(q, k, v, jnp.asarray(mask), s),
+        q, k, v, sink, proj)
+    assert_close(out, expected_out)
+    assert not np.any(np.asarray(out)[0, [2, 5]])
+    assert_gradients_close(grads, expected, tol=1e-5)
+
+
+def test_grouped_attention_saves_no_score_sized_residual():
+    """The backward pass recomputes the probabilities: besides the boolean mask, no residual is
+    as large as the [L, G*T, S] scores (a scan over layers would stack it)."""
+    blocks, groups, length, keys, dim = 2, 3, 16, 32, 4
+    q, kv = jnp.ones((blocks, groups * length, dim)), jnp.ones((blocks, keys, dim))
+    mask = jnp.ones((blocks, length, keys), bool)
+    _, backward = jax.vjp(lambda q, k, v, s: attention_vjp.grouped_attention(q, k, v, mask, s),
+                          q, kv, kv, jnp.zeros((blocks, groups)))
+    residuals = [r for r in jax.tree.leaves(backward) if r.dtype != jnp.bool_]
+    assert residuals and max(r.size for r in residuals) < blocks * groups * length * keys
 
 
 # ---- head-wise gate as a sink (report A.1, eq. 6) ---------------------------------------------
