@@ -90,7 +90,8 @@ def torch_module_steps(model, lm_head, tokens: np.ndarray, modules: list[tuple[s
         hooks.append(module.register_forward_pre_hook(capture, with_kwargs=True))
     ids = torch.from_numpy(tokens).long()
     with torch.no_grad():
-        captured["LM head + cross-entropy"] = (None, (model(input_ids=ids, use_cache=False).last_hidden_state,), {})
+        final_hidden = model(input_ids=ids, use_cache=False).last_hidden_state
+        captured["LM head + cross-entropy"] = (None, (final_hidden,), {})
     for hook in hooks:
         hook.remove()
 

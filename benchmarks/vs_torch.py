@@ -195,8 +195,8 @@ def measure(size: str, rounds: int, compile_torch: bool, breakdown: bool) -> dic
     result = {"size": size, "tokens": BATCH * LENGTH, "train_flops": flops, "loss": reference,
               "torch_threads": torch.get_num_threads(), "step_s": seconds}
     if breakdown:
-        torch_steps = torch_module_steps(torch_model, lm_head, tokens,
-                                         [(name, layer) for name, layer, _ in breakdown_modules(run)])
+        modules = [(name, layer) for name, layer, _ in breakdown_modules(run)]
+        torch_steps = torch_module_steps(torch_model, lm_head, tokens, modules)
         jax_steps = jax_module_steps(run, params, balance,
                                      {name: x for name, (_, x) in torch_steps.items()}, tokens)
         rows = {}

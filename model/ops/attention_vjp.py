@@ -61,7 +61,7 @@ def _blockwise(block_fn, q, k, *rest):
 
 
 def _scaled_scores(q, k, mask):
-    """q [..., G·T, D], k [..., S, D], mask [..., T, S] -> q·kᵀ/sqrt(D) [..., G, T, S] float32."""
+    """q [..., G·T, D], k [..., S, D], mask [..., T, S] -> q·kᵀ/√D [..., G, T, S] float32."""
     scores = jnp.einsum("...rd,...sd->...rs", q, k, preferred_element_type=jnp.float32)
     scores = scores * q.shape[-1] ** -0.5
     return scores.reshape(*scores.shape[:-2], -1, *mask.shape[-2:])
