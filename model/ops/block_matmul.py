@@ -12,9 +12,10 @@ the backward pass zeroes their cotangent so they add nothing to the weight gradi
 leaves the largest chunk's worth of rows as slack after the last expert, so no chunk runs off the
 buffer.
 
-Why chunks per expert (measured on XLA:CPU): batching equal-size row blocks of different experts in
-one einsum needs every block's weights gathered and, to keep padding small, blocks of 64-128 rows,
-which run at ~60% of a dense matmul's speed; chunks of up to 256 rows of one expert run near it.
+Why chunks per expert (measured on XLA:CPU, 2 cores): the former design batched equal-size row
+blocks of different experts in one einsum per loop step. That gathers every block's weights, and
+keeping the per-expert padding small needs blocks of 64-128 rows, whose matmuls run at 60-80% of a
+dense matmul's speed; 256-row chunks of one expert run at about its speed.
 
 The backward pass (custom VJP) walks the same chunks: dx is written like the forward output, and
 the weight gradients are added in place into the expert's slice of [E, ...] buffers (float32
@@ -145,8 +146,7 @@ def grouped_swiglu(rows, gate, up, down, starts, counts, limit, sizes):
     Returns (out [R, D], h_sq [R] float32: squared norm of each row's SwiGLU intermediate, which
     gets no gradient). Rows outside every expert's range hold unspecified values.
     """
-    out, h_sq = _forward(rows, gate, up, down, starts, counts, limit, sizes, False)
-    return out, h_sq
+    return _forward(rows, gate, up, down, starts, counts, limit, sizes, False)
 
 
 def _grouped_swiglu_fwd(rows, gate, up, down, starts, counts, limit, sizes):

@@ -3,12 +3,13 @@ tables"). Dropless: every routed copy of every token is computed.
 
 Common frame: the N*k token copies are stably sorted by expert id ("permute"), run through their
 expert's SwiGLU, then brought back to token order ("unpermute") and combined with the router
-weights. Implementations differ in how the sorted rows meet their expert's weights:
+weights. `sorted` and `ragged_dot` permute with gathers whose gradients are gathers too
+(`model.ops.permute`). Implementations differ in how the sorted rows meet their expert's weights:
 
-- `sorted` (CPU default): rows padded per expert to a multiple of a row block; a loop over the
-  blocks multiplies each by its expert's weights and skips the unused tail of the static
-  worst-case block count (`model.ops.block_matmul`). `ragged_dot` is ~100x slower on CPU
-  (docs/architecture.md, "Measured on CPU"; README, Performance).
+- `sorted` (CPU default): a loop over the experts runs each one's SwiGLU on its (contiguous)
+  sorted rows in row chunks of a few static sizes, at most `block_size` rows, one plain matmul
+  per projection and chunk (`model.ops.block_matmul`); no padding. `ragged_dot` is ~100x slower
+  on CPU (docs/architecture.md, "Measured on CPU"; README, Performance).
 - `ragged_dot`: `jax.lax.ragged_dot` grouped matmuls (GPU/TPU).
 - `pallas`: `model.ops.pallas_moe` on the grouped-matmul kernels of `pallas_kernels`.
 
