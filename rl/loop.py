@@ -51,6 +51,9 @@ from train.telemetry.metrics import METRICS_FILE, MetricsWriter, read_metrics
 # Fields a resumed run may change: run length, logging, evaluation and checkpoint cadence.
 RESUMABLE_CHANGES = {"iterations", "log_every", "eval_every", "eval_prompts",
                      "checkpoint_every", "keep_checkpoints", "progress", "xla_cache_dir"}
+# Fields of each model's optimizer (rl.actor, rl.critic) a resumed run may change, as in training
+# (train.config.RESUMABLE_CHANGES): they round Muon's iteration, not the saved state.
+RESUMABLE_MUON_CHANGES = {"iteration_dtype"}
 
 
 def resumed_config(run: RLRunConfig, saved: dict, workdir: Path) -> RLRunConfig:
@@ -59,12 +62,22 @@ def resumed_config(run: RLRunConfig, saved: dict, workdir: Path) -> RLRunConfig:
     version reads it, so a field added since it was saved counts at its default."""
     saved_run = rl_config_from_dict(saved)
     sections = lambda values: {k: values[k] for k in ("rl", "task")}  # noqa: E731
+    resumable = {f"rl.{k}" for k in RESUMABLE_CHANGES} | {
+        f"rl.{model}.muon.{k}" for model in ("actor", "critic") for k in RESUMABLE_MUON_CHANGES}
     changed = incompatible_fields(sections(saved_run.to_dict()), sections(run.to_dict()),
-                                  {f"rl.{k}" for k in RESUMABLE_CHANGES})
+                                  resumable)
     if changed:
         raise TrainingError(f"cannot resume {workdir}: the config differs from the "
                             f"checkpoint's in {', '.join(changed)}; use another --workdir")
-    rl = dataclasses.replace(saved_run.rl, **{k: getattr(run.rl, k) for k in RESUMABLE_CHANGES})
+
+    def optimizer(model):
+        saved_optimizer, current = getattr(saved_run.rl, model), getattr(run.rl, model)
+        muon = dataclasses.replace(saved_optimizer.muon, **{
+            k: getattr(current.muon, k) for k in RESUMABLE_MUON_CHANGES})
+        return dataclasses.replace(saved_optimizer, muon=muon)
+
+    rl = dataclasses.replace(saved_run.rl, **{k: getattr(run.rl, k) for k in RESUMABLE_CHANGES},
+                             actor=optimizer("actor"), critic=optimizer("critic"))
     return dataclasses.replace(saved_run, rl=rl)
 
 

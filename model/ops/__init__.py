@@ -1,2 +1,3 @@
-"""What the implementation switches select (`tables.py`): attention cores, MoE dispatch, the
-block-grouped matmul, the Pallas MoE glue and the SwiGLU activation, on plain arrays."""
+"""What the implementation switches select (`tables.py`): attention cores and their VJP, MoE
+dispatch (row permutations, per-expert grouped SwiGLU), the Pallas MoE glue, dense projections
+and the SwiGLU activation, on plain arrays."""

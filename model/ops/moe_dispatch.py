@@ -3,12 +3,13 @@ tables"). Dropless: every routed copy of every token is computed.
 
 Common frame: the N*k token copies are stably sorted by expert id ("permute"), run through their
 expert's SwiGLU, then brought back to token order ("unpermute") and combined with the router
-weights. Implementations differ in how the sorted rows meet their expert's weights:
+weights. `sorted` and `ragged_dot` permute with gathers whose gradients are gathers too
+(`model.ops.permute`). Implementations differ in how the sorted rows meet their expert's weights:
 
-- `sorted` (CPU default): rows padded per expert to a multiple of a row block; a loop over the
-  blocks multiplies each by its expert's weights and skips the unused tail of the static
-  worst-case block count (`model.ops.block_matmul`). `ragged_dot` is ~100x slower on CPU
-  (docs/architecture.md, "Measured on CPU"; README, Performance).
+- `sorted` (CPU default): a loop over the experts runs each one's SwiGLU on its (contiguous)
+  sorted rows in row chunks of a few static sizes, at most `block_size` rows, one plain matmul
+  per projection and chunk (`model.ops.grouped_swiglu`); no padding. `ragged_dot` is ~100x slower
+  on CPU (docs/architecture.md, "Measured on CPU"; README, Performance).
 - `ragged_dot`: `jax.lax.ragged_dot` grouped matmuls (GPU/TPU).
 - `pallas`: `model.ops.pallas_moe` on the grouped-matmul kernels of `pallas_kernels`.
 
@@ -29,7 +30,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from model.ops.block_matmul import block_grouped_matmul
+from model.ops.grouped_swiglu import chunk_sizes, grouped_swiglu
+from model.ops.permute import permute_rows
 from model.ops.swiglu import swiglu_activation
 
 
@@ -58,68 +60,39 @@ def sort_copies(indices: jax.Array, num_experts: int) -> SortedCopies:
     return SortedCopies(order, flat_expert[order], group_sizes)
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def row_block_size(num_rows: int, num_experts: int, max_block: int) -> int:
-    """Row block for the `sorted` path: about a quarter of the mean rows per expert.
-
-    Each expert's last block is partly padding: at most E * (block - 1) rows, under num_rows / 2
-    with this choice (rounding up to a power of two can double the quarter), about half that
-    on average. The block stays >= 8 for matmul efficiency (then padding can exceed num_rows,
-    e.g. at decode time) and <= max_block.
-    """
-    target = _next_power_of_two(max(num_rows // (4 * num_experts), 1))
-    return int(min(max_block, max(8, target)))
-
-
 def sorted_block_ffn(x, indices, weights: ExpertWeights, limit, block_size):
     num_tokens, top_k = indices.shape
-    d_model, num_experts = x.shape[1], weights.gate.shape[0]
-    num_rows = num_tokens * top_k
+    num_experts = weights.gate.shape[0]
+    num_copies = num_tokens * top_k
     copies = sort_copies(indices, num_experts)
-    block = row_block_size(num_rows, num_experts, block_size)
-    # Static bound: sum_e ceil(n_e / m) <= M / m + min(E, M) * (m - 1) / m.
-    num_blocks = -(-(num_rows + min(num_experts, num_rows) * (block - 1)) // block)
+    sizes = chunk_sizes(num_copies, block_size)
+    slack = sizes[0]  # rows after the last expert's, for its last chunk to run into
+    routed = copies.row_expert < num_experts
+    # Sorted row of each copy and copy of each row; "no expert" copies and slack rows get an
+    # out-of-range index, i.e. a zero row in the gathers.
+    copy_row = jnp.zeros((num_copies,), jnp.int32).at[copies.order].set(
+        jnp.where(routed, jnp.arange(num_copies, dtype=jnp.int32), num_copies + slack))
+    row_copy = jnp.concatenate([jnp.where(routed, copies.order, num_copies).astype(jnp.int32),
+                                jnp.full((slack,), num_copies, jnp.int32)])
+    rows = permute_rows(x, row_copy // top_k, copy_row.reshape(num_tokens, top_k))
 
-    # Padded layout: expert e's rows start at a block boundary.
-    blocks_per_expert = -(-copies.group_sizes // block)
-    block_ends = jnp.cumsum(blocks_per_expert)
-    padded_starts = (block_ends - blocks_per_expert) * block
-    group_starts = jnp.cumsum(copies.group_sizes) - copies.group_sizes
-    padded_rows = num_blocks * block
-    rank = jnp.arange(num_rows) - group_starts[copies.row_expert]
-    # Padded row of each sorted copy; "no expert" copies point past the end and are dropped.
-    destination = jnp.where(copies.row_expert < num_experts,
-                            padded_starts[copies.row_expert] + rank, padded_rows)
-    block_expert = jnp.searchsorted(block_ends, jnp.arange(num_blocks), side="right")
-    block_expert = jnp.minimum(block_expert, num_experts - 1).astype(jnp.int32)
-
-    # One gather in (token rows straight into the padded buffer) and one gather out.
-    padded_token = jnp.zeros((padded_rows,), jnp.int32).at[destination].set(
-        copies.order // top_k)
-    occupied = jnp.zeros((padded_rows,), bool).at[destination].set(True)
-    xb = jnp.where(occupied[:, None], x[padded_token], 0).reshape(num_blocks, block, d_model)
-
-    num_active = block_ends[-1]
-    gate = block_grouped_matmul(xb, weights.gate, block_expert, num_active)
-    up = block_grouped_matmul(xb, weights.up, block_expert, num_active)
-    h = swiglu_activation(gate, up, limit)  # padding rows stay exactly 0
-    out = block_grouped_matmul(h, weights.down, block_expert, num_active).reshape(padded_rows, -1)
-
-    copy_row = jnp.zeros((num_rows,), jnp.int32).at[copies.order].set(destination)
-    sums = expert_statistic_sums(out, jnp.sum(jnp.square(h.astype(jnp.float32)), -1).reshape(-1),
-                                 jnp.repeat(block_expert, block), copies.group_sizes)
-    copy_out = jnp.where((copy_row < padded_rows)[:, None], out[copy_row], 0)
-    return copy_out.reshape(num_tokens, top_k, d_model), sums
+    starts = jnp.cumsum(copies.group_sizes) - copies.group_sizes
+    out, h_sq = grouped_swiglu(rows, *weights, starts, copies.group_sizes, limit, sizes)
+    row_expert = jnp.concatenate([copies.row_expert, jnp.full((slack,), num_experts,
+                                                               copies.row_expert.dtype)])
+    sums = expert_statistic_sums(out, h_sq, row_expert, copies.group_sizes)
+    copy_out = permute_rows(out, copy_row, row_copy[:, None])
+    return copy_out.reshape(num_tokens, top_k, -1), sums
 
 
 def ragged_dot_ffn(x, indices, weights: ExpertWeights, limit, block_size):
     del block_size
     num_tokens, top_k = indices.shape
+    num_copies = num_tokens * top_k
     copies = sort_copies(indices, weights.gate.shape[0])
-    rows = x[copies.order // top_k]
+    copy_row = jnp.zeros((num_copies,), jnp.int32).at[copies.order].set(
+        jnp.arange(num_copies, dtype=jnp.int32))
+    rows = permute_rows(x, copies.order // top_k, copy_row.reshape(num_tokens, top_k))
     gate = jax.lax.ragged_dot(rows, weights.gate, copies.group_sizes)
     up = jax.lax.ragged_dot(rows, weights.up, copies.group_sizes)
     h = swiglu_activation(gate, up, limit)
@@ -127,8 +100,8 @@ def ragged_dot_ffn(x, indices, weights: ExpertWeights, limit, block_size):
     out = jnp.where((copies.row_expert < weights.gate.shape[0])[:, None], out, 0)
     sums = expert_statistic_sums(out, jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1),
                                  copies.row_expert, copies.group_sizes)
-    unsorted = jnp.zeros_like(out).at[copies.order].set(out)
-    return unsorted.reshape(num_tokens, top_k, -1), sums
+    copy_out = permute_rows(out, copy_row, copies.order[:, None])
+    return copy_out.reshape(num_tokens, top_k, -1), sums
 
 
 def combine_copies(copy_out, combine_weights, dtype):

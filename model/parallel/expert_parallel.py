@@ -129,9 +129,9 @@ def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights,
         _local_experts, num_experts=num_experts, limit=limit, impl=impl, block_size=block_size,
         collective=resolve_collective(collective), stat_axes=stat_axes)
     expert_spec = P(AXIS, None, None)
-    # check_vma=False: block_matmul's skip branch (a lax.cond returning zeros) is not typed as
-    # varying over the mesh; outputs and gradients are compared with the unsharded path in
-    # tests/test_parallel.py.
+    # check_vma=False: the `sorted` path's loops start from zero buffers, not typed as varying
+    # over the mesh; outputs and gradients are compared with the unsharded path in
+    # tests/train/test_parallel.py.
     y, sums = jax.shard_map(
         body, in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec, expert_spec),
         out_specs=(token_spec, P(AXIS)), check_vma=False,

@@ -1,5 +1,6 @@
-"""Routed-expert dispatch (sorted blocks and ragged_dot) and its gradients against per-token
-float64 numpy references with explicit loops (tests/moe_references.py), and the row-block size."""
+"""Routed-expert dispatch (sorted chunks and ragged_dot) and its gradients against per-token
+float64 numpy references with explicit loops (tests/moe_references.py). The chunk loop and the
+row permutation on their own: tests/model/test_moe_chunks.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from moe_references import (
 )
 
 from model.layers.moe import routed_experts
-from model.ops.moe_dispatch import ExpertWeights, row_block_size
+from model.ops.moe_dispatch import ExpertWeights
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
@@ -159,25 +160,3 @@ def test_routed_expert_gradients_agree(name):
     for impl in IMPLS:
         for leaf in jax.tree.leaves(grads[impl][2]):
             assert np.all(np.asarray(leaf)[unused] == 0)
-
-
-def test_row_block_size_invariants():
-    for max_block in (8, 16, 32, 128, 256):
-        for experts in (1, 3, 4, 16, 288):
-            previous = 0
-            for rows in list(range(1, 300)) + [512, 1000, 4096, 10_000, 65_536, 300_000]:
-                block = row_block_size(rows, experts, max_block)
-                assert isinstance(block, int)
-                assert min(8, max_block) <= block <= max_block
-                assert block & (block - 1) == 0  # power of two (max_block is one here)
-                assert block >= previous  # monotone in the number of rows
-                previous = block
-                if block < max_block:
-                    # at least the quarter-of-mean-rows target ...
-                    assert block >= rows // (4 * experts)
-                if 8 < block < max_block:
-                    # ... and at most ~2x it, so worst-case padding E*(block-1) < rows/2
-                    assert experts * (block - 1) < rows / 2
-    # a max_block below 8 is respected
-    assert row_block_size(1000, 2, 4) == 4
-    assert row_block_size(1000, 2, 1) == 1

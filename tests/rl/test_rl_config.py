@@ -61,6 +61,11 @@ def test_resume_reads_the_saved_config_as_this_version_does(tmp_path):
             del saved["rl"][section][key]
     assert resumed_config(run, saved, tmp_path).rl.iterations == 7
 
+    # Muon's iteration dtype only rounds the iteration: a run saved with float16 (the default
+    # before 'auto') resumes, with this run's value.
+    saved["rl"]["critic"]["muon"] = {"iteration_dtype": "float16"}
+    assert resumed_config(run, saved, tmp_path).rl.critic.muon.iteration_dtype == "auto"
+
     saved["rl"]["actor"]["lr"] = run.rl.actor.lr * 2
     with pytest.raises(TrainingError, match=r"differs from the checkpoint's in rl\.actor\.lr;"):
         resumed_config(run, saved, tmp_path)

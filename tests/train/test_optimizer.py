@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from model.config import load_config
@@ -18,7 +19,7 @@ from model.lm import abstract_variables
 from model.parallel.rules import param_axes
 from train.config import TrainConfig
 from train.optim.config import MuonConfig
-from train.optim.muon import matrix_view
+from train.optim.muon import ScaleByMuonState, matrix_view
 from train.optim.optimizer import applied_updates, build_optimizer, param_labels
 from train.optim.schedules import learning_rate_schedule
 
@@ -176,6 +177,22 @@ def test_frozen_router_unchanged_others_change(one_step):
             assert np.all(np.asarray(update) == 0), path
         elif path not in one_step["zero_grad"]:
             assert np.abs(np.asarray(update)).max() > 0, path
+
+
+def test_frozen_params_carry_no_optimizer_state(one_step):
+    """Frozen params reach Muon and Adam as optax.MaskedNode: no momentum or moments, so no
+    orthogonalisation either (scale_by_muon skips masked leaves)."""
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    states = [s for s in jax.tree.leaves(one_step["state"], is_leaf=lambda x: isinstance(
+        x, (ScaleByMuonState, optax.ScaleByAdamState))) if hasattr(s, "_fields")]
+    buffers = {"muon": [_by_path(s.momentum, masked) for s in states
+                        if isinstance(s, ScaleByMuonState)],
+               "adamw": [_by_path(s.mu, masked) for s in states
+                         if isinstance(s, optax.ScaleByAdamState)]}
+    assert [len(b) for b in buffers.values()] == [1, 1]
+    for group, (tree,) in buffers.items():
+        for path, label in one_step["labels"].items():
+            assert masked(tree[path]) == (label != group), (group, path)
 
 
 def test_logged_learning_rate_follows_applied_updates(one_step):

@@ -17,6 +17,7 @@ from model.config import (
     check_positive,
     config_to_dict,
 )
+from train.optim.muon import ITERATION_DTYPES
 
 OPTIMIZERS = ("muon", "adamw")
 ORTHOGONALIZERS = ("polar_express", "newton_schulz")
@@ -31,7 +32,10 @@ class MuonConfig(Config):
     nesterov: bool = True
     orthogonalizer: str = "polar_express"  # or the classic Newton-Schulz-5 quintic
     steps: int = 6  # T = 6 Polar Express iterations (report 4.1.1)
-    iteration_dtype: str = "float16"  # state and intermediates of the iteration (report 4.1.1)
+    # State and intermediates of the iteration (report 4.1.1: float16). 'auto': float16 on GPU,
+    # float32 on CPU (float16 matmuls are float32 ones plus conversions there) and TPU (no
+    # float16 MXU path); see train.optim.muon.resolve_iteration_dtype.
+    iteration_dtype: str = "auto"
     # Update-RMS matching: scale the orthogonalised update to this RMS so AdamW's learning rate
     # and weight decay carry over (Moonlight: 0.2); 0 = the original sqrt(max(1, m/n)) scale.
     update_rms: float = 0.2
@@ -41,7 +45,7 @@ class MuonConfig(Config):
         check_bool("nesterov", self.nesterov)
         check_choice("orthogonalizer", self.orthogonalizer, ORTHOGONALIZERS)
         check_int("steps", self.steps, 1)
-        check_choice("iteration_dtype", self.iteration_dtype, ("float16", "bfloat16", "float32"))
+        check_choice("iteration_dtype", self.iteration_dtype, ITERATION_DTYPES)
         check_nonnegative("update_rms", self.update_rms)
 
 
