@@ -255,7 +255,8 @@ def main() -> None:
             ["module", "layers", "stepjax", "torch eager", "torch / stepjax"],
             [[name, row["layers"], f"{1e3 * row['stepjax']:.0f}", f"{1e3 * row['torch']:.0f}",
               f"{row['torch'] / row['stepjax']:.2f}x"] for name, row in r["breakdown_s"].items()]))
-    save("vs_torch", {"matmul_peaks_flops": peaks, "batch": [BATCH, LENGTH], "results": results})
+    save("vs_torch_" + "_".join(args.sizes),
+         {"matmul_peaks_flops": peaks, "batch": [BATCH, LENGTH], "results": results})
 
 
 if __name__ == "__main__":
