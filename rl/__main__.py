@@ -15,6 +15,7 @@ from typing import Sequence
 
 from model.config.cli import ArgumentParser, report_error
 from model.interop.workdir import CheckpointError
+from model.interop.workdir_lock import WorkdirInUse
 from rl.config import load_rl_config
 from rl.loop import run_rl
 from train.loop import TrainingError
@@ -44,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = Path(args.workdir)
     try:
         summary = run_rl(run, workdir, init_from=args.init_from)
-    except (TrainingError, CheckpointError, ValueError) as err:
+    except (TrainingError, CheckpointError, WorkdirInUse, ValueError) as err:
         return report_error(err)
     if summary.first_iteration == summary.last_iteration and not summary.interrupted:
         print(f"nothing to do: {workdir} is already at iteration {summary.last_iteration} "

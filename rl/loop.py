@@ -28,6 +28,7 @@ from tqdm import tqdm
 from model.inference.decode import Decoder
 from model.inference.sampling import Sampling
 from model.interop.workdir import Checkpointer
+from model.interop.workdir_lock import workdir_lock
 from model.lm import CausalLM, abstract_variables, init_variables, join_variables
 from model.parallel.rules import param_axes
 from model.tokenizers.text import load_tokenizer
@@ -325,11 +326,13 @@ def run_rl(run: RLRunConfig, workdir: Path, *, init_from: str | None = None,
     """Runs to `rl.iterations`, resuming from `workdir`'s latest checkpoint. `stop_after`:
     leave (with a checkpoint) after this many iterations, as SIGTERM would (tests)."""
     enable_compilation_cache(run.rl.xla_cache_dir)
-    trainer = RLTrainer(run, Path(workdir), init_from)
-    try:
-        return _iterate(trainer, trainer.initial_state(), stop_after)
-    finally:
-        trainer.checkpoints.close()
+    prepare_workdir(Path(workdir))
+    with workdir_lock(Path(workdir)):
+        trainer = RLTrainer(run, Path(workdir), init_from)
+        try:
+            return _iterate(trainer, trainer.initial_state(), stop_after)
+        finally:
+            trainer.checkpoints.close()
 
 
 def _iterate(trainer: RLTrainer, state: RLState, stop_after: int | None) -> RLSummary:

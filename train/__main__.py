@@ -21,6 +21,7 @@ from typing import Sequence
 
 from model.config.cli import ArgumentParser, report_error
 from model.interop.workdir import CheckpointError
+from model.interop.workdir_lock import WorkdirInUse
 from train.config import load_run_config
 from train.experiments.recipe import load_recipe, run_recipe
 from train.loop import TrainingError, TrainSummary, train
@@ -73,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  log=print if is_lead() else lambda _: None)
         else:
             summary = train(run, workdir)
-    except (TrainingError, CheckpointError, ValueError) as err:
+    except (TrainingError, CheckpointError, WorkdirInUse, ValueError) as err:
         return report_error(err)
     if not is_lead():  # process 0 reports for all
         return 0

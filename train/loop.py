@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.interop.workdir import Checkpointer, restore_target
+from model.interop.workdir_lock import workdir_lock
 from model.lm import split_variables
 from model.parallel.rules import named, replicated, use_mesh
 from model.tokenizers.text import load_tokenizer
@@ -219,12 +220,14 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
     "balance"} a run without checkpoints starts from instead of a random init (a recipe stage
     continuing the previous one, train/experiments/recipe.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)
-    trainer = Trainer(run, Path(workdir))
-    try:
-        with use_mesh(trainer.mesh):
-            return _run_steps(trainer, trainer.initial_state(start_from), stop_after)
-    finally:
-        trainer.checkpoints.close()
+    prepare_workdir(Path(workdir))
+    with workdir_lock(Path(workdir)):
+        trainer = Trainer(run, Path(workdir))
+        try:
+            with use_mesh(trainer.mesh):
+                return _run_steps(trainer, trainer.initial_state(start_from), stop_after)
+        finally:
+            trainer.checkpoints.close()
 
 
 def _run_steps(trainer: Trainer, state: TrainState, stop_after: int | None) -> TrainSummary:

@@ -23,6 +23,7 @@ from train_helpers import SMALL_MODEL, TINY, small_run, synthetic_batch
 import train.step as step_module
 from model.config import load_config
 from model.interop.workdir import Checkpointer
+from model.interop.workdir_lock import LOCK_FILE
 from model.layers.params import unstack_layers
 from model.layers.router import expert_load, route
 from model.lm import abstract_variables
@@ -52,8 +53,9 @@ def restore_params(workdir: Path, step: int, run):
 
 
 def files_digest(directory: Path) -> dict[str, str]:
+    """Digest of every saved file (the lock file names its latest holder, so it is left out)."""
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != LOCK_FILE}
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 import jax
 
 from model.interop.workdir import latest_checkpoint_step
+from model.interop.workdir_lock import workdir_lock
 from model.weights import load_model
 from train.checkpoint import changed_since_checkpoint
 from train.config import RunConfig, load_run_config
@@ -143,6 +144,12 @@ def run_recipe(recipe: Recipe, workdir: Path, extra: Sequence[str] = (), *,
     would; used to test resumption."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    with workdir_lock(workdir):  # each stage's `train` locks its own directory too
+        return _run_stages(recipe, workdir, extra, stop_after, log)
+
+
+def _run_stages(recipe: Recipe, workdir: Path, extra: Sequence[str], stop_after: int | None,
+                log: Callable[[str], None]) -> RecipeOutcome:
     (workdir / "recipe.json").write_text(json.dumps({
         "base": str(recipe.base), "overrides": [*recipe.overrides, *extra],
         "stages": [dataclasses.asdict(s) for s in recipe.stages]}, indent=2) + "\n")

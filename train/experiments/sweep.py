@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 from model.config.cli import ArgumentParser, report_error
 from model.interop.workdir import CheckpointError, latest_checkpoint_step
+from model.interop.workdir_lock import WorkdirInUse, workdir_lock
 from train.checkpoint import changed_since_checkpoint
 from train.experiments.sweep_file import Sweep, load_sweep
 from train.experiments.sweep_report import STATUS_FILE, collect_results, write_report
@@ -69,9 +70,16 @@ def run_sweep(sweep: Sweep, workdir: Path, only: Sequence[str] = (),
               log: Callable[[str], None] = print) -> SweepOutcome:
     """Trains the runs of `sweep` (those named in `only`, if given) under `workdir`/runs, then
     writes the report of every run that has metrics. Refuses (ValueError, nothing written) a
-    workdir whose runs were trained with other settings."""
+    workdir whose runs were trained with other settings, and (WorkdirInUse) one another sweep
+    is writing."""
     check_workdir(sweep, workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    with workdir_lock(workdir):
+        return _run_locked(sweep, workdir, only, log)
+
+
+def _run_locked(sweep: Sweep, workdir: Path, only: Sequence[str],
+                log: Callable[[str], None]) -> SweepOutcome:
     (workdir / "sweep.json").write_text(json.dumps({
         "base": str(sweep.base), "overrides": list(sweep.overrides),
         "command_line": list(sweep.command_line),
@@ -91,7 +99,7 @@ def run_sweep(sweep: Sweep, workdir: Path, only: Sequence[str] = (),
         start = time.perf_counter()
         try:
             summary = train(config, run_dir)
-        except (TrainingError, CheckpointError, ValueError) as err:
+        except (TrainingError, CheckpointError, WorkdirInUse, ValueError) as err:
             outcome.failed[run.name] = " ".join(str(err).split())
             log(f"[{index}/{len(selected)}] {run.name}: FAILED: {outcome.failed[run.name]}")
             continue
@@ -151,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         outcome = run_sweep(sweep, workdir, args.only)
     except OSError as err:
         return report_error(f"sweep {workdir}: {err.strerror or err}")
-    except (ValueError, CheckpointError) as err:
+    except (ValueError, CheckpointError, WorkdirInUse) as err:
         return report_error(err)
     print(f"trained {len(outcome.trained)}, already finished {len(outcome.skipped)}, "
           f"failed {len(outcome.failed)}; results: {workdir / 'results.md'}")
