@@ -137,14 +137,18 @@ class TrainConfig(OptimizerConfig, LoopConfig):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("steps", "batch_size", "seq_len", "max_consecutive_skips",
-                     "loss_chunk_size", "eval_batches"):
+        for name in ("steps", "batch_size", "max_consecutive_skips", "loss_chunk_size",
+                     "eval_batches"):
             check_int(name, getattr(self, name), 1)
+        check_int("seq_len", self.seq_len, 2)  # one token has no next token: nothing to learn
         check_int("micro_batch_size", self.micro_batch_size, 0)
         check_choice("schedule", self.schedule, SCHEDULES)
         for name in ("min_lr", "mtp_loss_weight", "balance_loss_coef", "router_bias_rate",
                      "peak_flops"):
             check_nonnegative(name, getattr(self, name))
+        if self.schedule == "cosine" and self.min_lr > self.lr:
+            raise ConfigError("min_lr", f"the cosine decays from train.lr={self.lr} down to "
+                              f"min_lr, so min_lr must not exceed it; got {self.min_lr}")
         self._validate_batch_warmup()
         for size in self.batch_sizes():
             if size % self.micro_batch():

@@ -35,11 +35,18 @@ def test_bad_value_raises_on_construction(make, message):
     ("train.data.heldout_fraction=1.0", "train.data.heldout_fraction: must be strictly"),
     ("train.xla_cache_dir=3", "train.xla_cache_dir: must be a directory path"),
     ("mesh.zero1=maybe", "mesh.zero1: must be true or false"),
+    ("train.seq_len=1", "train.seq_len: must be an integer >= 2, got 1"),
+    ("train.min_lr=0.01", "train.min_lr: the cosine decays from train.lr=0.003 down to min_lr"),
 ])
 def test_loaded_sections_name_the_dotted_field(override, message):
     with pytest.raises(ValueError) as info:
         load_run_config(TINY, [override])
     assert str(info.value).startswith(message), str(info.value)
+
+
+def test_min_lr_above_lr_is_accepted_where_no_cosine_uses_it():
+    stages = ["train.schedule=stages", "train.lr_stages=[[10, 1.0e-4, linear]]"]
+    assert load_run_config(TINY, ["train.min_lr=0.01", *stages]).train.min_lr == 0.01
 
 
 def test_mtp_weights_are_checked_against_the_model_by_the_run():
