@@ -6,6 +6,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 
@@ -40,6 +41,20 @@ def time_compiled(compiled, *args, repeats: int = 5) -> float:
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved(steps: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median seconds of each closure, called once per round in turn (after one warm-up call),
+    so that a slow patch of the shared machine hits every side alike."""
+    for step in steps.values():
+        step()
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def temp_bytes(compiled) -> int | None:

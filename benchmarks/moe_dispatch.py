@@ -10,32 +10,17 @@ cannot precompute the dispatch. Reports the median per case and its ratio to the
 """
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import markdown_table, save
+from benchmarks.common import interleaved, markdown_table, save
 from model.config import MoEConfig
 from model.layers.moe import routed_experts
 from model.layers.router import route
 from model.ops.linear import linear
 from model.ops.moe_dispatch import ExpertWeights
 from model.ops.swiglu import swiglu_activation
-
-
-def time_interleaved(steps: dict, args: dict, rounds: int) -> dict:
-    """name -> median wall seconds of steps[name](*args[name]), one call of each per round."""
-    for name, step in steps.items():
-        jax.block_until_ready(step(*args[name]))  # compile + warm up
-    times = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            jax.block_until_ready(step(*args[name]))
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
 def main() -> None:
@@ -78,9 +63,10 @@ def main() -> None:
     cases.update({impl: (moe_loss(impl), tuple(experts)) for impl in args.impls})
     steps = {name: jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
              for name, (loss, _) in cases.items()}
-    inputs = {name: (x, weights, routing.indices, routing.weights)
-              for name, (_, weights) in cases.items()}
-    seconds = time_interleaved(steps, inputs, args.rounds)
+    calls = {name: lambda step=steps[name], w=w: jax.block_until_ready(
+                 step(x, w, routing.indices, routing.weights))
+             for name, (_, w) in cases.items()}
+    seconds = interleaved(calls, args.rounds)
 
     flops = 3 * 2 * n * k * 3 * d * f  # fwd + bwd (2x fwd) of three matmuls per routed copy
     dense_seconds = seconds["dense FFN"]

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from benchmarks.common import markdown_table, save
+from benchmarks.common import interleaved, markdown_table, save
 from benchmarks.torch_step35 import torch_loss_and_grad, torch_module_steps, torch_text_model
 from model.interop.hf import load_hf_checkpoint, save_hf_checkpoint
 from model.layers.attention import Attention
@@ -155,20 +155,6 @@ def jax_module_steps(run: RunConfig, params, balance, inputs: dict, tokens: np.n
         grad = jax.jit(jax.grad(lambda v, h, f=apply: jnp.sum(f(v, h)), argnums=(0, 1)))
         steps[name] = lambda g=grad, v=variables, x=x: jax.block_until_ready(g(v, x))
     return steps
-
-
-def interleaved(steps: dict[str, Callable], rounds: int) -> dict[str, float]:
-    """Median seconds of each closure, called once per round in turn (after one warm-up call),
-    so that a slow patch of the shared machine hits every side alike."""
-    for step in steps.values():
-        step()
-    times = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def measure(size: str, rounds: int, compile_torch: bool, breakdown: bool) -> dict:

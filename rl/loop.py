@@ -44,6 +44,7 @@ from rl.update import make_actor_step, make_critic_step, minibatches
 from train.config import incompatible_fields
 from train.data.arithmetic import arithmetic_problems, sample_problems, split_problems
 from train.loop import TrainingError, enable_compilation_cache, prepare_workdir, stop_requests
+from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES
 from train.optim.optimizer import build_optimizer
 from train.optim.schedules import learning_rate_schedule
 from train.state import TrainState, state_from_variables
@@ -52,9 +53,6 @@ from train.telemetry.metrics import METRICS_FILE, MetricsWriter, read_metrics
 # Fields a resumed run may change: run length, logging, evaluation and checkpoint cadence.
 RESUMABLE_CHANGES = {"iterations", "log_every", "eval_every", "eval_prompts",
                      "checkpoint_every", "keep_checkpoints", "progress", "xla_cache_dir"}
-# Fields of each model's optimizer (rl.actor, rl.critic) a resumed run may change, as in training
-# (train.config.RESUMABLE_CHANGES): they round Muon's iteration, not the saved state.
-RESUMABLE_MUON_CHANGES = {"iteration_dtype"}
 
 
 def resumed_config(run: RLRunConfig, saved: dict, workdir: Path) -> RLRunConfig:
@@ -64,18 +62,22 @@ def resumed_config(run: RLRunConfig, saved: dict, workdir: Path) -> RLRunConfig:
     saved_run = rl_config_from_dict(saved)
     sections = lambda values: {k: values[k] for k in ("rl", "task")}  # noqa: E731
     resumable = {f"rl.{k}" for k in RESUMABLE_CHANGES} | {
-        f"rl.{model}.muon.{k}" for model in ("actor", "critic") for k in RESUMABLE_MUON_CHANGES}
+        f"rl.{model}.{field}" for model in ("actor", "critic")
+        for field in RESUMABLE_OPTIMIZER_CHANGES}
     changed = incompatible_fields(sections(saved_run.to_dict()), sections(run.to_dict()),
                                   resumable)
     if changed:
         raise TrainingError(f"cannot resume {workdir}: the config differs from the "
                             f"checkpoint's in {', '.join(changed)}; use another --workdir")
 
-    def optimizer(model):
+    def optimizer(model):  # the saved optimizer with this run's resumable fields
         saved_optimizer, current = getattr(saved_run.rl, model), getattr(run.rl, model)
-        muon = dataclasses.replace(saved_optimizer.muon, **{
-            k: getattr(current.muon, k) for k in RESUMABLE_MUON_CHANGES})
-        return dataclasses.replace(saved_optimizer, muon=muon)
+        for field in RESUMABLE_OPTIMIZER_CHANGES:
+            group, name = field.split(".")
+            changed = dataclasses.replace(getattr(saved_optimizer, group),
+                                          **{name: getattr(getattr(current, group), name)})
+            saved_optimizer = dataclasses.replace(saved_optimizer, **{group: changed})
+        return saved_optimizer
 
     rl = dataclasses.replace(saved_run.rl, **{k: getattr(run.rl, k) for k in RESUMABLE_CHANGES},
                              actor=optimizer("actor"), critic=optimizer("critic"))
@@ -100,9 +102,11 @@ class RLSummary:
 
 
 class RLTrainer:
+    """The pieces of one RL run; `run_rl()` is the entry point (it prepares and locks the
+    workdir first)."""
+
     def __init__(self, run: RLRunConfig, workdir: Path, init_from: str | None = None):
         self.workdir = Path(workdir)
-        prepare_workdir(self.workdir)
         self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.rl.keep_checkpoints)
         self.resume_step = self.checkpoints.latest_step()
         self.initial_variables = None

@@ -32,7 +32,7 @@ from model.config import (
     read_yaml,
 )
 from model.parallel.rules import MESH_AXES
-from train.optim.config import OptimizerConfig
+from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
 
 SCHEDULES = ("cosine", "constant", "stages")
 STAGE_SHAPES = ("cosine", "linear", "constant")
@@ -320,7 +320,7 @@ RESUMABLE_CHANGES = {
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
     "train.peak_flops", "train.progress", "train.xla_cache_dir", "train.data.num_workers", "train.loss_chunk_size",
-    "train.muon.iteration_dtype",  # rounding of Muon's iteration only; its momentum is float32
+    *(f"train.{field}" for field in RESUMABLE_OPTIMIZER_CHANGES),
 }
 
 

@@ -105,11 +105,11 @@ def stop_requests():
 
 
 class Trainer:
-    """Holds the pieces of one run; `train()` below is the entry point."""
+    """Holds the pieces of one run; `train()` below is the entry point (it prepares and locks
+    the workdir first)."""
 
     def __init__(self, run: RunConfig, workdir: Path):
         self.run, self.workdir = run, Path(workdir)
-        prepare_workdir(self.workdir)
         self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.train.keep_checkpoints)
         self.resume_step = from_lead(self.checkpoints.latest_step())
         if self.resume_step is not None:

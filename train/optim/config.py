@@ -20,6 +20,9 @@ from model.config import (
 from train.optim.muon import ITERATION_DTYPES
 
 OPTIMIZERS = ("muon", "adamw")
+# Optimizer fields a resumed run may change (dotted, under the optimizer's section): they round
+# Muon's iteration only; its momentum is float32 whatever the dtype.
+RESUMABLE_OPTIMIZER_CHANGES = {"muon.iteration_dtype"}
 ORTHOGONALIZERS = ("polar_express", "newton_schulz")
 
 
