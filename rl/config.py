@@ -26,6 +26,7 @@ from model.config import (
     check_fraction,
     check_int,
     check_nonnegative,
+    check_open_fraction,
     check_positive,
     config_from_dict,
     config_to_dict,
@@ -127,6 +128,18 @@ class RLConfig(LoopConfig):
         if self.batch_size < max(self.actor_minibatches, self.critic_minibatches):
             raise ConfigError("", f"{self.batch_size} rollouts per iteration cannot fill "
                               f"{max(self.actor_minibatches, self.critic_minibatches)} minibatches")
+        self._validate_warmups()
+
+    def _validate_warmups(self) -> None:
+        """A warm-up counts optimizer updates: one per minibatch of every iteration."""
+        for name in ("actor", "critic") if self.uses_critic else ("actor",):
+            minibatches = getattr(self, f"{name}_minibatches")
+            updates, warmup = self.iterations * minibatches, getattr(self, name).warmup_steps
+            if warmup > updates:
+                raise ConfigError(f"{name}.warmup_steps", f"{warmup} warm-up updates exceed the "
+                                  f"run's {updates} (rl.iterations={self.iterations} x "
+                                  f"rl.{name}_minibatches={minibatches}); set "
+                                  f"rl.{name}.warmup_steps <= {updates}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +160,7 @@ class TaskConfig(Config):
         check_int("max_operand", self.max_operand, 1)
         if not isinstance(self.ops, str) or not self.ops or set(self.ops) - set("+-*"):
             raise ConfigError("ops", f"must be a non-empty string of + - *, got {self.ops!r}")
-        check_fraction("heldout_fraction", self.heldout_fraction)
+        check_open_fraction("heldout_fraction", self.heldout_fraction)
 
 
 @dataclasses.dataclass(frozen=True)

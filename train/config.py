@@ -24,11 +24,12 @@ from model.config import (
     build_dataclass,
     check_bool,
     check_choice,
-    check_fraction,
     check_int,
     check_nonnegative,
+    check_open_fraction,
     config_from_dict,
     config_to_dict,
+    model_values,
     read_yaml,
 )
 from model.parallel.rules import MESH_AXES
@@ -68,9 +69,7 @@ class DataConfig(Config):
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             raise ConfigError("tokenizer", "must be 'default', 'arith_chars' or a "
                               "tokenizer.json path")
-        check_fraction("heldout_fraction", self.heldout_fraction)
-        if not 0 < self.heldout_fraction < 1:
-            raise ConfigError("heldout_fraction", "must be strictly between 0 and 1")
+        check_open_fraction("heldout_fraction", self.heldout_fraction)
         check_bool("meta_tokens", self.meta_tokens)
         check_int("meta_loss_mask_after_tokens", self.meta_loss_mask_after_tokens, -1)
         check_bool("shuffle", self.shuffle)
@@ -149,11 +148,12 @@ class TrainConfig(OptimizerConfig, LoopConfig):
         if self.schedule == "cosine" and self.min_lr > self.lr:
             raise ConfigError("min_lr", f"the cosine decays from train.lr={self.lr} down to "
                               f"min_lr, so min_lr must not exceed it; got {self.min_lr}")
+        if self.warmup_steps > self.steps:  # every schedule starts with the warm-up
+            raise ConfigError("warmup_steps", f"{self.warmup_steps} warm-up steps exceed "
+                              f"train.steps={self.steps}; set train.warmup_steps <= {self.steps} "
+                              "(or raise train.steps)")
         self._validate_batch_warmup()
-        for size in self.batch_sizes():
-            if size % self.micro_batch():
-                raise ConfigError("batch_warmup", f"batch size {size} is not a multiple of "
-                                  f"train.micro_batch_size={self.micro_batch()}")
+        self._validate_micro_batch()
         self._validate_stages()
         for i, w in enumerate(self.mtp_offset_weights):
             check_nonnegative(f"mtp_offset_weights[{i}]", w)
@@ -169,6 +169,21 @@ class TrainConfig(OptimizerConfig, LoopConfig):
                 raise ConfigError(f"batch_warmup[{i}]", f"steps must increase and batch "
                                   f"sizes be >= 1, got {entry!r}")
             previous = entry[0]
+
+    def _validate_micro_batch(self) -> None:
+        micro = self.micro_batch()
+        if self.micro_batch_size and self.batch_size % micro:
+            raise ConfigError("micro_batch_size", f"must divide train.batch_size="
+                              f"{self.batch_size} (a step accumulates batch_size / "
+                              f"micro_batch_size micro-batches), got {micro}")
+        named = (f"train.micro_batch_size={micro}" if self.micro_batch_size else
+                 f"the micro-batch {micro} (the smallest batch size: train.micro_batch_size=0)")
+        for i, (_, size) in enumerate(self.batch_warmup):
+            if size % micro:
+                raise ConfigError(f"batch_warmup[{i}]", f"batch size {size} is not a multiple "
+                                  f"of {named}")
+        if self.batch_size % micro:
+            raise ConfigError("batch_size", f"{self.batch_size} is not a multiple of {named}")
 
     def _validate_stages(self) -> None:
         if self.schedule == "stages" and not self.lr_stages:
@@ -295,6 +310,7 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfi
     values = read_yaml(path)
     if not (set(SECTIONS) & set(values)):
         values = {"model": values}
+    values["model"] = model_values(values, path)
     check_override_sections(overrides, SECTIONS)
     return run_config_from_dict(apply_overrides(values, overrides))
 

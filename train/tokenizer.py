@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from model.config import check_open_fraction
 from model.config.cli import ArgumentParser
 from model.tokenizers.text import DEFAULT_PATH, SPECIAL_TOKENS, load_tokenizer, train_bpe
 from train.config import DataConfig
@@ -39,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out.exists() and not args.force:
         parser.error(f"--out {args.out} exists; pass --force to overwrite it")
     try:
+        check_open_fraction("--heldout-fraction", args.heldout_fraction)
         train_docs, _ = split_documents(load_documents(args.source), args.heldout_fraction)
     except ValueError as err:
         parser.error(str(err))

@@ -14,6 +14,7 @@ from model.config.core import (
     check_fraction,
     check_int,
     check_nonnegative,
+    check_open_fraction,
     check_positive,
     config_to_dict,
     parse_override,
@@ -35,13 +36,15 @@ from model.config.model_config import (
     config_from_dict,
     expand_layout,
     load_config,
+    model_values,
 )
 
 __all__ = [
     "Config", "ConfigError", "apply_overrides", "build_dataclass", "check_bool", "check_choice",
-    "check_fraction", "check_int", "check_nonnegative", "check_positive", "config_to_dict",
+    "check_fraction", "check_int", "check_nonnegative", "check_open_fraction", "check_positive",
+    "config_to_dict",
     "parse_override", "read_yaml", "yaml_load",
     "DTYPES", "EP_COLLECTIVES", "GATE_TYPES", "REMAT_POLICIES", "ROPE_SCALING_TYPES",
     "ROUTER_ACTIVATIONS", "AttentionTypeConfig", "ModelConfig", "MoEConfig", "MTPConfig",
-    "RopeScaling", "config_from_dict", "expand_layout", "load_config",
+    "RopeScaling", "config_from_dict", "expand_layout", "load_config", "model_values",
 ]

@@ -74,6 +74,12 @@ def check_fraction(field: str, value: Any) -> None:
         raise ConfigError(field, f"must be a number in [0, 1], got {value!r}")
 
 
+def check_open_fraction(field: str, value: Any) -> None:
+    """A share that must leave both parts non-empty, e.g. a held-out fraction."""
+    if not _is_number(value) or not 0 < value < 1:
+        raise ConfigError(field, f"must be a number strictly between 0 and 1, got {value!r}")
+
+
 def check_bool(field: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ConfigError(field, f"must be true or false, got {value!r}")
@@ -149,6 +155,9 @@ def config_to_dict(config: Any) -> dict:
 
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"config file {str(path)!r} is a directory; expected a YAML file such "
+                         "as configs/tiny.yaml")
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
     try:

@@ -7,13 +7,15 @@ A directory holds `model.safetensors`, or `model-0000k-of-0000N.safetensors` sha
 
 from __future__ import annotations
 
+import contextlib
 import json
+import struct
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
@@ -35,6 +37,40 @@ def read_json(path: Path) -> Any:
         raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from None
 
 
+@contextlib.contextmanager
+def open_shard(file: Path) -> Iterator[Any]:
+    """safetensors' lazy reader of `file`, once the file is known to hold all the bytes its
+    header declares (an interrupted download or copy is cut short); a damaged file is a
+    one-line `CheckpointFormatError` naming it."""
+    size, declared = file.stat().st_size, _declared_size(file)
+    if declared is None:
+        raise CheckpointFormatError(f"{file}: not a complete safetensors file (its header "
+                                    "cannot be read); copy or download it again")
+    if size < declared:
+        raise CheckpointFormatError(f"{file}: truncated: its header declares {declared} bytes, "
+                                    f"the file has {size}; copy or download it again")
+    try:
+        with safe_open(file, framework="numpy") as reader:
+            yield reader
+    except SafetensorError as err:
+        raise CheckpointFormatError(f"{file}: unreadable ({' '.join(str(err).split())})") from None
+
+
+def _declared_size(file: Path) -> int | None:
+    """Size of `file` by its header: the 8-byte header length, the JSON header, then the data up
+    to the largest end offset. None: no readable header."""
+    with open(file, "rb") as f:
+        prefix = f.read(8)
+        header_size = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        header = f.read(header_size) if 0 <= header_size <= file.stat().st_size else b""
+    try:
+        ends = [entry["data_offsets"][1] for name, entry in json.loads(header).items()
+                if name != "__metadata__"]
+        return 8 + header_size + max(ends, default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+
+
 def shard_names(path: Path) -> dict[str, list[str]]:
     """{shard file: tensor names} from the index, or the single `model.safetensors`."""
     if (path / INDEX).is_file():
@@ -46,7 +82,7 @@ def shard_names(path: Path) -> dict[str, list[str]]:
             files.setdefault(file, []).append(name)
         return files
     if (path / SINGLE_FILE).is_file():
-        with safe_open(path / SINGLE_FILE, framework="numpy") as f:
+        with open_shard(path / SINGLE_FILE) as f:
             return {SINGLE_FILE: list(f.keys())}
     raise CheckpointFormatError(f"{path}: neither {INDEX} nor {SINGLE_FILE} found")
 
@@ -71,7 +107,7 @@ def check_tensors(path: Path, files: dict[str, list[str]],
     for file, names in files.items():
         if not (path / file).is_file():
             raise CheckpointFormatError(f"{path / file}: shard listed in {INDEX} not found")
-        with safe_open(path / file, framework="numpy") as f:
+        with open_shard(path / file) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
@@ -93,7 +129,7 @@ def read_tensors(path: Path, files: dict[str, list[str]], *,
     (memory-mapped) reader: only the tensor being yielded is materialised."""
     for file, names in tqdm(files.items(), desc="import", unit="shard", disable=not progress,
                             file=sys.stderr):
-        with safe_open(path / file, framework="numpy") as f:
+        with open_shard(path / file) as f:
             for name in names:
                 yield name, f.get_tensor(name)
 

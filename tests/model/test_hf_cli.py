@@ -5,11 +5,13 @@ tests/hf_step3p5_checkpoint.py."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
 from hf_step3p5_checkpoint import REPO, assert_same_tensors, read_dir
 
+from model.generate import main as generate_main
 from model.hf import main
 
 
@@ -40,3 +42,23 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(hf_source, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith("error:") and "not empty" in err and err.count("\n") == 1
     assert [p.name for p in taken.iterdir()] == ["x"]
+
+
+def test_truncated_shard_is_one_line_naming_it_in_import_and_generate(hf_source, tmp_path,
+                                                                      capsys):
+    cut = tmp_path / "cut"
+    shutil.copytree(hf_source[0], cut)
+    shard = cut / "model-00002-of-00002.safetensors"
+    full_size = shard.stat().st_size
+    with open(shard, "r+b") as f:  # an interrupted download: the data stops early
+        f.truncate(full_size - 100)
+    commands = {"import": lambda: main(["import", str(cut), "--out", str(tmp_path / "model")]),
+                "generate": lambda: generate_main(["--hf", str(cut), "--prompt", "hi"])}
+    for name, command in commands.items():
+        assert command() == 2, name
+        captured = capsys.readouterr()
+        err = captured.err
+        assert err.startswith(f"error: {shard}: truncated") and err.count("\n") == 1, err
+        assert f"declares {full_size} bytes, the file has {full_size - 100}" in err
+        assert captured.out == ""
+    assert not (tmp_path / "model").exists()

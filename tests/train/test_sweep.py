@@ -35,7 +35,7 @@ def write_sweep(tmp_path: Path, **values) -> Path:
 
 def test_grid_is_a_cartesian_product_and_runs_cross_it(tmp_path):
     sweep = load_sweep(write_sweep(
-        tmp_path, overrides=["train.steps=3", "train.eval_every=0"],
+        tmp_path, overrides=["train.steps=3", "train.warmup_steps=1", "train.eval_every=0"],
         grid={"train.lr": [0.001, 0.003], "model.gate": ["sink", "none"]},
         runs=[{"name": "a", "overrides": ["model.window=16"]}, {"name": "b"}]))
     names = [r.name for r in sweep.runs]

@@ -27,7 +27,7 @@ def _written(workdir: Path) -> list[str]:
 def test_train_cli_refuses_a_workdir_in_use(tmp_path, capsys):
     with workdir_lock(tmp_path):
         code = train_main(["--config", str(TINY), "--workdir", str(tmp_path), *SMALL_MODEL,
-                           "train.steps=2", "train.progress=false"])
+                           "train.steps=2", "train.warmup_steps=1", "train.progress=false"])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and err[0].startswith("error: workdir "), err
         assert IN_USE in err[0]
