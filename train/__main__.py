@@ -55,6 +55,10 @@ def build_parser() -> ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:  # a bare `python -m train`: show how it is called, then the one-line error
+        parser.print_usage(sys.stderr)
+        parser.error("--config PATH (or --recipe PATH) and --workdir DIR are required")
     args = parser.parse_intermixed_args(argv)
     try:
         if args.recipe:

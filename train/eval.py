@@ -63,9 +63,13 @@ def evaluate_checkpoint(workdir: Path, split: str, batches: int, step: int | Non
                         progress: bool = False) -> dict:
     checkpoints = Checkpointer(workdir / "checkpoints", keep=1 << 30)
     try:
-        step = checkpoints.latest_step() if step is None else step
-        if step is None:
+        saved = checkpoints.all_steps()
+        if not saved:
             raise CheckpointError(f"no checkpoint in {workdir / 'checkpoints'}")
+        step = saved[-1] if step is None else step
+        if step not in saved:
+            raise CheckpointError(f"--step {step}: {workdir} has no checkpoint of that step; "
+                                  f"saved steps: {', '.join(map(str, saved))}")
         run = run_config_from_dict(checkpoints.read_config(step))
         training = build_training(run)
         # Onto this process's first device, whatever mesh or process count saved it.

@@ -25,9 +25,11 @@ class CheckpointError(RuntimeError):
 class Checkpointer:
     def __init__(self, directory: Path, keep: int):
         self.directory = Path(directory).absolute()
+        # create=False: the directory appears with the first save, so a run that fails before
+        # it (or a reader such as train.eval) leaves no empty checkpoints/ behind.
         self._manager = ocp.CheckpointManager(
             self.directory, item_names=("state", "data", "config"),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=False,
                                                  enable_async_checkpointing=True))
 
     def latest_step(self) -> int | None:

@@ -32,11 +32,26 @@ def test_bad_value_raises_on_construction(make, message):
     ("rl.critic.optimizer=sgd", "rl.critic.optimizer: got 'sgd'"),
     ("rl.actor.muon.steps=0", "rl.actor.muon.steps: must be an integer >= 1, got 0"),
     ("rl.log_every=0", "rl.log_every: must be an integer >= 1, got 0"),
+    # the same check and message as train.data.heldout_fraction
+    ("task.heldout_fraction=0", "task.heldout_fraction: must be a number strictly between 0 "
+                                "and 1, got 0"),
+    # a warm-up counts updates: iterations x minibatches (rl_arith: 4 actor minibatches)
+    ("rl.actor.warmup_steps=9 rl.iterations=2", "rl.actor.warmup_steps: 9 warm-up updates "
+     "exceed the run's 8 (rl.iterations=2 x rl.actor_minibatches=4); set rl.actor.warmup_steps "
+     "<= 8"),
+    ("rl.critic.warmup_steps=3 rl.iterations=1 rl.critic_minibatches=2 rl.advantages=gae",
+     "rl.critic.warmup_steps: 3 warm-up updates exceed the run's 2"),
 ])
 def test_loaded_sections_name_the_dotted_field(override, message):
     with pytest.raises(ValueError) as info:
-        load_rl_config(RL_ARITH, [override])
+        load_rl_config(RL_ARITH, override.split())
     assert str(info.value).startswith(message), str(info.value)
+
+
+def test_warmups_as_long_as_the_run_or_of_an_unused_critic_are_accepted():
+    run = load_rl_config(RL_ARITH, ["rl.iterations=2", "rl.actor.warmup_steps=8",
+                                    "rl.critic.warmup_steps=500"])  # advantages: group
+    assert (run.rl.actor.warmup_steps, run.rl.critic.warmup_steps) == (8, 500)
 
 
 def test_rl_defaults_differ_from_training_where_the_report_says_so():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +102,17 @@ def test_truncate_after_and_resume_appends(tmp_path):
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
         (10, 10.0), (20, 20.0), (30, 0.5)]
     assert not list(tmp_path.glob(".metrics.jsonl.*"))  # no temporary file left behind
+
+
+def test_truncated_metrics_file_keeps_the_umask_mode(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        with MetricsWriter(tmp_path, tensorboard=False) as writer:
+            writer.write(1, {"loss": 1.0})
+            writer.truncate_after(0)  # replaced by a temporary file
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "metrics.jsonl").stat().st_mode) == 0o644
 
 
 def test_progress_bar_disabled_prints_nothing(capsys):

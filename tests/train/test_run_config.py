@@ -12,7 +12,8 @@ from model.config import load_config
 from train.config import MeshConfig, RunConfig, TrainConfig, load_run_config
 from train.optim.config import MuonConfig
 
-TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.yaml"
 
 
 @pytest.mark.parametrize("make, message", [
@@ -32,16 +33,71 @@ def test_bad_value_raises_on_construction(make, message):
 @pytest.mark.parametrize("override, message", [
     ("train.lr=-1", "train.lr: must be a positive number, got -1"),
     ("train.muon.steps=0", "train.muon.steps: must be an integer >= 1, got 0"),
-    ("train.data.heldout_fraction=1.0", "train.data.heldout_fraction: must be strictly"),
+    ("train.data.heldout_fraction=1.0", "train.data.heldout_fraction: must be a number strictly"),
     ("train.xla_cache_dir=3", "train.xla_cache_dir: must be a directory path"),
     ("mesh.zero1=maybe", "mesh.zero1: must be true or false"),
     ("train.seq_len=1", "train.seq_len: must be an integer >= 2, got 1"),
     ("train.min_lr=0.01", "train.min_lr: the cosine decays from train.lr=0.003 down to min_lr"),
+    ("train.micro_batch_size=3", "train.micro_batch_size: must divide train.batch_size=8 (a "
+                                 "step accumulates batch_size / micro_batch_size micro-batches), "
+                                 "got 3"),
+    ("train.batch_warmup=[[10,6]] train.micro_batch_size=4",
+     "train.batch_warmup[0]: batch size 6 is not a multiple of train.micro_batch_size=4"),
+    # one range check, one message, whatever side the value is off
+    ("train.data.heldout_fraction=0", "train.data.heldout_fraction: must be a number strictly "
+                                      "between 0 and 1, got 0"),
+    ("train.data.heldout_fraction=1.5", "train.data.heldout_fraction: must be a number strictly "
+                                        "between 0 and 1, got 1.5"),
 ])
 def test_loaded_sections_name_the_dotted_field(override, message):
     with pytest.raises(ValueError) as info:
-        load_run_config(TINY, [override])
+        load_run_config(TINY, override.split())
     assert str(info.value).startswith(message), str(info.value)
+
+
+@pytest.mark.parametrize("schedule", [
+    [], ["train.schedule=constant"],
+    ["train.schedule=stages", "train.lr_stages=[[5, 0.001, linear]]"],
+])
+def test_warmup_longer_than_the_run_is_refused_under_every_schedule(schedule):
+    with pytest.raises(ValueError) as info:
+        load_run_config(TINY, ["train.steps=10", "train.warmup_steps=11", *schedule])
+    assert str(info.value) == ("train.warmup_steps: 11 warm-up steps exceed train.steps=10; set "
+                               "train.warmup_steps <= 10 (or raise train.steps)")
+
+
+def test_warmup_up_to_the_run_length_or_none_is_accepted():
+    assert load_run_config(TINY, ["train.steps=10", "train.warmup_steps=10"]).train.steps == 10
+    assert TrainConfig(steps=1, warmup_steps=0).warmup_steps == 0
+    with pytest.raises(ValueError, match=r"^train.warmup_steps: 50 warm-up steps exceed "):
+        TrainConfig(steps=10)  # the default warm-up is checked too
+
+
+@pytest.mark.parametrize("text", ["", "train: {steps: 3}\n", "model:\ntrain: {steps: 3}\n",
+                                  "mesh: {data: 1}\n"])
+def test_a_config_without_a_model_is_refused_by_both_loaders(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    for load in (load_run_config, load_config):
+        with pytest.raises(ValueError) as info:
+            load(path)
+        message = str(info.value)
+        assert message.startswith(f"config file {str(path)!r} defines no model"), message
+        # the presets are the repository's configs/*.yaml that define a model
+        assert message.endswith("start from a preset that has one: configs/sft_arith.yaml, "
+                                "configs/step35_flash.yaml, configs/tiny.yaml"), message
+
+
+def test_presets_with_top_level_model_fields_still_load():
+    flash = REPO / "configs" / "step35_flash.yaml"
+    assert load_run_config(flash).model == load_config(flash)
+    assert load_run_config(flash).model.num_layers == 45
+
+
+def test_a_directory_is_not_a_config_file():
+    for load in (load_run_config, load_config):
+        with pytest.raises(ValueError, match=r"'.*configs' is a directory; expected a YAML file"):
+            load(REPO / "configs")
 
 
 def test_min_lr_above_lr_is_accepted_where_no_cosine_uses_it():

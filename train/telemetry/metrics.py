@@ -18,6 +18,7 @@ import json
 import math
 import os
 import queue
+import stat
 import sys
 import tempfile
 import threading
@@ -129,6 +130,8 @@ class MetricsWriter:
         kept = [r for r in read_metrics(self.path) if r["step"] <= step]
         fd, tmp = tempfile.mkstemp(dir=self.workdir, prefix=f".{METRICS_FILE}.", suffix=".tmp")
         try:
+            # mkstemp makes the file private (0600); keep the mode metrics.jsonl was created with
+            os.fchmod(fd, stat.S_IMODE(self.path.stat().st_mode))
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in kept)
                 f.flush()
