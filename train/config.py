@@ -1,9 +1,10 @@
 """Training configuration: `TrainConfig` (frozen dataclass tree) next to the `ModelConfig`.
 
-A run is described by one YAML file with a `model:` and a `train:` section (either may be left
-out: defaults) plus dotted overrides `model.d_model=256 train.lr=1e-3`. Defaults follow the
-report's pre-training recipe (section 3.1 / 4.1): Muon, weight decay 0.1, clip 1.0, warm-up then
-cosine, MTP loss weight 0.3 on MTP-1, EP-group balance loss 0.001, loss-free bias rate 0.001.
+A run is described by one YAML file with a `model:` section (or a model preset's fields at top
+level) and a `train:` section (may be left out: defaults) plus dotted overrides
+`model.d_model=256 train.lr=1e-3`. Defaults follow the report's pre-training recipe (section 3.1 /
+4.1): Muon, weight decay 0.1, clip 1.0, warm-up then cosine, MTP loss weight 0.3 on MTP-1,
+EP-group balance loss 0.001, loss-free bias rate 0.001.
 `TrainConfig` takes its optimizer fields from `OptimizerConfig` (train/optim/config.py) and its
 seed/logging/checkpoint fields from `LoopConfig`, both shared with RL (rl/config.py) under the
 same YAML keys. Every config validates on construction (model/config/core.py).
@@ -306,7 +307,8 @@ def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
 
 def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
     """Reads a run YAML (`model:` / `train:` / `mesh:` sections; a file without them is a model
-    preset) and applies `model.x=...` / `train.x=...` / `mesh.x=...` overrides."""
+    preset; one without a model is refused) and applies `model.x=...` / `train.x=...` /
+    `mesh.x=...` overrides."""
     values = read_yaml(path)
     if not (set(SECTIONS) & set(values)):
         values = {"model": values}

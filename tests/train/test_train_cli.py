@@ -1,6 +1,6 @@
-"""Bad input to `python -m train` and `python -m train.eval` that ends before any training: one
-line `error: ...` (a bare `python -m train` also shows its usage), exit code 2, and nothing
-created or changed in the workdir."""
+"""Bad input to `python -m train`, `train.eval` and `train.tokenizer` that ends before any work:
+one line `error: ...` (a bare `python -m train` also shows its usage), exit code 2, and nothing
+created or changed."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from model.interop.workdir import Checkpointer
 from model.summary import main as summary_main
 from train.__main__ import main as train_main
 from train.eval import main as eval_main
+from train.tokenizer import main as tokenizer_main
 
 
 def _error_line(err: str) -> str:
@@ -89,3 +90,11 @@ def test_eval_without_checkpoints_creates_nothing(tmp_path, capsys):
     assert eval_main(["--workdir", str(tmp_path)]) == 2
     assert "no checkpoint in" in _error_line(capsys.readouterr().err)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_tokenizer_heldout_fraction_has_the_config_check_and_message(tmp_path, capsys):
+    out = tmp_path / "tokenizer.json"
+    assert _exit_code(tokenizer_main, ["--heldout-fraction", "1.5", "--out", str(out)]) == 2
+    assert _error_line(capsys.readouterr().err) == ("error: --heldout-fraction: must be a number "
+                                                    "strictly between 0 and 1, got 1.5")
+    assert not out.exists()
