@@ -26,6 +26,7 @@ from model.config.cli import ArgumentParser, report_error
 from model.inference.decode import Decoder, required_length
 from model.inference.sampling import Sampling
 from model.interop.workdir import CheckpointError, latest_run_config
+from model.interop.workdir_record import read_record, tokenizer_mismatch
 from model.tokenizers.chat import load_chat_tokenizer
 from model.tokenizers.text import load_tokenizer
 from model.weights import load_model
@@ -33,6 +34,8 @@ from model.weights import load_model
 
 def load_tokenizer_for(args):
     """-> (encode(text) -> ids, decode(ids) -> text, stop ids, render(text) for --chat or None)."""
+    if args.workdir:
+        check_workdir_tokenizer(Path(args.workdir), args.tokenizer)
     if args.hf or (args.tokenizer and Path(args.tokenizer).is_dir()):
         tok = load_chat_tokenizer(args.tokenizer or args.hf)
         render = lambda text: tok.render([{"role": "user", "content": text}],  # noqa: E731
@@ -43,6 +46,17 @@ def load_tokenizer_for(args):
     tok = load_tokenizer(spec)
     return (lambda text: tok.encode(text).tolist(),
             lambda ids: tok.decode(ids, skip_special_tokens=True), {tok.eos_id}, None)
+
+
+def check_workdir_tokenizer(workdir: Path, spec: str | None) -> None:
+    """A training workdir records its tokenizer (model/interop/workdir_record.py): decoding its
+    model with another would print noise, so refuse (`spec` None: the run config's tokenizer,
+    whose file may have changed since)."""
+    if read_record(workdir) is None:  # a model directory, or a workdir of an older stepjax
+        return
+    mismatch = tokenizer_mismatch(workdir, load_tokenizer(spec or workdir_tokenizer(workdir)))
+    if mismatch:
+        raise ValueError(f"--tokenizer: {mismatch}; give --tokenizer the one it was trained with")
 
 
 def workdir_tokenizer(workdir: Path) -> str:

@@ -29,6 +29,7 @@ from model.inference.decode import Decoder
 from model.inference.sampling import Sampling
 from model.interop.workdir import Checkpointer
 from model.interop.workdir_lock import workdir_lock
+from model.interop.workdir_record import tokenizer_mismatch
 from model.lm import CausalLM, abstract_variables, init_variables, join_variables
 from model.parallel.rules import param_axes
 from model.tokenizers.text import load_tokenizer
@@ -121,6 +122,12 @@ class RLTrainer:
                                 "model directory or HF checkpoint) or give a model: section")
         self.run, rl = run, run.rl
         self.tokenizer = load_tokenizer(rl.tokenizer)
+        # A policy trained with another tokenizer reads the prompts as noise: reward 0 throughout.
+        mismatch = init_from and self.resume_step is None and tokenizer_mismatch(
+            Path(init_from), self.tokenizer)
+        if mismatch:
+            raise TrainingError(f"--init-from: {mismatch}; set rl.tokenizer to the workdir's "
+                                "tokenizer or start from a policy trained with this one")
         if self.tokenizer.get_vocab_size() > run.model.vocab_size:
             raise TrainingError(f"tokenizer {rl.tokenizer!r} has {self.tokenizer.get_vocab_size()} "
                                 f"tokens but the model's vocab_size is {run.model.vocab_size}")

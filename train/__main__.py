@@ -37,6 +37,9 @@ def build_parser() -> ArgumentParser:
                         help="staged recipe YAML; overrides apply to every stage")
     parser.add_argument("--workdir", required=True, metavar="DIR",
                         help="where checkpoints and metrics go; an existing run there is resumed")
+    parser.add_argument("--allow-data-change", action="store_true",
+                        help="resume although the data files changed since the run started "
+                             "(the new data is recorded)")
     multi = parser.add_argument_group(
         "multi-process (default: one process, unless a SLURM / Open MPI / TPU / k8s job is "
         "detected)")
@@ -75,9 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.recipe:
             outcome = run_recipe(recipe, workdir, args.overrides,
-                                 log=print if is_lead() else lambda _: None)
+                                 log=print if is_lead() else lambda _: None,
+                                 allow_data_change=args.allow_data_change)
         else:
-            summary = train(run, workdir)
+            summary = train(run, workdir, allow_data_change=args.allow_data_change)
     except (TrainingError, CheckpointError, WorkdirInUse, ValueError) as err:
         return report_error(err)
     if not is_lead():  # process 0 reports for all

@@ -9,6 +9,7 @@ losses of an uninterrupted run (state, data position and RNG are all in the chec
 import contextlib
 import dataclasses
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from model.parallel.rules import named, replicated, use_mesh
 from model.tokenizers.text import load_tokenizer
 from train.config import RunConfig, incompatible_fields
 from train.data.corpus import load_documents
-from train.data.pipeline import make_dataset
+from train.data.pipeline import check_splits, make_dataset
 from train.eval import evaluate, limited, make_eval_step
 from train.parallel.distributed import (
     any_process,
@@ -34,6 +35,7 @@ from train.parallel.distributed import (
     process_state,
 )
 from train.parallel.sharding import batch_spec, check_batch_fits, make_mesh, state_specs
+from train.run_record import check_and_record
 from train.state import (
     TrainState,
     abstract_state,
@@ -108,7 +110,7 @@ class Trainer:
     """Holds the pieces of one run; `train()` below is the entry point (it prepares and locks
     the workdir first)."""
 
-    def __init__(self, run: RunConfig, workdir: Path):
+    def __init__(self, run: RunConfig, workdir: Path, allow_data_change: bool = False):
         self.run, self.workdir = run, Path(workdir)
         self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.train.keep_checkpoints)
         self.resume_step = from_lead(self.checkpoints.latest_step())
@@ -122,6 +124,16 @@ class Trainer:
         self.mesh = make_mesh(run.mesh)
         check_batch_fits(run, self.mesh)
         self.tokenizer = load_tokenizer(run.train.data.tokenizer)
+        # Read once: the train stream and every held-out evaluation split this list. Checked
+        # here, before any model work, so a bad split or changed data fails in seconds.
+        self.documents = load_documents(run.train.data.source)
+        check_splits(run.train.data, self.documents, heldout=run.train.eval_every > 0,
+                     shard_count=jax.process_count())
+        note = check_and_record(self.workdir, self.tokenizer, run.train.data,
+                                resuming=self.resume_step is not None,
+                                allow_data_change=allow_data_change, write=is_lead())
+        if note and is_lead():
+            print(note, file=sys.stderr)
         vocab = self.tokenizer.get_vocab_size()
         if vocab > run.model.vocab_size:
             raise TrainingError(f"tokenizer has {vocab} tokens but model.vocab_size="
@@ -132,8 +144,6 @@ class Trainer:
             self.abstract_state, self.training.variable_axes, self.mesh, run))
         self.batch_sharding = named(self.mesh, batch_spec(self.mesh))
         self._eval_step = None
-        # Read once: the train stream and every held-out evaluation split this list.
-        self.documents = load_documents(run.train.data.source)
         self.data = make_dataset(
             run.train.data, self.tokenizer, seq_len=run.train.seq_len,
             batch_size=run.train.micro_batch() // jax.process_count(), split="train",
@@ -213,16 +223,17 @@ class Trainer:
 
 
 def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
-          start_from: dict | None = None) -> TrainSummary:
+          start_from: dict | None = None, allow_data_change: bool = False) -> TrainSummary:
     """Trains to `run.train.steps`, resuming from `workdir` if it holds checkpoints.
     `stop_after`: leave (with a checkpoint) after this many steps of this invocation, as a
     SIGTERM would; used to test resumption. `start_from`: unboxed variables {"params",
     "balance"} a run without checkpoints starts from instead of a random init (a recipe stage
-    continuing the previous one, train/experiments/recipe.py)."""
+    continuing the previous one, train/experiments/recipe.py). `allow_data_change`: resume
+    even though the data files changed since the run started (train/run_record.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)
     prepare_workdir(Path(workdir))
     with workdir_lock(Path(workdir)):
-        trainer = Trainer(run, Path(workdir))
+        trainer = Trainer(run, Path(workdir), allow_data_change)
         try:
             with use_mesh(trainer.mesh):
                 return _run_steps(trainer, trainer.initial_state(start_from), stop_after)

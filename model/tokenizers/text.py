@@ -13,6 +13,8 @@ as plain text), so data can never forge a document boundary or a metadata delimi
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Sequence
 
@@ -55,6 +57,13 @@ class TextTokenizer:
     def get_vocab_size(self) -> int:
         """Ids are in [0, vocab_size): the model's `vocab_size` must be at least this."""
         return self.vocab_size
+
+    def fingerprint(self) -> str:
+        """sha256 of the vocabulary (token -> id, special tokens included): equal for the same
+        tokenizer whatever file or library version it was read from, different as soon as one
+        id means another token (a model trained with one reads the other's ids as noise)."""
+        vocab = sorted(self.hf.get_vocab(with_added_tokens=True).items(), key=lambda t: t[1])
+        return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.hf.encode(text, add_special_tokens=False).ids, np.int32)

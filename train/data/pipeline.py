@@ -57,6 +57,23 @@ def split_shard(docs: list[Document], heldout_fraction: float, split: str,
     return shard
 
 
+def check_splits(data_cfg: DataConfig, documents: list[Document], *, heldout: bool,
+                 shard_count: int = 1) -> None:
+    """Raises ValueError, naming the source and the fields to change, if a split the run reads
+    is empty: the train split (a document for each of `shard_count` hosts) and, if `heldout`
+    (the run evaluates), the held-out split. Either stream yields full batches from a single
+    document (train repeats, held-out pads), so a non-empty split is enough."""
+    train, held = split_documents(documents, data_cfg.heldout_fraction)
+    where = (f"train.data.source {data_cfg.source!r}: {len(documents)} document(s) with "
+             f"train.data.heldout_fraction={data_cfg.heldout_fraction}")
+    if len(train) < shard_count:
+        raise ValueError(f"{where} leave {len(train)} for training, too few for {shard_count} "
+                         "host(s); add documents or lower train.data.heldout_fraction")
+    if heldout and not held:
+        raise ValueError(f"{where} leave none held out for evaluation; raise "
+                         "train.data.heldout_fraction, add documents or set train.eval_every=0")
+
+
 class DocumentEncoder:
     """Document -> {tokens, meta_mask} example (a picklable callable, for worker processes)."""
 

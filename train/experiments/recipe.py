@@ -45,6 +45,8 @@ from model.interop.workdir_lock import workdir_lock
 from model.weights import load_model
 from train.checkpoint import changed_since_checkpoint
 from train.config import RunConfig, load_run_config
+from train.data.corpus import load_documents
+from train.data.pipeline import check_splits
 from train.experiments.spec import override_list, read_spec
 from train.loop import TrainingError, TrainSummary, train
 
@@ -137,19 +139,36 @@ class RecipeOutcome:
 
 
 def run_recipe(recipe: Recipe, workdir: Path, extra: Sequence[str] = (), *,
-               stop_after: int | None = None,
-               log: Callable[[str], None] = print) -> RecipeOutcome:
+               stop_after: int | None = None, log: Callable[[str], None] = print,
+               allow_data_change: bool = False) -> RecipeOutcome:
     """Trains the stages in order, skipping finished ones and resuming the unfinished one.
     `stop_after`: leave after this many steps of this invocation (over stages), as a SIGTERM
-    would; used to test resumption."""
+    would; used to test resumption. `allow_data_change`: as `train`'s. Every stage's data
+    splits are checked first, so a late stage's bad data fails before the first trains."""
     workdir = Path(workdir)
+    check_stage_data(recipe, extra)
     workdir.mkdir(parents=True, exist_ok=True)
     with workdir_lock(workdir):  # each stage's `train` locks its own directory too
-        return _run_stages(recipe, workdir, extra, stop_after, log)
+        return _run_stages(recipe, workdir, extra, stop_after, log, allow_data_change)
+
+
+def check_stage_data(recipe: Recipe, extra: Sequence[str] = ()) -> None:
+    """`train.data.pipeline.check_splits` for every stage (each source read once)."""
+    documents = {}
+    for index, stage in enumerate(recipe.stages):
+        run = recipe.stage_config(index, extra)
+        data = run.train.data
+        if data.source not in documents:
+            documents[data.source] = load_documents(data.source)
+        try:
+            check_splits(data, documents[data.source], heldout=run.train.eval_every > 0,
+                         shard_count=jax.process_count())
+        except ValueError as err:
+            raise ValueError(f"recipe stage {stage.name}: {err}") from None
 
 
 def _run_stages(recipe: Recipe, workdir: Path, extra: Sequence[str], stop_after: int | None,
-                log: Callable[[str], None]) -> RecipeOutcome:
+                log: Callable[[str], None], allow_data_change: bool) -> RecipeOutcome:
     (workdir / "recipe.json").write_text(json.dumps({
         "base": str(recipe.base), "overrides": [*recipe.overrides, *extra],
         "stages": [dataclasses.asdict(s) for s in recipe.stages]}, indent=2) + "\n")
@@ -176,7 +195,8 @@ def _run_stages(recipe: Recipe, workdir: Path, extra: Sequence[str], stop_after:
             start = stage_start_variables(recipe, workdir, index)
             log(f"{label}: starting from {recipe.stage_dir(workdir, index - 1)}"
                 + (" with MTP-1 cloned into every MTP head" if stage.clone_mtp else ""))
-        summary = train(run, stage_dir, stop_after=budget, start_from=start)
+        summary = train(run, stage_dir, stop_after=budget, start_from=start,
+                        allow_data_change=allow_data_change)
         outcome.summaries[stage.name] = summary
         if summary.interrupted:
             outcome.interrupted = True

@@ -1,0 +1,62 @@
+"""The tokenizer and data a run trains on, recorded in its workdir at the first start and
+checked when it resumes (`model.interop.workdir_record` holds the file's layout).
+
+A resumed run whose tokenizer is another (same name, other vocabulary) is refused; one whose
+data files changed is refused unless the user allows it (`python -m train --allow-data-change`),
+which records the new data. A workdir of an older stepjax has no record: it resumes unchecked
+and gets one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from model.interop.workdir_record import (
+    read_record,
+    tokenizer_identity,
+    tokenizer_mismatch,
+    write_record,
+)
+from model.tokenizers.text import TextTokenizer
+from train.config import DataConfig
+from train.data.fingerprint import data_changes, data_fingerprint
+
+ALLOW_FLAG = "--allow-data-change"
+
+
+def check_and_record(workdir: Path, tokenizer: TextTokenizer, data: DataConfig, *,
+                     resuming: bool, allow_data_change: bool, write: bool) -> str | None:
+    """Raises ValueError (one line) if a resumed run's tokenizer or data differ from the
+    record; writes the record (`write`: this process writes the workdir) unless it is
+    unchanged. Returns a one-line note for the user, or None."""
+    current = {"tokenizer": tokenizer_identity(tokenizer),
+               "data": {"source": data.source, "fingerprint": data_fingerprint(data.source)}}
+    recorded = read_record(workdir) if resuming else None
+    note = None
+    if resuming and recorded is None:
+        note = (f"note: {workdir} has no record of its tokenizer and data (written by an older "
+                "stepjax); resuming unchecked and recording the current ones")
+    elif recorded is not None:
+        mismatch = tokenizer_mismatch(workdir, tokenizer)
+        if mismatch:
+            raise ValueError(f"cannot resume: {mismatch}; restore that tokenizer or use "
+                             "another --workdir")
+        changes = data_changes(recorded.get("data", {}).get("fingerprint", {}),
+                               current["data"]["fingerprint"])
+        if changes and not allow_data_change:
+            raise ValueError(f"cannot resume {workdir}: its data changed since the run started: "
+                             f"{_listed(changes)}; restore the data, or pass {ALLOW_FLAG} to "
+                             "continue on the new data")
+        if changes:
+            note = (f"note: {workdir} continues on changed data ({_listed(changes)}); recorded "
+                    "the new data fingerprint")
+        elif recorded == current:
+            return None
+    if write:
+        write_record(workdir, current)
+    return note
+
+
+def _listed(changes: list[str], shown: int = 3) -> str:
+    more = len(changes) - shown
+    return ", ".join(changes[:shown]) + (f" and {more} more" if more > 0 else "")
