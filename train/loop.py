@@ -298,11 +298,15 @@ def _run_steps(trainer: Trainer, state: TrainState, stop_after: int | None) -> T
                 interrupted = True
                 break
             if step % cfg.checkpoint_every == 0:
+                # Rows lag the steps (the writer waits for their values): a kill after this
+                # checkpoint must not lose rows a resume from it would not write again.
+                writer.flush()
                 trainer.save(state)
                 saved_step = step
         if pending is not None:
             check(pending)
         if saved_step != step:
+            writer.flush()
             trainer.save(state)
     return TrainSummary(workdir=trainer.workdir, first_step=first_step, last_step=step,
                         losses=losses, skipped=int(state.skipped), interrupted=interrupted)
