@@ -44,6 +44,7 @@ from train.state import (
 from train.step import make_train_step
 from train.telemetry.metrics import DiscardingWriter, MetricsWriter, ProgressBar
 from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
+from train.telemetry.throughput import CompletedSteps
 
 
 class TrainingError(RuntimeError):
@@ -241,9 +242,11 @@ def _run_steps(trainer: Trainer, state: TrainState, stop_after: int | None) -> T
     tokens_seen = tokens_before(run, first_step)
     losses, interrupted = [], False
 
-    def check(metrics) -> None:
+    def check(metrics, timed_tokens: int) -> None:
         """Reads a finished step's metrics (one step late, so dispatch never waits on it)."""
         losses.append(float(metrics["loss"]))
+        clock.finished(timed_tokens)
+        progress.update(first_step + len(losses), loss=losses[-1])
         if int(metrics["consecutive_skips"]) >= cfg.max_consecutive_skips:
             raise TrainingError(
                 f"{cfg.max_consecutive_skips} consecutive steps had a non-finite loss or gradient "
@@ -255,32 +258,37 @@ def _run_steps(trainer: Trainer, state: TrainState, stop_after: int | None) -> T
             ProgressBar(cfg.steps, first_step, enabled=cfg.progress and lead) as progress:
         writer.truncate_after(first_step)
         step_fn = trainer.train_step()
-        window_start, window_tokens, pending = time.perf_counter(), 0, None
+        clock, pending = CompletedSteps(), None
         while step < cfg.steps:
             batch, batch_tokens = trainer.next_batch(step)
             mask_meta = meta_loss_masked(cfg.data.meta_loss_mask_after_tokens, tokens_seen)
             call_start = time.perf_counter()
             state, metrics = step_fn(state, batch, np.bool_(mask_meta))
+            timed_tokens = batch_tokens
             if step == first_step:  # the first call compiled (or loaded from the cache) the step
-                window_start = time.perf_counter()
-                progress.write(f"compiled the train step in {window_start - call_start:.1f}s")
+                jax.block_until_ready(metrics)
+                clock.restart()  # throughput counts the steps after this one
+                timed_tokens = 0
+                progress.write(f"compiled and ran the first train step in "
+                               f"{time.perf_counter() - call_start:.1f}s")
             step += 1
             tokens_seen += batch_tokens
-            window_tokens += batch_tokens
             if pending is not None:
-                check(pending)
-            pending = metrics
+                check(*pending)
+            pending = (metrics, timed_tokens)
             evaluate_now = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
             if step % cfg.log_every == 0 or step == cfg.steps or evaluate_now:
-                rate = window_tokens / (time.perf_counter() - window_start)
-                record = {**metrics, "tokens_per_sec": rate, "tokens_seen": tokens_seen,
-                          "mfu": rate * flops_per_token / peak}
+                rate = clock.tokens_per_sec()
+                record = {**metrics, "tokens_seen": tokens_seen}
+                if rate is not None:  # None until a step after the compiling one has finished
+                    record.update(tokens_per_sec=rate, mfu=rate * flops_per_token / peak)
+                    progress.update(first_step + len(losses), tokens_per_sec=rate)
                 if evaluate_now:
                     record.update(trainer.evaluate(state))
                     progress.write(f"step {step}: held-out loss {record['eval/loss']:.4f}")
+                    clock.restart()  # the evaluation waited for this step: leave it untimed
+                    pending = (metrics, 0)
                 writer.write(step, record)
-                progress.update(step, tokens_per_sec=rate, loss=losses[-1] if losses else None)
-                window_start, window_tokens = time.perf_counter(), 0
             # Every process stops at the same step, whichever of them got the signal.
             if any_process(stop["signal"] is not None
                            or (stop_after is not None and step - first_step >= stop_after)):
@@ -290,7 +298,7 @@ def _run_steps(trainer: Trainer, state: TrainState, stop_after: int | None) -> T
                 trainer.save(state)
                 saved_step = step
         if pending is not None:
-            check(pending)
+            check(*pending)
         if saved_step != step:
             trainer.save(state)
     return TrainSummary(workdir=trainer.workdir, first_step=first_step, last_step=step,
