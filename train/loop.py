@@ -6,9 +6,7 @@ Re-running with the same workdir resumes from the latest checkpoint and reproduc
 losses of an uninterrupted run (state, data position and RNG are all in the checkpoint).
 """
 
-import contextlib
 import dataclasses
-import signal
 import time
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from train.config import RunConfig, incompatible_fields
 from train.data.corpus import load_documents
 from train.data.pipeline import make_dataset
 from train.eval import evaluate, limited, make_eval_step
+from train.interrupts import stop_requests
 from train.parallel.distributed import (
     any_process,
     from_lead,
@@ -87,22 +86,6 @@ def enable_compilation_cache(directory: str) -> None:
 def tokens_before(run: RunConfig, step: int) -> int:
     """Training tokens consumed by steps [0, step) under the batch-size warm-up."""
     return sum(run.train.batch_size_at(s) for s in range(step)) * run.train.seq_len
-
-
-@contextlib.contextmanager
-def stop_requests():
-    """Turns SIGTERM/SIGINT into a flag the loop polls, so it can checkpoint before exiting."""
-    requested = {"signal": None}
-
-    def handler(signum, _frame):
-        requested["signal"] = signal.Signals(signum).name
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield requested
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 class Trainer:
@@ -222,16 +205,19 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
     continuing the previous one, train/experiments/recipe.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)
     prepare_workdir(Path(workdir))
-    with workdir_lock(Path(workdir)):
+    # Stop requests from here on: a Ctrl-C while the state is built or restored is acknowledged
+    # and honoured after the first step, a second one exits at once (train/interrupts.py).
+    with workdir_lock(Path(workdir)), stop_requests() as stop:
         trainer = Trainer(run, Path(workdir))
         try:
             with use_mesh(trainer.mesh):
-                return _run_steps(trainer, trainer.initial_state(start_from), stop_after)
+                return _run_steps(trainer, trainer.initial_state(start_from), stop, stop_after)
         finally:
             trainer.checkpoints.close()
 
 
-def _run_steps(trainer: Trainer, state: TrainState, stop_after: int | None) -> TrainSummary:
+def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
+               stop_after: int | None) -> TrainSummary:
     run, cfg = trainer.run, trainer.run.train
     first_step = step = saved_step = int(state.step)
     if first_step >= cfg.steps:
@@ -254,8 +240,7 @@ def _run_steps(trainer: Trainer, state: TrainState, stop_after: int | None) -> T
 
     lead = is_lead()  # one process writes metrics and shows progress
     writer = MetricsWriter(trainer.workdir) if lead else DiscardingWriter()
-    with writer, stop_requests() as stop, \
-            ProgressBar(cfg.steps, first_step, enabled=cfg.progress and lead) as progress:
+    with writer, ProgressBar(cfg.steps, first_step, enabled=cfg.progress and lead) as progress:
         writer.truncate_after(first_step)
         step_fn = trainer.train_step()
         clock, pending = CompletedSteps(), None
