@@ -5,12 +5,14 @@ tests/hf_step3p5_checkpoint.py."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 from hf_step3p5_checkpoint import REPO, assert_same_tensors, read_dir
 
 from model.hf import main
+from model.interop.workdir_lock import LOCK_FILE, workdir_lock
 
 
 def test_cli_help():
@@ -40,3 +42,19 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(hf_source, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith("error:") and "not empty" in err and err.count("\n") == 1
     assert [p.name for p in taken.iterdir()] == ["x"]
+
+
+def test_cli_refuses_an_output_directory_another_command_is_writing(hf_source, tmp_path, capsys):
+    """The output directory takes the workdir lock: a second writer is refused in one line
+    naming the holder, before loading anything; the finished export keeps working."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    with workdir_lock(out):
+        assert main(["import", str(hf_source[0]), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: workdir {out} is in use by pid {os.getpid()} on ")
+        assert err.count("\n") == 1 and "another --out" in err
+    assert [p.name for p in out.iterdir()] == [LOCK_FILE]
+    assert main(["import", str(hf_source[0]), "--out", str(tmp_path / "model")]) == 0
+    assert main(["export", str(tmp_path / "model"), "--out", str(out), "--dtype", "bfloat16"]) == 0
+    assert_same_tensors(read_dir(hf_source[0]), read_dir(out))
