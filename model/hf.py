@@ -21,8 +21,9 @@ from typing import Sequence
 from model.config import DTYPES
 from model.config.cli import ArgumentParser, report_error
 from model.interop.hf import load_hf_checkpoint, save_hf_checkpoint
-from model.interop.model_dir import check_fresh, save_model_dir
+from model.interop.model_dir import locked_output, save_model_dir
 from model.interop.workdir import CheckpointError
+from model.interop.workdir_lock import WorkdirInUse
 from model.weights import load_model
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "main"]
@@ -53,17 +54,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="largest shard file (default 5)")
     args = parser.parse_args(argv)
     try:
-        check_fresh(Path(args.out))  # before the long load: nothing is overwritten
-        if args.command == "import":
-            config, variables = load_hf_checkpoint(args.source, param_dtype=args.param_dtype)
-            save_model_dir(config, variables, args.out)
-        else:
-            if args.max_shard_gib <= 0:
-                raise ValueError(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
-            config, variables = load_model(args.source)
-            save_hf_checkpoint(config, variables, args.out, dtype=args.dtype,
-                               max_shard_bytes=int(args.max_shard_gib * 2**30))
-    except (ValueError, OSError, CheckpointError) as err:  # CheckpointError: a bad workdir
+        if args.command == "export" and args.max_shard_gib <= 0:
+            raise ValueError(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
+        with locked_output(Path(args.out)):  # before the long load: nothing is overwritten
+            if args.command == "import":
+                config, variables = load_hf_checkpoint(args.source, param_dtype=args.param_dtype)
+                save_model_dir(config, variables, args.out)
+            else:
+                config, variables = load_model(args.source)
+                save_hf_checkpoint(config, variables, args.out, dtype=args.dtype,
+                                   max_shard_bytes=int(args.max_shard_gib * 2**30))
+    # CheckpointError: a bad workdir; WorkdirInUse: another command is writing --out
+    except (ValueError, OSError, CheckpointError, WorkdirInUse) as err:
         return report_error(err)
     print(f"wrote {args.out}")
     return 0

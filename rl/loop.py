@@ -44,7 +44,8 @@ from rl.rollout import Rollouts, collect_rollouts
 from rl.update import make_actor_step, make_critic_step, minibatches
 from train.config import incompatible_fields
 from train.data.arithmetic import arithmetic_problems, sample_problems, split_problems
-from train.loop import TrainingError, enable_compilation_cache, prepare_workdir, stop_requests
+from train.interrupts import stop_requests
+from train.loop import TrainingError, enable_compilation_cache, prepare_workdir
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES
 from train.optim.optimizer import build_optimizer
 from train.optim.schedules import learning_rate_schedule

@@ -5,7 +5,8 @@ Trains a model from a run YAML (`model:` and `train:` sections), or runs a stage
 stage a training run in DIR/stages/<kk>-<name> starting from the previous stage's weights
 (train/experiments/recipe.py documents the format). Re-running the same command resumes from the
 latest checkpoint in DIR (for a recipe: skips finished stages). Writes DIR/metrics.jsonl,
-DIR/tensorboard/ and DIR/checkpoints/. SIGTERM/SIGINT save a checkpoint and exit cleanly.
+DIR/tensorboard/ and DIR/checkpoints/. SIGTERM/SIGINT save a checkpoint after the current step
+and exit cleanly; a second one exits at once (status 130 for Ctrl-C), keeping earlier checkpoints.
 
 Multi-host: start the same command once per host with --coordinator HOST:PORT (process 0's
 address and a free port), --num-processes N and --process-id 0..N-1 (or the environment variables

@@ -6,9 +6,7 @@ Re-running with the same workdir resumes from the latest checkpoint and reproduc
 losses of an uninterrupted run (state, data position and RNG are all in the checkpoint).
 """
 
-import contextlib
 import dataclasses
-import signal
 import sys
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ from train.config import RunConfig, incompatible_fields
 from train.data.corpus import load_documents
 from train.data.pipeline import check_splits, make_dataset
 from train.eval import evaluate, limited, make_eval_step
+from train.interrupts import stop_requests
 from train.parallel.distributed import (
     any_process,
     from_lead,
@@ -46,6 +45,7 @@ from train.state import (
 from train.step import make_train_step
 from train.telemetry.metrics import DiscardingWriter, MetricsWriter, ProgressBar
 from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
+from train.telemetry.throughput import CompletedSteps
 
 
 class TrainingError(RuntimeError):
@@ -88,22 +88,6 @@ def enable_compilation_cache(directory: str) -> None:
 def tokens_before(run: RunConfig, step: int) -> int:
     """Training tokens consumed by steps [0, step) under the batch-size warm-up."""
     return sum(run.train.batch_size_at(s) for s in range(step)) * run.train.seq_len
-
-
-@contextlib.contextmanager
-def stop_requests():
-    """Turns SIGTERM/SIGINT into a flag the loop polls, so it can checkpoint before exiting."""
-    requested = {"signal": None}
-
-    def handler(signum, _frame):
-        requested["signal"] = signal.Signals(signum).name
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield requested
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 class Trainer:
@@ -232,16 +216,19 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
     even though the data files changed since the run started (train/run_record.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)
     prepare_workdir(Path(workdir))
-    with workdir_lock(Path(workdir)):
+    # Stop requests from here on: a Ctrl-C while the state is built or restored is acknowledged
+    # and honoured after the first step, a second one exits at once (train/interrupts.py).
+    with workdir_lock(Path(workdir)), stop_requests() as stop:
         trainer = Trainer(run, Path(workdir), allow_data_change)
         try:
             with use_mesh(trainer.mesh):
-                return _run_steps(trainer, trainer.initial_state(start_from), stop_after)
+                return _run_steps(trainer, trainer.initial_state(start_from), stop, stop_after)
         finally:
             trainer.checkpoints.close()
 
 
-def _run_steps(trainer: Trainer, state: TrainState, stop_after: int | None) -> TrainSummary:
+def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
+               stop_after: int | None) -> TrainSummary:
     run, cfg = trainer.run, trainer.run.train
     first_step = step = saved_step = int(state.step)
     if first_step >= cfg.steps:
@@ -252,9 +239,11 @@ def _run_steps(trainer: Trainer, state: TrainState, stop_after: int | None) -> T
     tokens_seen = tokens_before(run, first_step)
     losses, interrupted = [], False
 
-    def check(metrics) -> None:
+    def check(metrics, timed_tokens: int) -> None:
         """Reads a finished step's metrics (one step late, so dispatch never waits on it)."""
         losses.append(float(metrics["loss"]))
+        clock.finished(timed_tokens)
+        progress.update(first_step + len(losses), loss=losses[-1])
         if int(metrics["consecutive_skips"]) >= cfg.max_consecutive_skips:
             raise TrainingError(
                 f"{cfg.max_consecutive_skips} consecutive steps had a non-finite loss or gradient "
@@ -262,36 +251,40 @@ def _run_steps(trainer: Trainer, state: TrainState, stop_after: int | None) -> T
 
     lead = is_lead()  # one process writes metrics and shows progress
     writer = MetricsWriter(trainer.workdir) if lead else DiscardingWriter()
-    with writer, stop_requests() as stop, \
-            ProgressBar(cfg.steps, first_step, enabled=cfg.progress and lead) as progress:
+    with writer, ProgressBar(cfg.steps, first_step, enabled=cfg.progress and lead) as progress:
         writer.truncate_after(first_step)
         step_fn = trainer.train_step()
-        window_start, window_tokens, pending = time.perf_counter(), 0, None
+        clock, pending = CompletedSteps(), None
         while step < cfg.steps:
             batch, batch_tokens = trainer.next_batch(step)
             mask_meta = meta_loss_masked(cfg.data.meta_loss_mask_after_tokens, tokens_seen)
             call_start = time.perf_counter()
             state, metrics = step_fn(state, batch, np.bool_(mask_meta))
+            timed_tokens = batch_tokens
             if step == first_step:  # the first call compiled (or loaded from the cache) the step
-                window_start = time.perf_counter()
-                progress.write(f"compiled the train step in {window_start - call_start:.1f}s")
+                jax.block_until_ready(metrics)
+                clock.restart()  # throughput counts the steps after this one
+                timed_tokens = 0
+                progress.write(f"compiled and ran the first train step in "
+                               f"{time.perf_counter() - call_start:.1f}s")
             step += 1
             tokens_seen += batch_tokens
-            window_tokens += batch_tokens
             if pending is not None:
-                check(pending)
-            pending = metrics
+                check(*pending)
+            pending = (metrics, timed_tokens)
             evaluate_now = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
             if step % cfg.log_every == 0 or step == cfg.steps or evaluate_now:
-                rate = window_tokens / (time.perf_counter() - window_start)
-                record = {**metrics, "tokens_per_sec": rate, "tokens_seen": tokens_seen,
-                          "mfu": rate * flops_per_token / peak}
+                rate = clock.tokens_per_sec()
+                record = {**metrics, "tokens_seen": tokens_seen}
+                if rate is not None:  # None until a step after the compiling one has finished
+                    record.update(tokens_per_sec=rate, mfu=rate * flops_per_token / peak)
+                    progress.update(first_step + len(losses), tokens_per_sec=rate)
                 if evaluate_now:
                     record.update(trainer.evaluate(state))
                     progress.write(f"step {step}: held-out loss {record['eval/loss']:.4f}")
+                    clock.restart()  # the evaluation waited for this step: leave it untimed
+                    pending = (metrics, 0)
                 writer.write(step, record)
-                progress.update(step, tokens_per_sec=rate, loss=losses[-1] if losses else None)
-                window_start, window_tokens = time.perf_counter(), 0
             # Every process stops at the same step, whichever of them got the signal.
             if any_process(stop["signal"] is not None
                            or (stop_after is not None and step - first_step >= stop_after)):
@@ -304,7 +297,7 @@ def _run_steps(trainer: Trainer, state: TrainState, stop_after: int | None) -> T
                 trainer.save(state)
                 saved_step = step
         if pending is not None:
-            check(pending)
+            check(*pending)
         if saved_step != step:
             writer.flush()
             trainer.save(state)

@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 
 from model.config import ModelConfig, config_from_dict, config_to_dict
 from model.interop.workdir import restore_target
+from model.interop.workdir_lock import LOCK_FILE, workdir_lock
 from model.lm import abstract_variables
 from model.parallel.rules import named, param_axes, param_specs
 
@@ -55,9 +56,9 @@ def variables_target(config: ModelConfig, mesh: jax.sharding.Mesh | None = None)
 
 
 def check_fresh(path: Path) -> None:
-    """Raises ValueError unless `path` is absent or an empty directory."""
+    """Raises ValueError unless `path` is absent or an empty directory (but for a lock file)."""
     path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    if path.exists() and (not path.is_dir() or any(p.name != LOCK_FILE for p in path.iterdir())):
         raise ValueError(f"{path} exists and is not empty; choose a new output directory "
                          "(nothing was written)")
 
@@ -72,12 +73,32 @@ def fresh_directory(path: Path) -> Iterator[Path]:
     staging.mkdir(parents=True)
     try:
         yield staging
+        if (path / LOCK_FILE).exists():  # held by this writer (locked_output): it moves along
+            (path / LOCK_FILE).rename(staging / LOCK_FILE)  # same inode, so still held
         if path.exists():
             path.rmdir()  # empty, checked above; raises if something appeared since
         staging.rename(path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def locked_output(path: Path) -> Iterator[None]:
+    """Holds the workdir lock (model/interop/workdir_lock.py) of output directory `path`, new
+    or empty, while a command writes it: a concurrent writer is refused naming the holder. A
+    `path` this created is removed again if the block fails before writing it."""
+    path = Path(path)
+    check_fresh(path)
+    created = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    with workdir_lock(path, option="--out"):
+        try:
+            yield
+        except BaseException:
+            if created and [p.name for p in path.iterdir()] == [LOCK_FILE]:
+                shutil.rmtree(path)  # still under the lock: nobody else is writing here
+            raise
 
 
 def save_model_dir(config: ModelConfig, variables: dict, path: str | Path) -> None:

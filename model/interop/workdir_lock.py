@@ -39,9 +39,10 @@ def _holder_description() -> str:
 
 
 @contextlib.contextmanager
-def workdir_lock(workdir: Path) -> Iterator[None]:
+def workdir_lock(workdir: Path, option: str = "--workdir") -> Iterator[None]:
     """Holds `workdir`'s lock for the block (on process 0 only; the workdir must exist).
-    Raises WorkdirInUse naming the holder if another process holds it."""
+    Raises WorkdirInUse naming the holder if another process holds it (and the command-line
+    `option` that chose `workdir`)."""
     if jax.process_index() != 0:
         yield
         return
@@ -54,7 +55,7 @@ def workdir_lock(workdir: Path) -> Iterator[None]:
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 holder = path.read_text(errors="replace").strip() or "another process"
                 raise WorkdirInUse(f"workdir {workdir} is in use by {holder}; wait for it to "
-                                   "finish or use another --workdir") from None
+                                   f"finish or use another {option}") from None
             raise WorkdirInUse(f"cannot lock workdir {workdir} ({err.strerror}); this "
                                "filesystem may not support file locks") from None
         os.ftruncate(descriptor, 0)

@@ -5,6 +5,7 @@ tests/hf_step3p5_checkpoint.py."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from hf_step3p5_checkpoint import REPO, assert_same_tensors, read_dir
 
 from model.generate import main as generate_main
 from model.hf import main
+from model.interop.workdir_lock import LOCK_FILE, workdir_lock
 
 
 def test_cli_help():
@@ -62,3 +64,19 @@ def test_truncated_shard_is_one_line_naming_it_in_import_and_generate(hf_source,
         assert f"declares {full_size} bytes, the file has {full_size - 100}" in err
         assert captured.out == ""
     assert not (tmp_path / "model").exists()
+
+
+def test_cli_refuses_an_output_directory_another_command_is_writing(hf_source, tmp_path, capsys):
+    """The output directory takes the workdir lock: a second writer is refused in one line
+    naming the holder, before loading anything; the finished export keeps working."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    with workdir_lock(out):
+        assert main(["import", str(hf_source[0]), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: workdir {out} is in use by pid {os.getpid()} on ")
+        assert err.count("\n") == 1 and "another --out" in err
+    assert [p.name for p in out.iterdir()] == [LOCK_FILE]
+    assert main(["import", str(hf_source[0]), "--out", str(tmp_path / "model")]) == 0
+    assert main(["export", str(tmp_path / "model"), "--out", str(out), "--dtype", "bfloat16"]) == 0
+    assert_same_tensors(read_dir(hf_source[0]), read_dir(out))

@@ -131,6 +131,15 @@ def test_progress_bar_shows_rate_and_loss():
     assert "20/100" in text and "12.3k" in text and "2.0000" in text
 
 
+def test_progress_bar_keeps_the_rate_when_only_the_loss_changes():
+    stream = io.StringIO()
+    with ProgressBar(100, 10, file=stream) as bar:
+        bar.update(20, tokens_per_sec=12345.0, loss=2.0)
+        bar.update(21, loss=1.5)
+    last = stream.getvalue().split("\r")[-1]
+    assert "21/100" in last and "12.3k" in last and "1.5000" in last
+
+
 def write_run(workdir: Path, steps=5):
     with MetricsWriter(workdir, tensorboard=False) as writer:
         for step in range(1, steps + 1):

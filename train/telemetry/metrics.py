@@ -233,16 +233,17 @@ class ProgressBar:
         self._bar = tqdm(total=total_steps, initial=initial_step, disable=not enabled,
                          file=file if file is not None else sys.stderr, unit="step",
                          dynamic_ncols=True, desc="train")
+        self._postfix: dict[str, str] = {}
 
     def update(self, step: int, tokens_per_sec: float | None = None,
                loss: float | None = None) -> None:
-        """`step`: steps completed so far (absolute, not an increment)."""
-        postfix = {}
+        """`step`: steps completed so far (absolute, not an increment); `loss` that step's.
+        A value left out keeps the one shown before."""
         if tokens_per_sec is not None:
-            postfix["tok/s"] = _si(float(tokens_per_sec))
+            self._postfix["tok/s"] = _si(float(tokens_per_sec))
         if loss is not None:
-            postfix["loss"] = f"{float(loss):.4f}"
-        self._bar.set_postfix(postfix, refresh=False)
+            self._postfix["loss"] = f"{float(loss):.4f}"
+        self._bar.set_postfix(self._postfix, refresh=False)
         self._bar.update(step - self._bar.n)
 
     def write(self, message: str) -> None:
