@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = Path(args.workdir)
     try:
         summary = run_rl(run, workdir, init_from=args.init_from)
-    except (TrainingError, CheckpointError, WorkdirInUse, ValueError) as err:
+    except (TrainingError, CheckpointError, WorkdirInUse, ValueError, OSError) as err:
         return report_error(err)
     if summary.first_iteration == summary.last_iteration and not summary.interrupted:
         print(f"nothing to do: {workdir} is already at iteration {summary.last_iteration} "

@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  allow_data_change=args.allow_data_change)
         else:
             summary = train(run, workdir, allow_data_change=args.allow_data_change)
-    except (TrainingError, CheckpointError, WorkdirInUse, ValueError) as err:
+    except (TrainingError, CheckpointError, WorkdirInUse, ValueError, OSError) as err:
         return report_error(err)
     if not is_lead():  # process 0 reports for all
         return 0

@@ -11,20 +11,27 @@ It lives with the model because a model loads from a workdir as from any other c
 format (`model.weights.load_model`); the trainer writes it (`train.loop`).
 """
 
+import errno
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from model.interop.orbax_quiet import quiet_background_failures
+
 
 class CheckpointError(RuntimeError):
-    """A checkpoint exists but cannot be read (corrupt, truncated or of another layout)."""
+    """A checkpoint exists but cannot be read (corrupt, truncated or of another layout), or one
+    could not be written (a full disk)."""
 
 
 class Checkpointer:
     def __init__(self, directory: Path, keep: int):
         self.directory = Path(directory).absolute()
+        quiet_background_failures()  # a failed save or restore is reported once, by this class
         # create=False: the directory appears with the first save, so a run that fails before
         # it (or a reader such as train.eval) leaves no empty checkpoints/ behind.
         self._manager = ocp.CheckpointManager(
@@ -39,9 +46,14 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, data_state: dict, config: dict) -> None:
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-            config=ocp.args.JsonSave(config)), force=True)
+        """Starts an asynchronous save; a failure of the previous one is raised here (or by
+        `wait`/`close`) as a CheckpointError."""
+        try:
+            self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+                config=ocp.args.JsonSave(config)), force=True)
+        except Exception as err:  # orbax wraps OS errors in ValueError and others
+            raise CheckpointError(self._save_failed(err)) from None
 
     def read_config(self, step: int) -> dict:
         try:
@@ -73,16 +85,42 @@ class Checkpointer:
         return restored["state"], restored["data"]
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            raise CheckpointError(self._save_failed(err)) from None
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+    def _save_failed(self, err: Exception) -> str:
+        self._manager.reload()  # forget the failed step: list what is complete on disk
+        kept = self._manager.latest_step()
+        intact = (f"the checkpoints up to step {kept} are intact" if kept is not None
+                  else "no checkpoint was saved yet")
+        return (f"saving a checkpoint in {self.directory} failed ({_os_reason(err)}); {intact}: "
+                "free disk space and re-run the same command to resume")
 
     def _unreadable(self, step: int, err: Exception) -> str:
-        reason = " ".join(str(err).split())[:300]
-        return (f"checkpoint {self.directory / str(step)} is unreadable ({type(err).__name__}: "
-                f"{reason}); move it away to resume from an earlier one")
+        reason = " ".join(str(err).split()).split(" See full TensorStore details")[0][:200]
+        return (f"checkpoint {self.directory / str(step)} is unreadable or corrupt "
+                f"({type(err).__name__}: {reason}); move it away to resume from an earlier one")
+
+
+def _os_reason(err: Exception) -> str:
+    """The operating system's words for `err` ("No space left on device"), found in an OSError
+    or in the text TensorStore wraps one in ("... [os_error_code='28']"), else the error's
+    first 200 characters."""
+    code = err.errno if isinstance(err, OSError) else None
+    match = re.search(r"os_error_code='(\d+)'", str(err))
+    if code is None and match:
+        code = int(match.group(1))
+    if code is not None:
+        return f"{os.strerror(code)}, errno {errno.errorcode.get(code, code)}"
+    return " ".join(str(err).split())[:200]
 
 
 def latest_checkpoint_step(workdir: Path) -> int | None:

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import jax
 import pytest
-from fault_helpers import STEPS, WAIT_S, logged_losses, run_args
-from train_helpers import REPO
+from fault_helpers import RUN, STEPS, WAIT_S, logged_losses, run_args
+from train_helpers import REPO, TINY
 
 from model.interop.workdir import Checkpointer
 from model.interop.workdir_lock import LOCK_FILE
 from train.__main__ import main as train_main
+from train.config import load_run_config
+from train.loop import train
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -133,12 +135,39 @@ def test_interrupt_at_step_time_saves_and_resumes(tmp_path, reference, number):
     _resume_and_compare(workdir, reference)
 
 
-def test_interrupt_at_compile_time_saves_nothing_and_resumes(tmp_path, reference):
+def test_interrupt_during_set_up_and_compile_stops_and_resumes(tmp_path, reference):
+    """Acknowledged at once, honoured after the first step (a second signal would exit at once:
+    tests/train/test_interrupts.py)."""
     workdir = tmp_path / "run"
     child = _interrupt_when(lambda: (workdir / LOCK_FILE).exists(), workdir, [signal.SIGTERM])
     out, err = child.communicate()
     assert child.returncode == 0, err
-    assert "re-run the same command to resume" in out
+    assert "received SIGTERM" in err and "re-run the same command to resume" in out
+    _resume_and_compare(workdir, reference)
+
+
+# Writes past 512 KiB fail with EFBIG, as they would with ENOSPC on a full disk, without root or
+# a small filesystem: a checkpoint's array files are larger, its metadata and the metrics rows
+# are not.
+FILE_SIZE_LIMITED = r"""
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (512 << 10, 512 << 10))
+from train.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_full_disk_while_saving(tmp_path, reference):
+    workdir = tmp_path / "run"
+    assert train(load_run_config(TINY, RUN), workdir, stop_after=2).last_step == 2
+    child = _start(FILE_SIZE_LIMITED, *run_args(workdir))
+    _, err = child.communicate(timeout=WAIT_S)
+    lines = err.strip().splitlines()
+    assert child.returncode == 2 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"error: saving a checkpoint in {workdir / 'checkpoints'} failed")
+    assert "File too large" in lines[0] and "up to step 2 are intact" in lines[0]
+    assert _checkpoint_steps(workdir) == [2]
     _resume_and_compare(workdir, reference)
 
 

@@ -67,19 +67,20 @@ def check_workdir(sweep: Sweep, workdir: Path) -> None:
 
 
 def run_sweep(sweep: Sweep, workdir: Path, only: Sequence[str] = (),
-              log: Callable[[str], None] = print) -> SweepOutcome:
+              log: Callable[[str], None] = print,
+              allow_data_change: bool = False) -> SweepOutcome:
     """Trains the runs of `sweep` (those named in `only`, if given) under `workdir`/runs, then
     writes the report of every run that has metrics. Refuses (ValueError, nothing written) a
     workdir whose runs were trained with other settings, and (WorkdirInUse) one another sweep
-    is writing."""
+    is writing. `allow_data_change`: as `train.loop.train`'s, for every run."""
     check_workdir(sweep, workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     with workdir_lock(workdir):
-        return _run_locked(sweep, workdir, only, log)
+        return _run_locked(sweep, workdir, only, log, allow_data_change)
 
 
 def _run_locked(sweep: Sweep, workdir: Path, only: Sequence[str],
-                log: Callable[[str], None]) -> SweepOutcome:
+                log: Callable[[str], None], allow_data_change: bool) -> SweepOutcome:
     (workdir / "sweep.json").write_text(json.dumps({
         "base": str(sweep.base), "overrides": list(sweep.overrides),
         "command_line": list(sweep.command_line),
@@ -98,8 +99,8 @@ def _run_locked(sweep: Sweep, workdir: Path, only: Sequence[str],
             + (f"resuming at step {done}" if done else "training") + f" -> {run_dir}")
         start = time.perf_counter()
         try:
-            summary = train(config, run_dir)
-        except (TrainingError, CheckpointError, WorkdirInUse, ValueError) as err:
+            summary = train(config, run_dir, allow_data_change=allow_data_change)
+        except (TrainingError, CheckpointError, WorkdirInUse, ValueError, OSError) as err:
             outcome.failed[run.name] = " ".join(str(err).split())
             log(f"[{index}/{len(selected)}] {run.name}: FAILED: {outcome.failed[run.name]}")
             continue
@@ -132,6 +133,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--only", metavar="NAME", action="append", default=[],
                         help="train only this run (repeatable), e.g. to spread a sweep over "
                              "machines sharing DIR; the report covers every run with metrics")
+    parser.add_argument("--allow-data-change", action="store_true",
+                        help="resume runs although their data files changed since they started "
+                             "(the new data is recorded)")
     parser.add_argument("--list", action="store_true",
                         help="print the expanded runs and their overrides, train nothing")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
@@ -156,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     workdir = Path(args.workdir)
     try:
-        outcome = run_sweep(sweep, workdir, args.only)
+        outcome = run_sweep(sweep, workdir, args.only,
+                            allow_data_change=args.allow_data_change)
     except OSError as err:
         return report_error(f"sweep {workdir}: {err.strerror or err}")
     except (ValueError, CheckpointError, WorkdirInUse) as err:

@@ -145,6 +145,8 @@ class MetricsWriter:
 
     def _raise_pending(self) -> None:
         error, self._error = self._error, None
+        if isinstance(error, OSError):  # a full disk: the entry points report it in one line
+            raise OSError(error.errno, f"writing {self.path} failed: {error.strerror}") from error
         if error is not None:
             raise RuntimeError(f"metrics writer failed: {error!r}") from error
 
