@@ -223,3 +223,24 @@ def test_unreadable_sweep_file_is_one_line(tmp_path, capsys):
         main(["--sweep", str(bad), "--workdir", str(tmp_path / "w")])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and str(bad) in err and err.count("\n") == 1
+
+
+def test_allow_data_change_reaches_every_run(tmp_path, monkeypatch):
+    """`python -m train.sweep --allow-data-change` (named by the changed-data refusal) is passed
+    to each run's `train`."""
+    calls = []
+
+    def fake_train(config, run_dir, **options):
+        calls.append(options)
+        return TrainSummary(workdir=run_dir, first_step=0, last_step=config.train.steps,
+                            losses=[], skipped=0, interrupted=False)
+
+    monkeypatch.setattr(sweep_module, "train", fake_train)
+    path = write_sweep(tmp_path, overrides=["train.steps=3", "train.warmup_steps=1"],
+                       runs=[{"name": "a"}, {"name": "b"}])
+    assert main(["--sweep", str(path), "--workdir", str(tmp_path / "sweep"),
+                 "--allow-data-change"]) == 0
+    assert calls == [{"allow_data_change": True}] * 2
+    calls.clear()
+    assert main(["--sweep", str(path), "--workdir", str(tmp_path / "other")]) == 0
+    assert calls == [{"allow_data_change": False}] * 2
