@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -147,6 +148,13 @@ def shard_plan(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:
     return shards + [current] if current else shards
 
 
+def _default_file_mode() -> int:
+    """The mode `open()` gives a new file under the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_tensors(directory: Path, names: Sequence[str], sizes: Sequence[int],
                   tensor: Callable[[int], np.ndarray], *, max_shard_bytes: int,
                   progress: bool = True) -> None:
@@ -160,6 +168,9 @@ def write_tensors(directory: Path, names: Sequence[str], sizes: Sequence[int],
                             disable=not progress, file=sys.stderr):
         save_file({names[i]: tensor(i) for i in shard}, directory / file,
                   metadata={"format": "pt"})
+        # safetensors creates its files 0600 whatever the umask; shards are meant to be shared
+        # like the config.json written beside them.
+        os.chmod(directory / file, _default_file_mode())
     if len(plan) > 1:
         index = {"metadata": {"total_size": sum(sizes)},
                  "weight_map": {names[i]: file for file, shard in zip(files, plan)

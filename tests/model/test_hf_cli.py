@@ -30,6 +30,12 @@ def test_cli_import_then_export_round_trips(hf_source, tmp_path):
     assert main(["export", str(tmp_path / "model"), "--out", str(tmp_path / "hf"),
                  "--dtype", "bfloat16"]) == 0
     assert_same_tensors(read_dir(hf_dir), read_dir(tmp_path / "hf"))
+    # Every exported file is readable by others as umask 022 allows (safetensors alone: 0600).
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()
+             if p.name != LOCK_FILE}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
 
 
 def test_cli_bad_input_is_one_line_and_writes_nothing(hf_source, tmp_path, capsys):
