@@ -25,7 +25,7 @@ from model.ops.tables import ATTENTION, MOE
 
 GATE_TYPES = ("headwise", "sink", "none")
 ROPE_SCALING_TYPES = ("none", "yarn", "llama3")
-ROUTER_ACTIVATIONS = ("sigmoid", "softmax")
+ROUTER_ACTIVATIONS = ("sigmoid", "softmax", "sqrt_softplus")  # sqrt_softplus: DeepSeek-V4
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "save_attention_out", "save_ffn_out")
 EP_COLLECTIVES = ("auto", "ragged", "padded")

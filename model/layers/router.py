@@ -1,5 +1,5 @@
 """Router math, pure functions in float32 (report 2.2 and eq. 1; docs/architecture.md,
-"Exact semantics").
+"Exact semantics"; DeepSeek-V4 report 2.1 for `sqrt_softplus` and the sequence-wise loss).
 
 Selection uses the biased scores s + b (b: the non-trainable loss-free balancing bias); the
 combine weights are the *unbiased* scores of the chosen experts, renormalised to sum 1 and
@@ -20,19 +20,46 @@ class Routing(NamedTuple):
     probs: jax.Array  # [N, E] float32 routing probabilities (rows sum to 1)
 
 
-def route(logits: jax.Array, bias: jax.Array | None, cfg: MoEConfig) -> Routing:
-    """logits: [N, E] float32; bias: [E] or None."""
-    if cfg.router_activation == "sigmoid":
-        scores = jax.nn.sigmoid(logits)
-        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    else:
-        scores = probs = jax.nn.softmax(logits, axis=-1)
-    selection = scores if bias is None else scores + jax.lax.stop_gradient(bias)
-    _, indices = jax.lax.top_k(selection, cfg.top_k)
+def sqrt_softplus(logits: jax.Array) -> jax.Array:
+    """sqrt(softplus(x)), DeepSeek-V4's affinity (report 2.1). Any shape in, same out.
+
+    softplus underflows to 0 below x ~ -88 in float32, where d sqrt/du = inf times a zero
+    softplus' gives NaN; flooring at the smallest normal float keeps the gradient finite and
+    moves the value by < 1.1e-19.
+    """
+    softplus = jax.nn.softplus(logits)
+    return jnp.sqrt(jnp.maximum(softplus, jnp.finfo(softplus.dtype).tiny))
+
+
+def affinity_scores(logits: jax.Array, activation: str) -> tuple[jax.Array, jax.Array]:
+    """logits: [N, E] -> (scores s [N, E], probs [N, E] with rows summing to 1).
+
+    For sigmoid and sqrt_softplus the probabilities are the scores normalised over all experts,
+    s' = s / sum_j s_j (the P_i of DeepSeek-V3's sequence-wise balance loss); for softmax the
+    scores already are probabilities.
+    """
+    if activation == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+        return probs, probs
+    scores = jax.nn.sigmoid(logits) if activation == "sigmoid" else sqrt_softplus(logits)
+    return scores, scores / jnp.sum(scores, axis=-1, keepdims=True)
+
+
+def combine_weights(scores: jax.Array, indices: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """Unbiased scores of the chosen experts, renormalised and scaled. [N, E], [N, k] -> [N, k]."""
     weights = jnp.take_along_axis(scores, indices, axis=-1)
     if cfg.renormalize:
         weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
-    return Routing(indices.astype(jnp.int32), weights * cfg.routed_scaling_factor, probs)
+    return weights * cfg.routed_scaling_factor
+
+
+def route(logits: jax.Array, bias: jax.Array | None, cfg: MoEConfig) -> Routing:
+    """logits: [N, E] float32; bias: [E] or None."""
+    scores, probs = affinity_scores(logits, cfg.router_activation)
+    selection = scores if bias is None else scores + jax.lax.stop_gradient(bias)
+    _, indices = jax.lax.top_k(selection, cfg.top_k)
+    indices = indices.astype(jnp.int32)
+    return Routing(indices, combine_weights(scores, indices, cfg), probs)
 
 
 def expert_load(indices: jax.Array, num_experts: int) -> jax.Array:
@@ -50,6 +77,22 @@ def ep_group_balance_loss(load: jax.Array, mean_probs: jax.Array, num_groups: in
     f_g = jnp.sum(load.reshape(num_groups, -1), axis=-1)
     p_g = jnp.sum(mean_probs.reshape(num_groups, -1), axis=-1)
     return num_groups * jnp.sum(jax.lax.stop_gradient(f_g) * p_g)
+
+
+def sequence_balance_loss(probs: jax.Array, indices: jax.Array) -> jax.Array:
+    """DeepSeek-V4's sequence-wise balance loss (report 2.1, weight 1e-4 in 4.2.2), in
+    DeepSeek-V3's form: per sequence, L = sum_i f_i P_i with f_i = E/(kT) sum_t 1[i chosen at t]
+    and P_i = (1/T) sum_t s'_{i,t}; averaged over the B sequences. Equals 1 when uniform.
+
+    probs: s' [B, T, E] (carries the gradient); indices: the chosen experts [B, T, k]. The
+    caller multiplies by the loss weight. Hash-routed layers have a fixed choice and are left
+    out, as transformers records router logits of its learned-selection routers only.
+    """
+    num_experts = probs.shape[-1]
+    load = jax.vmap(expert_load, (0, None))(indices, num_experts)  # f_i / E, [B, E]
+    mean_probs = jnp.mean(probs, axis=1)  # P_i, [B, E]
+    per_sequence = num_experts * jnp.sum(jax.lax.stop_gradient(load) * mean_probs, axis=-1)
+    return jnp.mean(per_sequence)
 
 
 def routing_confidence(probs: jax.Array, indices: jax.Array) -> jax.Array:
