@@ -34,7 +34,9 @@ import jax.numpy as jnp
 class Selection(NamedTuple):
     indices: jax.Array  # [B, T, k] int32 chosen entries (0 where not valid)
     valid: jax.Array  # [B, T, k] bool: a visible entry was chosen in this slot
-    scores: jax.Array  # [B, T, k] float32 index scores I_{t,s} of the chosen entries (-inf if not valid)
+    scores: (
+        jax.Array
+    )  # [B, T, k] float32 index scores I_{t,s} of the chosen entries (-inf if not valid)
 
 
 def rotate_trailing_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -86,9 +88,7 @@ def index_scores(queries: jax.Array, head_weights: jax.Array, keys: jax.Array) -
 
     queries: [B, C, H, c]; head_weights: [B, C, H]; keys: [B, S, c]. Returns [B, C, S] float32.
     """
-    logits = jnp.einsum(
-        "bthc,bsc->bths", queries.astype(jnp.float32), keys.astype(jnp.float32)
-    )
+    logits = jnp.einsum("bthc,bsc->bths", queries.astype(jnp.float32), keys.astype(jnp.float32))
     scaled = jax.nn.relu(logits) * queries.shape[-1] ** -0.5
     return jnp.einsum("bths,bth->bts", scaled, head_weights.astype(jnp.float32))
 
@@ -128,7 +128,9 @@ def _select_chunk(queries, head_weights, keys, visible, top_k: int) -> Selection
     missing = top_k - indices.shape[-1]  # fewer entries than k: pad with invalid slots
     pad = ((0, 0), (0, 0), (0, missing))
     indices = jnp.pad(jnp.where(valid, indices, 0), pad)
-    picked_scores = jnp.pad(jnp.where(valid, picked_scores, -jnp.inf), pad, constant_values=-jnp.inf)
+    picked_scores = jnp.pad(
+        jnp.where(valid, picked_scores, -jnp.inf), pad, constant_values=-jnp.inf
+    )
     return Selection(indices.astype(jnp.int32), jnp.pad(valid, pad), picked_scores)
 
 
@@ -162,10 +164,9 @@ def select_entries(
         x = x.reshape(batch, num_chunks, chunk_size, *x.shape[2:])
         return jnp.moveaxis(x, 1, 0)
 
-    with_segments = query_segment_ids is not None
-    per_chunk = (queries, head_weights, query_positions) + (
-        (query_segment_ids,) if with_segments else ()
-    )
+    per_chunk = (queries, head_weights, query_positions)
+    if query_segment_ids is not None:
+        per_chunk += (query_segment_ids,)
 
     def one_chunk(xs):
         q, w, pos, *seg = xs
@@ -184,8 +185,8 @@ def select_entries(
 
 
 def indexer_kl_loss(main_probs: jax.Array, scores: jax.Array, support: jax.Array) -> jax.Array:
-    """The indexer's training signal (DeepSeek-V3.2 report §2.1, "dense warm-up" and "sparse
-    training"; the V4 report names only an indexer warm-up stage and the open-source code has no
+    """The indexer's training signal (DeepSeek-V3.2 report, continued pre-training: "dense
+    warm-up" and "sparse training" stages; the V4 report names only an indexer warm-up stage and the open-source code has no
     loss): KL(p_t ‖ softmax(I_t)) averaged over the queries with a non-empty support, where p_t is
     the main attention's probability over the entries summed over heads and L1-normalised.
 
@@ -207,6 +208,8 @@ def indexer_kl_loss(main_probs: jax.Array, scores: jax.Array, support: jax.Array
     logits = jnp.where(support, scores.astype(jnp.float32), -jnp.inf)
     log_q = jax.nn.log_softmax(jnp.where(has_support[..., None], logits, 0.0), axis=-1)
     # 0·log 0 = 0: entries outside the support or without target mass contribute nothing
-    terms = jnp.where(target > 0, target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_q), 0.0)
+    terms = jnp.where(
+        target > 0, target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_q), 0.0
+    )
     per_query = jnp.where(has_support, jnp.sum(terms, axis=-1), 0.0)
     return jnp.sum(per_query) / jnp.maximum(jnp.sum(has_support), 1)

@@ -85,8 +85,12 @@ def assert_selection_matches(selection, ref_scores, visible, top_k):
         assert len(set(chosen.tolist())) == len(chosen)
         assert visible[b, t, chosen].all(), f"query {t} selected an entry it cannot see"
         expected = np.sort(ref_scores[b, t][visible[b, t]])[::-1][: len(chosen)]
-        np.testing.assert_allclose(np.sort(ref_scores[b, t, chosen])[::-1], expected, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(scores[b, t][valid[b, t]], ref_scores[b, t, chosen], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.sort(ref_scores[b, t, chosen])[::-1], expected, rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            scores[b, t][valid[b, t]], ref_scores[b, t, chosen], rtol=1e-5, atol=1e-6
+        )
         assert np.all(np.isneginf(scores[b, t][~valid[b, t]]))
 
 
@@ -108,13 +112,20 @@ def test_queries_and_head_weights_match_reference():
     q_b_proj = rng.normal(size=(d_c, heads * dim)).astype(np.float32)
     positions = np.tile(np.arange(length) + 3, (batch, 1))
     cos, sin = np_rope_cos_sin(positions, rope)
-    got = indexer_queries(jnp.asarray(q_latent), jnp.asarray(q_b_proj), jnp.asarray(cos, jnp.float32),
-                          jnp.asarray(sin, jnp.float32), num_heads=heads)
+    got = indexer_queries(
+        jnp.asarray(q_latent),
+        jnp.asarray(q_b_proj),
+        jnp.asarray(cos, jnp.float32),
+        jnp.asarray(sin, jnp.float32),
+        num_heads=heads,
+    )
     assert got.shape == (batch, length, heads, dim) and got.dtype == jnp.float32
     expected = np_queries(q_latent, q_b_proj.astype(np.float64), cos, sin, heads)
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
-    assert not np.allclose(expected[..., -rope:], (q_latent.astype(np.float64) @ q_b_proj).reshape(
-        expected.shape)[..., -rope:]), "RoPE must actually rotate the trailing dims"
+    assert not np.allclose(
+        expected[..., -rope:],
+        (q_latent.astype(np.float64) @ q_b_proj).reshape(expected.shape)[..., -rope:],
+    ), "RoPE must actually rotate the trailing dims"
 
     hidden = rng.normal(size=(batch, length, d_model)).astype(np.float32)
     weights_proj = rng.normal(size=(d_model, heads)).astype(np.float32)
@@ -126,7 +137,9 @@ def test_queries_and_head_weights_match_reference():
 def test_index_scores_match_loop_reference():
     queries, weights, keys = _random_inputs(np.random.default_rng(1), length=7, entries=5)
     got = index_scores(jnp.asarray(queries), jnp.asarray(weights), jnp.asarray(keys))
-    np.testing.assert_allclose(np.asarray(got), np_scores(queries, weights, keys), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(got), np_scores(queries, weights, keys), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("top_k", [2, 4, 9])  # 9 > S: padded invalid slots everywhere
@@ -137,8 +150,15 @@ def test_selection_is_causal_and_matches_reference(top_k):
     positions = np.tile(np.arange(length, dtype=np.int32), (batch, 1))
     ends = np.asarray(csa_entry_end_positions(batch, keys.shape[1], RATIO))
     np.testing.assert_array_equal(ends[0], [(s + 1) * RATIO - 1 for s in range(keys.shape[1])])
-    selection = select_entries(jnp.asarray(queries), jnp.asarray(weights), jnp.asarray(keys),
-                               jnp.asarray(positions), jnp.asarray(ends), top_k=top_k, chunk_size=5)
+    selection = select_entries(
+        jnp.asarray(queries),
+        jnp.asarray(weights),
+        jnp.asarray(keys),
+        jnp.asarray(positions),
+        jnp.asarray(ends),
+        top_k=top_k,
+        chunk_size=5,
+    )
     visible = np_visible(positions, ends)
     assert_selection_matches(selection, np_scores(queries, weights, keys), visible, top_k)
     # never a future token: every token m(s-1) .. m(s+1)-1 that entry s pools is <= t
@@ -163,16 +183,23 @@ def test_packed_documents_never_select_other_documents():
     for b, row in enumerate(lengths):
         start = entry = 0
         for doc, n in enumerate(row, start=1):
-            q_pos[b, start:start + n] = np.arange(n)
-            q_seg[b, start:start + n] = doc
+            q_pos[b, start : start + n] = np.arange(n)
+            q_seg[b, start : start + n] = doc
             for s in range(n // RATIO):
                 e_end[b, entry], e_seg[b, entry] = (s + 1) * RATIO - 1, doc
                 entry += 1
             start += n
     selection = select_entries(
-        jnp.asarray(queries), jnp.asarray(weights), jnp.asarray(keys), jnp.asarray(q_pos),
-        jnp.asarray(e_end), top_k=3, chunk_size=4, query_segment_ids=jnp.asarray(q_seg),
-        entry_segment_ids=jnp.asarray(e_seg))
+        jnp.asarray(queries),
+        jnp.asarray(weights),
+        jnp.asarray(keys),
+        jnp.asarray(q_pos),
+        jnp.asarray(e_end),
+        top_k=3,
+        chunk_size=4,
+        query_segment_ids=jnp.asarray(q_seg),
+        entry_segment_ids=jnp.asarray(e_seg),
+    )
     visible = np_visible(q_pos, e_end, q_seg, e_seg)
     assert_selection_matches(selection, np_scores(queries, weights, keys), visible, 3)
     for b, t, j in zip(*np.nonzero(np.asarray(selection.valid))):
@@ -215,7 +242,9 @@ def np_kl_loss(main_probs, scores, support):
 
 def _kl_inputs(rng, batch=2, length=6, heads=3, entries=5):
     logits = rng.normal(size=(batch, length, heads, entries))
-    main_probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True) * 0.7  # window/sink take the rest
+    main_probs = (
+        np.exp(logits) / np.exp(logits).sum(-1, keepdims=True) * 0.7
+    )  # window/sink take the rest
     main_probs[0, 1, :, 2] = 0.0  # a zero-probability entry inside the support
     scores = rng.normal(size=(batch, length, entries)).astype(np.float32)
     support = rng.random((batch, length, entries)) < 0.7
@@ -232,7 +261,10 @@ def test_kl_loss_matches_reference():
     target = np.where(support, main_probs.sum(-2), 0.0)
     matched = np.log(np.maximum(target, 1e-30)).astype(np.float32)
     fine = support & (target > 0)
-    assert float(indexer_kl_loss(jnp.asarray(main_probs), jnp.asarray(matched), jnp.asarray(fine))) < 1e-5
+    assert (
+        float(indexer_kl_loss(jnp.asarray(main_probs), jnp.asarray(matched), jnp.asarray(fine)))
+        < 1e-5
+    )
 
 
 def test_gradients_reach_indexer_weights_and_not_main_attention():
@@ -248,7 +280,9 @@ def test_gradients_reach_indexer_weights_and_not_main_attention():
     params = {
         "q_b_proj": jnp.asarray(rng.normal(size=(d_c, heads * dim)), jnp.float32),
         "weights_proj": jnp.asarray(rng.normal(size=(d_model, heads)), jnp.float32),
-        "keys": jnp.asarray(rng.normal(size=(batch, entries, dim)), jnp.float32),  # indexer compressor output
+        "keys": jnp.asarray(
+            rng.normal(size=(batch, entries, dim)), jnp.float32
+        ),  # indexer compressor output
         "main_logits": jnp.asarray(rng.normal(size=(batch, length, 4, entries)), jnp.float32),
     }
 
@@ -278,17 +312,27 @@ def test_matches_transformers_indexer():
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
 
     torch.manual_seed(0)
-    cfg = DeepseekV4Config(hidden_size=24, q_lora_rank=12, head_dim=32, partial_rotary_factor=0.25,
-                           index_n_heads=4, index_head_dim=16, index_topk=3, num_attention_heads=2,
-                           compress_rates={"compressed_sparse_attention": RATIO,
-                                           "heavily_compressed_attention": 8})
+    cfg = DeepseekV4Config(
+        hidden_size=24,
+        q_lora_rank=12,
+        head_dim=32,
+        partial_rotary_factor=0.25,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=3,
+        num_attention_heads=2,
+        compress_rates={"compressed_sparse_attention": RATIO, "heavily_compressed_attention": 8},
+    )
     indexer = DeepseekV4Indexer(cfg).eval()
     with torch.no_grad():
         for p in indexer.parameters():
             p.normal_()
     captured = {}
     indexer.scorer.register_forward_hook(
-        lambda mod, args, out: captured.update(keys=args[1].detach().numpy(), scores=out.detach().numpy()))
+        lambda mod, args, out: captured.update(
+            keys=args[1].detach().numpy(), scores=out.detach().numpy()
+        )
+    )
     batch, length = 2, 22
     hidden = torch.randn(batch, length, cfg.hidden_size)
     q_residual = torch.randn(batch, length, cfg.q_lora_rank)
@@ -296,17 +340,39 @@ def test_matches_transformers_indexer():
     with torch.no_grad():
         hf_indices = indexer(hidden, q_residual, position_ids, cache=None, layer_idx=0).numpy()
     rope = cfg.qk_rope_head_dim
-    cos, sin = np_rope_cos_sin(position_ids.numpy(), rope, cfg.rope_parameters["compress"]["rope_theta"])
-    q = indexer_queries(jnp.asarray(q_residual.numpy()), jnp.asarray(indexer.q_b_proj.weight.detach().numpy().T),
-                        jnp.asarray(cos, jnp.float32), jnp.asarray(sin, jnp.float32), num_heads=cfg.index_n_heads)
-    w = indexer_head_weights(jnp.asarray(hidden.numpy()),
-                             jnp.asarray(indexer.scorer.weights_proj.weight.detach().numpy().T))
+    cos, sin = np_rope_cos_sin(
+        position_ids.numpy(), rope, cfg.rope_parameters["compress"]["rope_theta"]
+    )
+    q = indexer_queries(
+        jnp.asarray(q_residual.numpy()),
+        jnp.asarray(indexer.q_b_proj.weight.detach().numpy().T),
+        jnp.asarray(cos, jnp.float32),
+        jnp.asarray(sin, jnp.float32),
+        num_heads=cfg.index_n_heads,
+    )
+    w = indexer_head_weights(
+        jnp.asarray(hidden.numpy()),
+        jnp.asarray(indexer.scorer.weights_proj.weight.detach().numpy().T),
+    )
     keys = jnp.asarray(captured["keys"])
-    np.testing.assert_allclose(np.asarray(index_scores(q, w, keys)), captured["scores"], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(index_scores(q, w, keys)), captured["scores"], rtol=1e-4, atol=1e-4
+    )
     ends = csa_entry_end_positions(batch, keys.shape[1], RATIO)
-    sel = select_entries(q, w, keys, jnp.asarray(position_ids.numpy(), jnp.int32), ends,
-                         top_k=cfg.index_topk, chunk_size=8)
+    sel = select_entries(
+        q,
+        w,
+        keys,
+        jnp.asarray(position_ids.numpy(), jnp.int32),
+        ends,
+        top_k=cfg.index_topk,
+        chunk_size=8,
+    )
     valid = np.asarray(sel.valid)
     np.testing.assert_array_equal(valid, hf_indices >= 0)
-    for b, t in np.ndindex(batch, length):  # same chosen sets (the order of equal scores may differ)
-        assert set(np.asarray(sel.indices)[b, t][valid[b, t]]) == set(hf_indices[b, t][hf_indices[b, t] >= 0])
+    for b, t in np.ndindex(
+        batch, length
+    ):  # same chosen sets (the order of equal scores may differ)
+        assert set(np.asarray(sel.indices)[b, t][valid[b, t]]) == set(
+            hf_indices[b, t][hf_indices[b, t] >= 0]
+        )
