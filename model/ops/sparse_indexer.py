@@ -1,0 +1,215 @@
+"""The CSA lightning indexer and its top-k selection (DeepSeek-V4 report §2.3.1, eqs. 13-17),
+plus the indexer's training signal (DeepSeek-V3.2's KL recipe). Pure functions in float32.
+
+Pipeline for one CSA layer (shapes: B batch, T queries, S compressed entries, H = n_h^I indexer
+heads, c = c^I indexer head dim, R = RoPE dims, k = top-k):
+
+1. keys [B, S, c]: the indexer's *own* overlapped compressor (the CSA compression of eqs. 9-12
+   at width c, with its own weights, RMSNorm and RoPE at entry position s·m); not computed here.
+2. `indexer_queries`: q^I_t = RoPE(c^Q_t W^{IUQ}) (eq. 14) from the shared query latent c^Q_t
+   (eq. 13, already RMS-normalised by the main attention), no per-head norm.
+3. `indexer_head_weights`: w^I_t = h_t W^w / sqrt(H) (eq. 15).
+4. `select_entries`: I_{t,s} = Σ_h w^I_{t,h} · ReLU(q^I_{t,h} · K_s) / sqrt(c) (eq. 16) over the
+   visible entries, then top-k (eq. 17), one query chunk at a time so no [T, S] array is built.
+
+Causality: entry s is visible to query t only when every token it pools is at or before t, i.e.
+its last token's position ≤ t (for the unpacked layout, s < (t + 1) // m). The report writes
+s < ⌊t/m⌋; the open-source rule is the one above (it admits the block that ends at t itself).
+Packed documents: an entry is visible only to queries of its own segment.
+
+Parameter names map onto the Hugging Face checkpoint (`...self_attn.compressor.indexer.*`):
+`q_b_proj` = `q_b_proj.weight`.T [d_c, H·c]; `weights_proj` = `scorer.weights_proj.weight`.T
+[d, H]. The compressor weights `kv_proj`, `gate_proj` [d, 2c], `position_bias` [m, 2c] and
+`kv_norm` [c] belong to step 1.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Selection(NamedTuple):
+    indices: jax.Array  # [B, T, k] int32 chosen entries (0 where not valid)
+    valid: jax.Array  # [B, T, k] bool: a visible entry was chosen in this slot
+    scores: (
+        jax.Array
+    )  # [B, T, k] float32 index scores I_{t,s} of the chosen entries (-inf if not valid)
+
+
+def rotate_trailing_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """V4's RoPE: rotates the *last* R dims of each head, pairing neighbouring channels
+    (2i, 2i+1) (report §2.3.3, "partial RoPE" on the last 64 dims).
+
+    x: [B, T, H, D]; cos/sin: [B, T, R/2] float32 -> [B, T, H, D] float32.
+    """
+    half = cos.shape[-1]
+    x = x.astype(jnp.float32)
+    rest, rope = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half :]
+    even, odd = rope[..., 0::2], rope[..., 1::2]  # [B, T, H, R/2]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+    return jnp.concatenate([rest, rotated.reshape(rope.shape)], axis=-1)
+
+
+def indexer_queries(
+    q_latent: jax.Array,
+    q_b_proj: jax.Array,
+    rope_cos: jax.Array,
+    rope_sin: jax.Array,
+    *,
+    num_heads: int,
+) -> jax.Array:
+    """Indexer queries q^I_t (eq. 14), rotated at the query positions.
+
+    q_latent: [B, T, d_c] (c^Q_t of eq. 13, after the main attention's q_a_norm);
+    q_b_proj: [d_c, H·c]; rope_cos/rope_sin: [B, T, R/2] of the compressed layers' RoPE (the
+    same table the indexer keys were rotated with, so q·k depends on distance only).
+    Returns [B, T, H, c] float32.
+    """
+    batch, length, _ = q_latent.shape
+    q = jnp.einsum("btr,rf->btf", q_latent, q_b_proj.astype(q_latent.dtype))
+    return rotate_trailing_interleaved(q.reshape(batch, length, num_heads, -1), rope_cos, rope_sin)
+
+
+def indexer_head_weights(hidden: jax.Array, weights_proj: jax.Array) -> jax.Array:
+    """Per-head weights w^I_t (eq. 15), scaled by 1/sqrt(H) as upstream does.
+
+    hidden: [B, T, d] (h_t, the attention input); weights_proj: [d, H]. Returns [B, T, H] float32.
+    """
+    weights = jnp.einsum("btd,dh->bth", hidden, weights_proj.astype(hidden.dtype))
+    return weights.astype(jnp.float32) * weights_proj.shape[-1] ** -0.5
+
+
+def index_scores(queries: jax.Array, head_weights: jax.Array, keys: jax.Array) -> jax.Array:
+    """Eq. 16 without masking: I_{t,s} = Σ_h w_{t,h} · ReLU(q_{t,h} · K_s) / sqrt(c).
+
+    queries: [B, C, H, c]; head_weights: [B, C, H]; keys: [B, S, c]. Returns [B, C, S] float32.
+    """
+    logits = jnp.einsum("bthc,bsc->bths", queries.astype(jnp.float32), keys.astype(jnp.float32))
+    scaled = jax.nn.relu(logits) * queries.shape[-1] ** -0.5
+    return jnp.einsum("bths,bth->bts", scaled, head_weights.astype(jnp.float32))
+
+
+def csa_entry_end_positions(batch: int, num_entries: int, ratio: int) -> jax.Array:
+    """Position of the last token pooled by each entry of one unpacked sequence: entry s pools
+    tokens up to m(s+1) - 1 (eq. 12; its overlap half reaches back, never forward).
+    Returns [B, S] int32."""
+    ends = (jnp.arange(num_entries, dtype=jnp.int32) + 1) * ratio - 1
+    return jnp.broadcast_to(ends, (batch, num_entries))
+
+
+def visible_entries(
+    query_positions: jax.Array,
+    entry_end_positions: jax.Array,
+    query_segment_ids: jax.Array | None = None,
+    entry_segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """Which entries each query may score: all of the entry's tokens at or before the query,
+    same document. Positions are in one coordinate system (per-document positions for packed
+    rows). Give padding entries a segment id no query has.
+
+    query_positions: [B, C]; entry_end_positions: [B, S]; segment ids: [B, C] / [B, S] or None.
+    Returns bool [B, C, S].
+    """
+    visible = entry_end_positions[:, None, :] <= query_positions[:, :, None]
+    if query_segment_ids is not None:
+        visible &= entry_segment_ids[:, None, :] == query_segment_ids[:, :, None]
+    return visible
+
+
+def _select_chunk(queries, head_weights, keys, visible, top_k: int) -> Selection:
+    """Masked scores and top-k for one query chunk. [B, C, ...] -> Selection of [B, C, k]."""
+    scores = jnp.where(visible, index_scores(queries, head_weights, keys), -jnp.inf)
+    picked_scores, indices = jax.lax.top_k(scores, min(top_k, scores.shape[-1]))
+    valid = jnp.take_along_axis(visible, indices, axis=-1)
+    missing = top_k - indices.shape[-1]  # fewer entries than k: pad with invalid slots
+    pad = ((0, 0), (0, 0), (0, missing))
+    indices = jnp.pad(jnp.where(valid, indices, 0), pad)
+    picked_scores = jnp.pad(
+        jnp.where(valid, picked_scores, -jnp.inf), pad, constant_values=-jnp.inf
+    )
+    return Selection(indices.astype(jnp.int32), jnp.pad(valid, pad), picked_scores)
+
+
+def select_entries(
+    queries: jax.Array,
+    head_weights: jax.Array,
+    keys: jax.Array,
+    query_positions: jax.Array,
+    entry_end_positions: jax.Array,
+    *,
+    top_k: int,
+    chunk_size: int,
+    query_segment_ids: jax.Array | None = None,
+    entry_segment_ids: jax.Array | None = None,
+) -> Selection:
+    """Top-k compressed entries per query (eqs. 16-17), computed `chunk_size` queries at a time
+    (peak score memory [B, chunk_size, H, S] instead of [B, T, H, S]).
+
+    queries: [B, T, H, c]; head_weights: [B, T, H]; keys: [B, S, c]; query_positions: [B, T];
+    entry_end_positions: [B, S]; segment ids: [B, T] / [B, S] or None (one document per row).
+    Returns a Selection of [B, T, top_k] arrays. Slots with no visible entry left (early queries,
+    short documents) are invalid. The scores of valid slots carry gradients into the indexer.
+    """
+    batch, length = query_positions.shape
+    num_chunks = -(-length // chunk_size)
+    padded = num_chunks * chunk_size
+
+    def chunked(x):
+        """[B, T, ...] -> [num_chunks, B, chunk_size, ...] (padding queries are dropped later)."""
+        x = jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(batch, num_chunks, chunk_size, *x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    per_chunk = (queries, head_weights, query_positions)
+    if query_segment_ids is not None:
+        per_chunk += (query_segment_ids,)
+
+    def one_chunk(xs):
+        q, w, pos, *seg = xs
+        visible = visible_entries(
+            pos, entry_end_positions, seg[0] if seg else None, entry_segment_ids
+        )
+        return _select_chunk(q, w, keys, visible, top_k)
+
+    out = jax.lax.map(one_chunk, tuple(chunked(x) for x in per_chunk))
+
+    def unchunked(x):
+        """[num_chunks, B, chunk_size, k] -> [B, T, k]."""
+        return jnp.moveaxis(x, 0, 1).reshape(batch, padded, top_k)[:, :length]
+
+    return Selection(*(unchunked(x) for x in out))
+
+
+def indexer_kl_loss(main_probs: jax.Array, scores: jax.Array, support: jax.Array) -> jax.Array:
+    """The indexer's training signal (DeepSeek-V3.2 report, continued pre-training: "dense
+    warm-up" and "sparse training" stages; the V4 report names only an indexer warm-up stage and the open-source code has no
+    loss): KL(p_t ‖ softmax(I_t)) averaged over the queries with a non-empty support, where p_t is
+    the main attention's probability over the entries summed over heads and L1-normalised.
+
+    The main attention is a stop-gradient target: this loss trains only the indexer (V3.2 also
+    detaches the indexer's inputs; callers do that with stop_gradient on h and c^Q).
+    Dense warm-up: N = S and support = visibility; sparse stage: N = k over the selected
+    entries (Selection.scores / .valid), the main attention's probabilities gathered likewise.
+
+    main_probs: [B, T, H, N]; scores: [B, T, N] (I_{t,s}); support: bool [B, T, N].
+    Returns a float32 scalar.
+    """
+    target = jnp.where(support, jnp.sum(jax.lax.stop_gradient(main_probs), axis=-2), 0.0)
+    target = target.astype(jnp.float32)
+    mass = jnp.sum(target, axis=-1, keepdims=True)
+    target = target / jnp.where(mass > 0, mass, 1.0)
+    has_support = jnp.any(support, axis=-1) & (mass[..., 0] > 0)
+    # rows without support get finite logits: their term is dropped, and log_softmax of an
+    # all -inf row would turn the whole gradient into NaN
+    logits = jnp.where(support, scores.astype(jnp.float32), -jnp.inf)
+    log_q = jax.nn.log_softmax(jnp.where(has_support[..., None], logits, 0.0), axis=-1)
+    # 0·log 0 = 0: entries outside the support or without target mass contribute nothing
+    terms = jnp.where(
+        target > 0, target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_q), 0.0
+    )
+    per_query = jnp.where(has_support, jnp.sum(terms, axis=-1), 0.0)
+    return jnp.sum(per_query) / jnp.maximum(jnp.sum(has_support), 1)
