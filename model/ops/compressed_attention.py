@@ -1,0 +1,106 @@
+"""The core attention of DeepSeek-V4's compressed layers (report §2.3.1 eq. 19, §2.3.2 eq. 26,
+§2.3.3): shared-KV MQA (one KV head; each entry is both key and value) over
+(a) compressed entries (`model.ops.kv_compression.CompressedKV`): all visible ones (HCA) or a
+    per-query selection (CSA: the lightning indexer's top-k), and
+(b) the sliding window of raw entries: query i sees tokens j of its document with
+    i - W < j <= i (W entries including itself, Hugging Face's sliding-window mask),
+with a per-head learnable sink logit in the softmax denominator (eq. 27) and softmax scale
+1/sqrt(c), softmax in float32. As upstream, tokens covered both by the window and by a visible
+compressed entry are attended through both (no deduplication).
+
+Cost O(T·(N + 2C)) for N = T // m compressed slots and query chunks of C >= W rows: chunk n
+attends to the raw entries of chunks n-1 and n (which cover every window) and to the
+compressed entries; no [T, T] array is formed. Chunks run one after another (`lax.map`) and
+are rematerialised in the backward pass, so live memory is one chunk's scores.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from model.ops.kv_compression import CompressedKV
+
+_NEG = -1e30  # finite "-inf": a fully masked row yields zeros (sink only), gradients stay finite
+QUERY_CHUNK = 128  # default query rows per chunk (raised to the window when W is larger)
+
+
+def _chunk_rows(x: jax.Array, chunk: int, pad_value=0) -> jax.Array:
+    """[B, T, ...] -> [B, T', ...] with T' the next multiple of `chunk`."""
+    pad = -x.shape[1] % chunk
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, pad)
+    return jnp.pad(x, widths, constant_values=pad_value)
+
+
+def compressed_attention(q: jax.Array, kv: jax.Array, compressed: CompressedKV, sink: jax.Array,
+                         *, window: int, segment_ids: jax.Array | None = None,
+                         selected: jax.Array | None = None,
+                         query_chunk: int = QUERY_CHUNK) -> jax.Array:
+    """q: [B, T, H, c] (normed, roped queries); kv: [B, T, c] raw sliding-window entries;
+    compressed: entries [B, N, c]; sink: [H] logits; window: W >= 1; segment_ids: [B, T]
+    (None: one document per row); selected: [B, T, k] int indices into the N compressed slots,
+    -1 for none (CSA; must be distinct per query) or None (HCA: every visible entry)
+    -> [B, T, H, c] in q.dtype.
+
+    An entry is attended only if `compressed.visible` (complete before the query, same
+    document), whatever `selected` says, so an indexer's stray picks are harmless.
+    """
+    batch, length, heads, dim = q.shape
+    if segment_ids is None:
+        segment_ids = jnp.zeros((batch, length), jnp.int32)
+    chunk = min(max(window, query_chunk), length)
+    q_p = _chunk_rows(q, chunk)
+    num_chunks = q_p.shape[1] // chunk
+    seg_p = _chunk_rows(segment_ids, chunk, pad_value=-1)  # padding rows match no real key
+    # Raw keys of chunk n are rows [(n-1)C, (n+1)C) of kv with C zero rows in front.
+    kv_front = jnp.pad(_chunk_rows(kv, chunk), ((0, 0), (chunk, 0), (0, 0)))
+    seg_front = jnp.pad(seg_p, ((0, 0), (chunk, 0)), constant_values=-1)
+    if selected is not None:
+        selected = _chunk_rows(selected, chunk, pad_value=-1)
+    scale = dim ** -0.5
+    sink = sink.astype(jnp.float32)
+
+    def one_chunk(n):
+        start = n * chunk
+        q_c = jax.lax.dynamic_slice_in_dim(q_p, start, chunk, axis=1)  # [B, C, H, c]
+        seg_q = jax.lax.dynamic_slice_in_dim(seg_p, start, chunk, axis=1)  # [B, C]
+        k_win = jax.lax.dynamic_slice_in_dim(kv_front, start, 2 * chunk, axis=1)  # [B, 2C, c]
+        seg_k = jax.lax.dynamic_slice_in_dim(seg_front, start, 2 * chunk, axis=1)
+        q_pos = start + jnp.arange(chunk)
+        k_pos = start - chunk + jnp.arange(2 * chunk)
+        distance = q_pos[:, None] - k_pos[None, :]
+        win_mask = ((distance >= 0) & (distance < window))[None] & (
+            seg_q[:, :, None] == seg_k[:, None, :])  # [B, C, 2C]
+        win_logits = jnp.einsum("bqhd,bkd->bqhk", q_c, k_win,
+                                preferred_element_type=jnp.float32) * scale
+        visible = compressed.visible(jnp.broadcast_to(q_pos, (batch, chunk)), seg_q)  # [B, C, N]
+        if selected is None:
+            comp_keys = compressed.entries  # [B, N, c]
+            comp_mask = visible
+            comp_logits = jnp.einsum("bqhd,bnd->bqhn", q_c, comp_keys,
+                                     preferred_element_type=jnp.float32) * scale
+        else:
+            picks = jax.lax.dynamic_slice_in_dim(selected, start, chunk, axis=1)  # [B, C, k]
+            safe = jnp.clip(picks, 0, compressed.entries.shape[1] - 1)
+            comp_mask = (picks >= 0) & jnp.take_along_axis(visible, safe, axis=2)
+            comp_keys = jnp.take_along_axis(compressed.entries[:, None], safe[..., None],
+                                            axis=2)  # [B, C, k, c]
+            comp_logits = jnp.einsum("bqhd,bqkd->bqhk", q_c, comp_keys,
+                                     preferred_element_type=jnp.float32) * scale
+        logits = jnp.concatenate([jnp.where(win_mask[:, :, None], win_logits, _NEG),
+                                  jnp.where(comp_mask[:, :, None], comp_logits, _NEG)], axis=-1)
+        # eq. 27: exp(sink_h) joins the denominator; the sink has no value vector.
+        top = jnp.maximum(jnp.max(logits, axis=-1), sink)  # [B, C, H]
+        weights = jnp.exp(logits - top[..., None])
+        denom = jnp.sum(weights, axis=-1) + jnp.exp(sink - top)
+        probs = (weights / denom[..., None]).astype(kv.dtype)
+        win_probs, comp_probs = probs[..., :2 * chunk], probs[..., 2 * chunk:]
+        out = jnp.einsum("bqhk,bkd->bqhd", win_probs, k_win, preferred_element_type=jnp.float32)
+        pattern = "bqhn,bnd->bqhd" if selected is None else "bqhk,bqkd->bqhd"
+        out = out + jnp.einsum(pattern, comp_probs, comp_keys, preferred_element_type=jnp.float32)
+        return out.astype(q.dtype)
+
+    outs = jax.lax.map(jax.checkpoint(one_chunk), jnp.arange(num_chunks))  # [n, B, C, H, c]
+    outs = jnp.moveaxis(outs, 0, 1).reshape(batch, num_chunks * chunk, heads, dim)
+    return outs[:, :length]

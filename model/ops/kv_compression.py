@@ -1,0 +1,148 @@
+"""KV compression of DeepSeek-V4's compressed attention layers (DeepSeek-V4 report §2.3).
+
+Every block of m consecutive tokens becomes one compressed KV entry: a per-channel softmax
+pooling of the block's projected entries C = H·W^KV under gate logits Z = H·W^Z plus a
+learned per-slot bias B (the softmax runs over the slots, separately for each channel).
+- HCA (eqs. 20-23): blocks of m' tokens, no overlap; params `kv_proj`/`gate_proj` [d, c],
+  `position_bias` [m', c].
+- CSA (eqs. 9-12): overlapped; the projections are [d, 2c] and the bias [m, 2c]. Entry i pools
+  2m slots: the *first* c channels of block i-1 (its "previous-block" series) and the *last* c
+  channels of block i. The first block of a document has no previous block (the "boundary
+  block"): those m slots get gate -inf and value 0, i.e. softmax weight 0 (eq. 11's padding).
+  Hugging Face's `DeepseekV4CSACompressor` lays the halves out the same way ([:c] previous).
+Each entry is then RMS-normalised with the learned scale `kv_norm` (the checkpoint's
+`compressor.kv_norm.weight`, applied as is, not as an offset) and its trailing rope channels
+are rotated at the position of the block's *first* token (w·m for block w), as upstream.
+
+Packed documents (report §3.5.3's "compressed independently per sequence"; upstream has no
+packing): blocks are aligned to each document's start and never span two documents. A
+document's trailing tokens that do not fill a block produce no entry (upstream drops the
+same tail), so a packed document compresses exactly as it would alone. With n_e complete
+blocks per document, a row holds Σ n_e ≤ T // m entries: they are compacted, in order, into
+the first slots of a fixed [B, T // m] buffer; the rest are empty slots (value 0, never
+visible). Which query sees which entry is `CompressedKV.visible`.
+
+Parameter names map 1:1 onto the checkpoint's `self_attn.compressor.*` (CSA indexers:
+`self_attn.compressor.indexer.*`) tensors; the projections are stored [in, out] here,
+transposed from torch's `nn.Linear.weight`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from model.ops.interleaved_rope import rotate_trailing_pairs
+
+_NEG = -1e30  # finite "-inf" for empty slots: exp underflows to exactly 0, gradients stay finite
+
+
+class CompressorParams(NamedTuple):
+    kv_proj: jax.Array  # [d, c] HCA, [d, 2c] CSA (HF `kv_proj.weight`.T)
+    gate_proj: jax.Array  # same shape as kv_proj (HF `gate_proj.weight`.T)
+    position_bias: jax.Array  # [m, c] HCA, [m, 2c] CSA (HF `position_bias`)
+    kv_norm: jax.Array  # [c] (HF `kv_norm.weight`)
+
+
+class CompressedKV(NamedTuple):
+    """A row's compressed entries in token order, padded to N = T // m slots."""
+
+    entries: jax.Array  # [B, N, c]
+    last_token: jax.Array  # [B, N] int32: index of the block's last token; T for empty slots
+    segment_ids: jax.Array  # [B, N] int32: the document of the block
+
+    def visible(self, query_index: jax.Array, query_segment: jax.Array) -> jax.Array:
+        """query_index/query_segment: [B, Q] -> bool [B, Q, N]. Query t sees entry w iff the
+        whole block is at or before t and in t's document. As upstream (`(t + 1) // m > w`),
+        a query at a block's last token already sees that block's entry."""
+        complete = self.last_token[:, None, :] <= query_index[:, :, None]
+        return complete & (self.segment_ids[:, None, :] == query_segment[:, :, None])
+
+
+def document_offsets(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] -> [B, T] int32: each token's offset from the start of its document (a document
+    is a run of equal segment ids)."""
+    length = segment_ids.shape[1]
+    index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def block_starts(segment_ids: jax.Array, rate: int) -> jax.Array:
+    """[B, T] -> [B, T // rate] int32: first token of each complete document-aligned block, in
+    order, then T for empty slots."""
+    batch, length = segment_ids.shape
+    offsets = document_offsets(segment_ids)
+    index = jnp.arange(length)
+    last = jnp.minimum(index + rate - 1, length - 1)
+    # The block's last token is rate-1 further into the same document iff no document starts
+    # inside the block (a restart would make its offset smaller).
+    complete = (index + rate - 1 < length) & (offsets[:, last] == offsets + rate - 1)
+    is_start = complete & (offsets % rate == 0)
+    slot = jnp.where(is_start, jnp.cumsum(is_start, axis=1) - 1, length // rate)
+    starts = jnp.full((batch, length // rate), length, jnp.int32)
+    rows = jnp.arange(batch)[:, None]
+    return starts.at[rows, slot].set(jnp.broadcast_to(index, (batch, length)), mode="drop")
+
+
+def _gather_blocks(x: jax.Array, first: jax.Array, rate: int) -> jax.Array:
+    """x: [B, T, F], first: [B, N] -> [B, N, rate, F]: tokens first..first+rate-1 (clipped)."""
+    batch, num = first.shape
+    idx = jnp.clip(first[:, :, None] + jnp.arange(rate), 0, x.shape[1] - 1).reshape(batch, -1)
+    blocks = jnp.take_along_axis(x, idx[:, :, None], axis=1)
+    return blocks.reshape(batch, num, rate, x.shape[-1])
+
+
+def softmax_pool(values: jax.Array, logits: jax.Array) -> jax.Array:
+    """values/logits: [B, N, S, c] -> [B, N, c] float32: Σ_s softmax_s(logits) ⊙ values, the
+    softmax over the S slots for each channel separately (eqs. 11-12, 22-23)."""
+    weights = jax.nn.softmax(logits.astype(jnp.float32), axis=2)
+    return jnp.sum(weights * values.astype(jnp.float32), axis=2)
+
+
+def compress_kv(hidden: jax.Array, params: CompressorParams, *, rate: int, overlap: bool,
+                inv_freq: jax.Array, segment_ids: jax.Array | None = None,
+                eps: float = 1e-6) -> CompressedKV:
+    """hidden: [B, T, d] -> CompressedKV with entries [B, T // rate, c] in hidden.dtype.
+
+    overlap=False: HCA (eqs. 20-23); overlap=True: CSA (eqs. 9-12). inv_freq: [R/2] RoPE
+    frequencies of the trailing R channels; segment_ids: [B, T] packed documents (None: one
+    document per row); eps: of the entry RMSNorm.
+    """
+    batch, length, _ = hidden.shape
+    width = params.kv_norm.shape[0]
+    expected = (rate, 2 * width if overlap else width)
+    if params.position_bias.shape != expected or params.kv_proj.shape[-1] != expected[1]:
+        raise ValueError(f"compress_kv: position_bias {params.position_bias.shape} / kv_proj "
+                         f"{params.kv_proj.shape} do not fit rate={rate}, c={width}, "
+                         f"overlap={overlap}")
+    if segment_ids is None:
+        segment_ids = jnp.zeros((batch, length), jnp.int32)
+    kv = hidden @ params.kv_proj.astype(hidden.dtype)  # [B, T, c or 2c]
+    gate = (hidden @ params.gate_proj.astype(hidden.dtype)).astype(jnp.float32)
+    first = block_starts(segment_ids, rate)  # [B, N]
+    bias = params.position_bias.astype(jnp.float32)
+    values = _gather_blocks(kv, first, rate)  # [B, N, m, c or 2c]
+    logits = _gather_blocks(gate, first, rate) + bias
+    first_in_row = jnp.minimum(first, length - 1)  # empty slots read the last token, then zeroed
+    block_offset = jnp.take_along_axis(document_offsets(segment_ids), first_in_row, axis=1)
+    if overlap:
+        prev_values = _gather_blocks(kv, first - rate, rate)[..., :width]
+        prev_logits = _gather_blocks(gate, first - rate, rate)[..., :width] + bias[:, :width]
+        has_prev = (block_offset >= rate)[:, :, None, None]  # boundary block: no previous block
+        values = jnp.concatenate(
+            [jnp.where(has_prev, prev_values, 0), values[..., width:]], axis=2)
+        logits = jnp.concatenate(
+            [jnp.where(has_prev, prev_logits, _NEG), logits[..., width:]], axis=2)
+    pooled = softmax_pool(values, logits)  # [B, N, c] float32
+    normed = pooled * jax.lax.rsqrt(jnp.mean(pooled * pooled, -1, keepdims=True) + eps)
+    normed = normed * params.kv_norm.astype(jnp.float32)
+    entries = rotate_trailing_pairs(normed, block_offset, inv_freq).astype(hidden.dtype)
+    empty = first >= length
+    entries = jnp.where(empty[..., None], 0, entries)
+    last_token = jnp.where(empty, length, first + rate - 1).astype(jnp.int32)
+    entry_segments = jnp.take_along_axis(segment_ids, first_in_row, axis=1)
+    return CompressedKV(entries, last_token, entry_segments.astype(jnp.int32))
