@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from train_helpers import SMALL_MODEL, TINY
+
+from train.__main__ import main as train_main
 
 STEPS = 6
 # The settings of tests/train/test_train.py's loop runs (checkpoints at steps 2, 4, 6), so the
@@ -27,3 +30,13 @@ def logged_losses(workdir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows}
 
 
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """Per-step losses of the uninterrupted run (the fault modules import this fixture)."""
+    workdir = tmp_path_factory.mktemp("reference")
+    assert train_main(run_args(workdir)) == 0
+    losses = logged_losses(workdir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from fault_helpers import RUN, STEPS, WAIT_S, logged_losses, run_args
+from fault_helpers import RUN, STEPS, WAIT_S, logged_losses, reference, run_args
 from train_helpers import REPO, TINY
 
 from model.interop.workdir import Checkpointer
@@ -27,7 +27,9 @@ from train.__main__ import main as train_main
 from train.config import load_run_config
 from train.loop import train
 
-pytestmark = [pytest.mark.faults, pytest.mark.slow]
+# One worker runs both fault modules, so they share the session's reference run.
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.xdist_group("faults")]
+__all__ = ["reference"]  # a fixture
 
 def _start(code: str, *args: str) -> subprocess.Popen:
     """A Python child (inheriting XLA_FLAGS and the test cache settings) running `code`."""
@@ -56,16 +58,6 @@ def _checkpoint_steps(workdir: Path) -> list[int]:
         return checkpoints.all_steps()
     finally:
         checkpoints.close()
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
-    """Per-step losses of the uninterrupted run."""
-    workdir = tmp_path_factory.mktemp("reference")
-    assert train_main(run_args(workdir)) == 0
-    losses = logged_losses(workdir)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    return losses
 
 
 def _resume_and_compare(workdir: Path, reference: dict[int, float]) -> None:
@@ -123,10 +115,10 @@ def _logged_steps(workdir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
-def test_interrupt_at_step_time_saves_and_resumes(tmp_path, reference, number):
+def test_interrupt_at_step_time_saves_and_resumes(tmp_path, reference):
+    """Ctrl-C here, SIGTERM in the next test: one handler serves both."""
     workdir = tmp_path / "run"
-    child = _interrupt_when(lambda: _logged_steps(workdir) >= 1, workdir, [number])
+    child = _interrupt_when(lambda: _logged_steps(workdir) >= 1, workdir, [signal.SIGINT])
     out, err = child.communicate()
     assert child.returncode == 0, err
     assert "re-run the same command to resume" in out

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from fault_helpers import RUN, logged_losses, run_args
+from fault_helpers import RUN, logged_losses, reference, run_args
 from hf_step3p5_checkpoint import random_tensors, write_hf_dir
 from train_helpers import TINY
 
@@ -27,7 +27,8 @@ from train.config import load_run_config
 from train.experiments.plot import main as plot_main
 from train.loop import train
 
-pytestmark = [pytest.mark.faults, pytest.mark.slow]
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.xdist_group("faults")]
+__all__ = ["reference"]  # a fixture
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "model" / "tokenizers" / "assets"
 
@@ -58,21 +59,19 @@ def _run_args(workdir: Path, tokenizer: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tokenizer_file) -> tuple[dict[int, float], Path]:
-    """(per-step losses of the uninterrupted run, a workdir of the same run stopped after step 4,
-    with checkpoints at steps 2 and 4)."""
-    straight = tmp_path_factory.mktemp("straight")
-    assert train_main(_run_args(straight, tokenizer_file)) == 0
+def stopped_run(tmp_path_factory, tokenizer_file) -> Path:
+    """A workdir of the reference run (tokenizer read from `tokenizer_file`, a copy of the same
+    file) stopped after step 4, with checkpoints at steps 2 and 4."""
     half = tmp_path_factory.mktemp("half")
     run = load_run_config(TINY, [*RUN, f"train.data.tokenizer={tokenizer_file}"])
     assert train(run, half, stop_after=4).last_step == 4
-    return logged_losses(straight), half
+    return half
 
 
 @pytest.fixture
-def half_run(runs, tmp_path) -> Path:
+def half_run(stopped_run, tmp_path) -> Path:
     workdir = tmp_path / "run"
-    shutil.copytree(runs[1], workdir)
+    shutil.copytree(stopped_run, workdir)
     return workdir
 
 
@@ -90,7 +89,7 @@ def _largest_file(directory: Path) -> Path:
 
 
 @pytest.mark.parametrize("item", ["state", "data", "config"])
-def test_damaged_checkpoint_item(runs, half_run, tokenizer_file, tmp_path, capsys, item):
+def test_damaged_checkpoint_item(reference, half_run, tokenizer_file, tmp_path, capsys, item):
     step_dir = half_run / "checkpoints" / "4"
     _truncate(_largest_file(step_dir / item))
     before = _digest(half_run)
@@ -98,20 +97,20 @@ def test_damaged_checkpoint_item(runs, half_run, tokenizer_file, tmp_path, capsy
     _one_line_error(capsys, str(step_dir))
     assert _digest(half_run) == before
     step_dir.rename(tmp_path / "damaged-4")  # what the message tells the user to do
-    _resume_to_the_end(half_run, tokenizer_file, runs[0])
+    _resume_to_the_end(half_run, tokenizer_file, reference)
 
 
-def test_torn_metrics_line(runs, half_run, tokenizer_file, capsys):
+def test_torn_metrics_line(reference, half_run, tokenizer_file, capsys):
     """A process killed while appending leaves half a line; the resume drops it and the plot
     reads the file."""
     with open(half_run / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "loss": 10.7')
-    _resume_to_the_end(half_run, tokenizer_file, runs[0])
+    _resume_to_the_end(half_run, tokenizer_file, reference)
     assert plot_main(["--workdir", str(half_run), "--out", str(half_run / "plot.png")]) == 0
     assert (half_run / "plot.png").stat().st_size > 0
 
 
-def test_damaged_tokenizer(runs, half_run, tokenizer_file, capsys):
+def test_damaged_tokenizer(reference, half_run, tokenizer_file, capsys):
     intact = tokenizer_file.read_bytes()
     _truncate(tokenizer_file)
     try:
@@ -121,7 +120,7 @@ def test_damaged_tokenizer(runs, half_run, tokenizer_file, capsys):
         assert _digest(half_run) == before
     finally:
         tokenizer_file.write_bytes(intact)
-    _resume_to_the_end(half_run, tokenizer_file, runs[0])
+    _resume_to_the_end(half_run, tokenizer_file, reference)
 
 
 @pytest.fixture
