@@ -14,9 +14,9 @@ checked for them.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from model.interop.atomic_file import write_text_atomically
 from model.tokenizers.text import TextTokenizer
 
 RECORD_FILE = "run_record.json"
@@ -35,11 +35,8 @@ def read_record(workdir: Path) -> dict | None:
 
 
 def write_record(workdir: Path, record: dict) -> None:
-    """Writes through a temporary file and a rename: a reader sees the old or the new record."""
-    path = Path(workdir) / RECORD_FILE
-    temporary = path.with_name(f".{RECORD_FILE}.{os.getpid()}")
-    temporary.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    temporary.replace(path)
+    write_text_atomically(Path(workdir) / RECORD_FILE,
+                          json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
 def tokenizer_identity(tokenizer: TextTokenizer) -> dict:

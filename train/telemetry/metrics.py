@@ -18,15 +18,15 @@ import json
 import math
 import os
 import queue
-import stat
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Mapping
 
 import jax
 import numpy as np
+
+from model.interop.atomic_file import write_text_atomically
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -128,18 +128,9 @@ class MetricsWriter:
             self._purge_step = step + 1
         self._file.close()
         kept = [r for r in read_metrics(self.path) if r["step"] <= step]
-        fd, tmp = tempfile.mkstemp(dir=self.workdir, prefix=f".{METRICS_FILE}.", suffix=".tmp")
         try:
-            # mkstemp makes the file private (0600); keep the mode metrics.jsonl was created with
-            os.fchmod(fd, stat.S_IMODE(self.path.stat().st_mode))
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+            write_text_atomically(self.path, "".join(json.dumps(r, allow_nan=False) + "\n"
+                                                     for r in kept))
         finally:
             self._file = open(self.path, "a", encoding="utf-8")
 
