@@ -16,31 +16,35 @@ from model.config.core import (
     build_dataclass,
     check_bool,
     check_choice,
-    check_fraction,
     check_int,
     check_positive,
     read_yaml,
 )
+from model.config.attention_config import AttentionTypeConfig, SharedKVAttentionConfig
+from model.ops.swiglu import GATE_CLAMPS
 from model.ops.tables import ATTENTION, MOE
 
 GATE_TYPES = ("headwise", "sink", "none")
-ROPE_SCALING_TYPES = ("none", "yarn", "llama3")
 ROUTER_ACTIVATIONS = ("sigmoid", "softmax", "sqrt_softplus")  # sqrt_softplus: DeepSeek-V4
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "save_attention_out", "save_ffn_out")
 EP_COLLECTIVES = ("auto", "ragged", "padded")
 
-_LAYOUT_TERM = re.compile(r"^([FS]+)(?:\*(\d+))?$")
+# One character per layer: Step 3.5's GQA attention, full (F) or sliding-window (S), or
+# DeepSeek-V4's shared-KV attention, sliding-window only (W), CSA (C) or HCA (H).
+GQA_KINDS, SHARED_KV_KINDS = "FS", "WCH"
+_LAYOUT_TERM = re.compile(rf"^([{GQA_KINDS}{SHARED_KV_KINDS}]+)(?:\*(\d+))?$")
 
 
 def expand_layout(layout: str) -> str:
-    """Expands the layout shorthand: `F+SSSF*2` -> `FSSSFSSSF`.
+    """Expands the layout shorthand: `F+SSSF*2` -> `FSSSFSSSF`, `WW+CH*2` -> `WWCHCH`.
 
-    Terms are joined with `+`; each term is a run of `F`/`S` optionally repeated with `*N`.
+    Terms are joined with `+`; each term is a run of layer characters optionally repeated
+    with `*N`.
     """
     if not isinstance(layout, str):
-        raise ConfigError("layout", f"must be a string of 'F'/'S' such as 'F+SSSF*11', "
-                                    f"got {layout!r}")
+        raise ConfigError("layout", f"must be a string of layer characters such as "
+                                    f"'F+SSSF*11', got {layout!r}")
     compact = layout.replace(" ", "").upper()
     if not compact:
         raise ConfigError("layout", "must not be empty")
@@ -50,8 +54,9 @@ def expand_layout(layout: str) -> str:
         if match is None:
             raise ConfigError(
                 "layout", f"cannot parse term {term!r} in {layout!r}; use runs of 'F' (full) and "
-                "'S' (sliding window) joined by '+', each optionally repeated with '*N', "
-                "e.g. 'F+SSSF*11'"
+                "'S' (sliding window) GQA layers or 'W' (sliding window), 'C' (CSA) and 'H' "
+                "(HCA) shared-KV layers, joined by '+', each optionally repeated with '*N', "
+                "e.g. 'F+SSSF*11' or 'WW+CH*20+C'"
             )
         unit, repeat = match.group(1), int(match.group(2) or 1)
         if repeat < 1:
@@ -61,62 +66,21 @@ def expand_layout(layout: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class RopeScaling(Config):
-    """Context-extension scaling of RoPE frequencies; applies to full-attention layers only.
+class HyperConnectionConfig(Config):
+    """Manifold-constrained hyper-connections (DeepSeek-V4 report 2.2, eqs. 1-8;
+    model/layers/hyper_connections.py): `hc_mult` residual streams (1 = plain residuals, no
+    mHC at all), Sinkhorn-Knopp `sinkhorn_iters` iterations with floor `eps`."""
 
-    `type`: `none`, `yarn` (YaRN, NTK-by-parts + attention temperature) or `llama3`.
-    `factor`: extension factor; `original_max_len`: the pre-extension context length.
-    """
+    section = "hyper_connections"
 
-    type: str = "none"
-    factor: float = 1.0
-    original_max_len: int = 4096
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
+    hc_mult: int = 1
+    sinkhorn_iters: int = 20
+    eps: float = 1e-6
 
     def validate(self) -> None:
-        check_choice("type", self.type, ROPE_SCALING_TYPES)
-        if self.type == "none":
-            return
-        check_positive("factor", self.factor)
-        check_int("original_max_len", self.original_max_len, 1)
-        if self.type == "yarn" and not self.beta_fast > self.beta_slow > 0:
-            raise ConfigError("", "need beta_fast > beta_slow > 0 for yarn")
-        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
-            raise ConfigError("", "need high_freq_factor > low_freq_factor > 0 for llama3")
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionTypeConfig(Config):
-    """Per-attention-type settings (report Table 6: 64 query heads full / 96 SWA). Their fit
-    to the shared head geometry (head_dim, num_kv_heads) is checked by `ModelConfig`."""
-
-    num_heads: int = 64
-    rope_theta: float = 10_000.0
-    partial_rotary_factor: float = 1.0
-    rope_scaling: RopeScaling = RopeScaling()
-
-    def validate(self) -> None:
-        check_int("num_heads", self.num_heads, 1)
-        check_positive("rope_theta", self.rope_theta)
-        check_fraction("partial_rotary_factor", self.partial_rotary_factor)
-
-    def check_head_geometry(self, head_dim: int, num_kv_heads: int) -> None:
-        """GQA needs whole groups of query heads; rotate-half RoPE an even number of dims."""
-        if self.num_heads % num_kv_heads:
-            raise ConfigError("num_heads", f"{self.num_heads} query heads are not divisible by "
-                              f"num_kv_heads={num_kv_heads} (GQA needs whole groups)")
-        rotary_dims = self.partial_rotary_factor * head_dim
-        if rotary_dims != int(rotary_dims) or int(rotary_dims) % 2:
-            raise ConfigError(
-                "partial_rotary_factor", f"{self.partial_rotary_factor} * head_dim={head_dim} "
-                "must be an even whole number of rotary dims")
-
-    def rotary_dims(self, head_dim: int) -> int:
-        """Leading dims of each head that RoPE rotates (Step 3.5 Flash: 64 full / 128 SWA)."""
-        return int(self.partial_rotary_factor * head_dim)
+        check_int("hc_mult", self.hc_mult, 1)
+        check_int("sinkhorn_iters", self.sinkhorn_iters, 1)
+        check_positive("eps", self.eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +99,9 @@ class MoEConfig(Config):
     renormalize: bool = True
     routed_scaling_factor: float = 3.0
     num_ep_groups: int = 8  # G of the EP-group balance loss (eq. 1)
+    # The first `hash_layers` MoE layers choose experts by token id (DeepSeek-V4 report 2.1;
+    # model/layers/hash_routing.py) and have no loss-free bias.
+    hash_layers: int = 0
     # `sorted`: largest row chunk of an expert's matmuls (256: 1.4x a dense FFN of equal FLOPs on
     # CPU, 128: 1.55x; README, Performance); `pallas`: the grouped matmuls' row tile.
     block_size: int = 256
@@ -157,6 +124,7 @@ class MoEConfig(Config):
             raise ConfigError("num_ep_groups", f"{self.num_ep_groups} does not divide "
                               f"num_experts={self.num_experts}")
         check_int("block_size", self.block_size, 1)
+        check_int("hash_layers", self.hash_layers, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,9 +135,11 @@ class MTPConfig(Config):
 
     num_heads: int = 3
     share_output_head: bool = False  # the released checkpoint stores one head per MTP layer
+    attention_type: str = "S"  # the MTP block's layer character (DeepSeek-V4 models: W)
 
     def validate(self) -> None:
         check_int("num_heads", self.num_heads, 0)
+        check_choice("attention_type", self.attention_type, ("S", "W"))
         check_bool("share_output_head", self.share_output_head)
 
 
@@ -190,6 +160,9 @@ class ModelConfig(Config):
     swa_attention: AttentionTypeConfig = AttentionTypeConfig(
         num_heads=96, rope_theta=10_000.0, partial_rotary_factor=1.0
     )
+    # DeepSeek-V4's attention, used by the W / C / H layers of `layout`.
+    shared_kv_attention: SharedKVAttentionConfig = SharedKVAttentionConfig()
+    hyper_connections: HyperConnectionConfig = HyperConnectionConfig()
     gate: str = "headwise"
     qk_norm: bool = True
     num_dense_layers: int = 3
@@ -200,6 +173,8 @@ class ModelConfig(Config):
     # `swiglu_limits_shared` for the shared expert and dense FFNs (checkpoint convention).
     swiglu_limits: tuple[float, ...] = ()
     swiglu_limits_shared: tuple[float, ...] = ()
+    # Where the clamp caps the gate: after the SiLU (Step 3.5) or before it (DeepSeek-V4).
+    swiglu_gate_clamp: str = "after_silu"
     mtp: MTPConfig = MTPConfig()
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
@@ -263,6 +238,7 @@ class ModelConfig(Config):
                               "to full-attention layers only (docs/architecture.md); set it under "
                               "full_attention")
         check_choice("gate", self.gate, GATE_TYPES)
+        check_choice("swiglu_gate_clamp", self.swiglu_gate_clamp, GATE_CLAMPS)
         check_int("num_dense_layers", self.num_dense_layers, 0)
         if self.num_dense_layers > self.num_layers:
             raise ConfigError("num_dense_layers",
@@ -272,6 +248,9 @@ class ModelConfig(Config):
             if bad or len(set(self.moe_layers)) != len(self.moe_layers):
                 raise ConfigError("moe_layers", f"entries must be distinct layer indices in "
                                   f"[0, {self.num_layers}), got {list(self.moe_layers)}")
+        if self.moe.hash_layers > self.num_moe_layers:
+            raise ConfigError("moe.hash_layers", f"{self.moe.hash_layers} exceeds the "
+                              f"{self.num_moe_layers} MoE layers")
         check_positive("norm_eps", self.norm_eps)
         check_positive("init_std", self.init_std)
         check_choice("param_dtype", self.param_dtype, DTYPES)
@@ -290,7 +269,12 @@ class ModelConfig(Config):
         return self.layout[layer]
 
     def attention_config(self, attention_type: str) -> AttentionTypeConfig:
+        """The GQA settings of layer character F or S (W / C / H: `shared_kv_attention`)."""
         return self.full_attention if attention_type == "F" else self.swa_attention
+
+    def is_hash_layer(self, layer: int) -> bool:
+        """An MoE layer among the first `moe.hash_layers` ones: routed by token id."""
+        return layer in self.moe_layer_indices()[:self.moe.hash_layers]
 
     def is_moe_layer(self, layer: int) -> bool:
         if self.moe_layers is not None:

@@ -1,0 +1,127 @@
+"""Attention configs: Step 3.5's per-type GQA settings (`AttentionTypeConfig`, layout
+characters F and S) and DeepSeek-V4's shared-KV attention (`SharedKVAttentionConfig`, layout
+characters W, C and H), with the RoPE context-extension scaling both use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from model.config.core import (
+    Config,
+    ConfigError,
+    check_choice,
+    check_fraction,
+    check_int,
+    check_positive,
+)
+
+ROPE_SCALING_TYPES = ("none", "yarn", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling(Config):
+    """Context-extension scaling of RoPE frequencies: of Step 3.5's full-attention layers
+    (`AttentionTypeConfig`) or DeepSeek-V4's compressed layers (`SharedKVAttentionConfig`).
+
+    `type`: `none`, `yarn` (YaRN, NTK-by-parts + attention temperature) or `llama3`.
+    `factor`: extension factor; `original_max_len`: the pre-extension context length.
+    """
+
+    type: str = "none"
+    factor: float = 1.0
+    original_max_len: int = 4096
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+
+    def validate(self) -> None:
+        check_choice("type", self.type, ROPE_SCALING_TYPES)
+        if self.type == "none":
+            return
+        check_positive("factor", self.factor)
+        check_int("original_max_len", self.original_max_len, 1)
+        if self.type == "yarn" and not self.beta_fast > self.beta_slow > 0:
+            raise ConfigError("", "need beta_fast > beta_slow > 0 for yarn")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ConfigError("", "need high_freq_factor > low_freq_factor > 0 for llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTypeConfig(Config):
+    """Per-attention-type settings (report Table 6: 64 query heads full / 96 SWA). Their fit
+    to the shared head geometry (head_dim, num_kv_heads) is checked by `ModelConfig`."""
+
+    num_heads: int = 64
+    rope_theta: float = 10_000.0
+    partial_rotary_factor: float = 1.0
+    rope_scaling: RopeScaling = RopeScaling()
+
+    def validate(self) -> None:
+        check_int("num_heads", self.num_heads, 1)
+        check_positive("rope_theta", self.rope_theta)
+        check_fraction("partial_rotary_factor", self.partial_rotary_factor)
+
+    def check_head_geometry(self, head_dim: int, num_kv_heads: int) -> None:
+        """GQA needs whole groups of query heads; rotate-half RoPE an even number of dims."""
+        if self.num_heads % num_kv_heads:
+            raise ConfigError("num_heads", f"{self.num_heads} query heads are not divisible by "
+                              f"num_kv_heads={num_kv_heads} (GQA needs whole groups)")
+        rotary_dims = self.partial_rotary_factor * head_dim
+        if rotary_dims != int(rotary_dims) or int(rotary_dims) % 2:
+            raise ConfigError(
+                "partial_rotary_factor", f"{self.partial_rotary_factor} * head_dim={head_dim} "
+                "must be an even whole number of rotary dims")
+
+    def rotary_dims(self, head_dim: int) -> int:
+        """Leading dims of each head that RoPE rotates (Step 3.5 Flash: 64 full / 128 SWA)."""
+        return int(self.partial_rotary_factor * head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedKVAttentionConfig(Config):
+    """DeepSeek-V4's attention (report §2.3; defaults are V4-Flash's, Hugging Face's
+    `DeepseekV4Config`): shared-KV MQA (one KV entry is key and value) with a low-rank query,
+    partial RoPE on the trailing `rope_dims` channels, a per-head sink and the grouped low-rank
+    output projection; in layers `W` that alone over the sliding window (`ModelConfig.window`),
+    in `C` (CSA, eqs. 9-17) plus overlapped compression by `csa_rate` and the lightning
+    indexer's top-`index_topk` selection, in `H` (HCA, eqs. 20-26) plus dense attention over
+    entries compressed by `hca_rate`.
+
+    RoPE: `W` layers use `rope_theta`; `C`/`H` layers (queries, window and compressed entries
+    alike) `compress_rope_theta` with `compress_rope_scaling` (the release's YaRN, whose
+    attention-temperature multiplier upstream leaves out)."""
+
+    section = "shared_kv_attention"
+
+    num_heads: int = 64
+    head_dim: int = 512
+    rope_dims: int = 64
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    rope_theta: float = 10_000.0
+    compress_rope_theta: float = 160_000.0
+    compress_rope_scaling: RopeScaling = RopeScaling()
+    csa_rate: int = 4
+    hca_rate: int = 128
+    index_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    query_chunk: int = 128  # query rows per chunk of the core attention and the indexer
+
+    def validate(self) -> None:
+        for name in ("num_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+                     "csa_rate", "hca_rate", "index_heads", "index_head_dim", "index_topk",
+                     "query_chunk"):
+            check_int(name, getattr(self, name), 1)
+        check_int("rope_dims", self.rope_dims, 0)
+        for name in ("rope_theta", "compress_rope_theta"):
+            check_positive(name, getattr(self, name))
+        if self.rope_dims % 2 or self.rope_dims > min(self.head_dim, self.index_head_dim):
+            raise ConfigError("rope_dims", f"{self.rope_dims} must be even and at most head_dim="
+                              f"{self.head_dim} and index_head_dim={self.index_head_dim}")
+        if self.num_heads % self.o_groups:
+            raise ConfigError("o_groups", f"{self.o_groups} does not divide num_heads="
+                              f"{self.num_heads} (each output group holds whole heads)")
