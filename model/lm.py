@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from model.config import ModelConfig
 from model.inference.kv_cache import KVCacheSpec
 from model.layers.common import dtype_of, normal_init
+from model.layers.hyper_connections import HyperHead, expand_embeddings
 from model.layers.mtp import MTPHead, shift_tokens_left
 from model.layers.norm import RMSNorm
 from model.layers.projection import Projection
@@ -46,6 +47,9 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
+ATTENTION_AUX = frozenset({"gate_mean", "indexer_loss"})  # per-layer aux of the attention
+
+
 def balance_groups(cfg: ModelConfig) -> int:
     """G of eq. 1: the real expert-parallel groups under a mesh with an `expert` axis, else
     `moe.num_ep_groups` (the EP degree a single-device run stands in for)."""
@@ -56,18 +60,28 @@ def balance_groups(cfg: ModelConfig) -> int:
 def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
     """Stacks per-layer aux into: `moe` (dict of [L_moe, ...] arrays, including the per-layer
     `balance_loss` of eq. 1), `balance_loss` (its mean over MoE layers, scalar, with gradient
-    through `expert_prob`), `attention_gate_mean` (tuple of [H] per layer, headwise)."""
+    through `expert_prob`), `sequence_balance_loss` (DeepSeek-V4's, mean over the MoE layers
+    with learned routing), `attention_gate_mean` (tuple of [H] per layer, headwise),
+    `indexer_loss` (mean over the CSA layers)."""
     aux: dict[str, Any] = {}
     moe_layers = cfg.moe_layer_indices()
     if moe_layers:
-        keys = per_layer[moe_layers[0]].keys() - {"gate_mean"}
+        keys = per_layer[moe_layers[0]].keys() - ATTENTION_AUX
         moe = {k: jnp.stack([per_layer[i][k] for i in moe_layers]) for k in sorted(keys)}
         moe["balance_loss"] = jax.vmap(ep_group_balance_loss, (0, 0, None))(
             moe["expert_load"], moe["expert_prob"], balance_groups(cfg))
         aux["moe"] = moe
         aux["balance_loss"] = jnp.mean(moe["balance_loss"])
-    if cfg.gate == "headwise":
-        aux["attention_gate_mean"] = tuple(layer["gate_mean"] for layer in per_layer)
+        learned = [i for i in moe_layers if not cfg.is_hash_layer(i)]
+        aux["sequence_balance_loss"] = (
+            jnp.mean(jnp.stack([per_layer[i]["sequence_balance_loss"] for i in learned]))
+            if learned else jnp.zeros((), jnp.float32))
+    if cfg.gate == "headwise" and any("gate_mean" in layer for layer in per_layer):
+        # None for the layers without a head-wise gate (DeepSeek-V4's W / C / H)
+        aux["attention_gate_mean"] = tuple(layer.get("gate_mean") for layer in per_layer)
+    csa = [layer["indexer_loss"] for layer in per_layer if "indexer_loss" in layer]
+    if csa:
+        aux["indexer_loss"] = jnp.mean(jnp.stack(csa))
     return aux
 
 
@@ -85,6 +99,10 @@ class CausalLM(nn.Module):
             cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
             embedding_init=normal_init(cfg.init_std, ("vocab", "embed")))
         self.layers = LayerStack(cfg, self.kv_cache)
+        hc = cfg.hyper_connections
+        if hc.hc_mult > 1:
+            self.hc_head = HyperHead(hc_eps=hc.eps, norm_eps=cfg.norm_eps, init_std=cfg.init_std,
+                                     param_dtype=param_dtype)
         self.norm = RMSNorm(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype,
                             axis_name="embed")
         if not cfg.tie_embeddings:
@@ -100,8 +118,7 @@ class CausalLM(nn.Module):
         if positions is None:
             positions = (positions_from_segments(segment_ids) if segment_ids is not None else
                          jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))
-        x = self.embed_tokens(tokens)
-        x, per_layer_aux = self.layers(x, positions, segment_ids)
+        x, per_layer_aux = self.backbone(tokens, positions, segment_ids)
         hidden = self.norm(x)
 
         mtp_hidden, h_prev = [], x
@@ -124,8 +141,19 @@ class CausalLM(nn.Module):
 
         tokens, positions: [B, T] (absolute positions, -1 = padding) -> (normed hidden
         [B, T, D] for `project`, pre-norm hidden [B, T, D]: the h_prev of MTP head 1)."""
-        x, _ = self.layers(self.embed_tokens(tokens), positions, None)
+        x, _ = self.backbone(tokens, positions, None)
         return self.norm(x), x
+
+    def backbone(self, tokens, positions, segment_ids):
+        """Embeddings and the layer stack: tokens [B, T] -> (pre-norm hidden [B, T, D],
+        per-layer aux). With mHC the embedding enters every stream and `hc_head` collapses
+        the streams at the top (DeepSeek-V4 report 2.2)."""
+        x = self.embed_tokens(tokens)
+        multiple = self.config.hyper_connections.hc_mult > 1
+        if multiple:
+            x = expand_embeddings(x, self.config.hyper_connections.hc_mult)
+        x, per_layer_aux = self.layers(x, positions, segment_ids, tokens)
+        return (self.hc_head(x) if multiple else x), per_layer_aux
 
     def mtp_chunk(self, head: int, h_prev, tokens, positions):
         """MTP head `head` (1-based) on a chunk with its cache: h_prev [B, T, D] (depth head-1,

@@ -15,6 +15,8 @@ def update_router_bias(balance: dict, load: jax.Array, cfg: ModelConfig, rate: f
     layers = balance["layers"]
     per_layer = unstack_layers(layers, cfg) if cfg.scan_layers else dict(layers)
     for row, layer in enumerate(cfg.moe_layer_indices()):
+        if cfg.is_hash_layer(layer):
+            continue  # hash-routed: a fixed choice, no bias
         entry = per_layer[f"layer_{layer}"]["moe"]
         delta = rate * jnp.sign(jnp.mean(load[row]) - load[row])
         per_layer[f"layer_{layer}"] = {
@@ -23,5 +25,5 @@ def update_router_bias(balance: dict, load: jax.Array, cfg: ModelConfig, rate: f
 
 
 def has_router_bias(cfg: ModelConfig) -> bool:
-    return cfg.moe.router_bias and cfg.num_moe_layers > 0
+    return cfg.moe.router_bias and cfg.num_moe_layers > cfg.moe.hash_layers
 

@@ -1,7 +1,7 @@
 """Groups the layer list into scannable segments so compile time does not grow with depth.
 
 A layer's *kind* is everything that changes its parameter shapes or static behaviour:
-(attention type, MoE or dense, routed clamp, shared clamp). Consecutive layers are split
+(attention type, MoE or dense, routed clamp, shared clamp, hash-routed). Consecutive layers are split
 greedily into segments `(start, period, repeats)`: the `period` kinds starting at `start` repeat
 `repeats` times. Step 3.5 Flash (F SSS F ...; 3 dense layers) becomes
 [F-dense], [S-dense]x2, [S F S S]-MoE x10, ... and each segment is one `nn.scan`.
@@ -19,6 +19,7 @@ class LayerKind(NamedTuple):
     is_moe: bool
     limit: float
     shared_limit: float
+    is_hash: bool
 
 
 class Segment(NamedTuple):
@@ -34,7 +35,7 @@ class Segment(NamedTuple):
 def layer_kinds(cfg: ModelConfig) -> list[LayerKind]:
     return [
         LayerKind(cfg.attention_type(i), cfg.is_moe_layer(i), cfg.swiglu_limits[i],
-                  cfg.swiglu_limits_shared[i])
+                  cfg.swiglu_limits_shared[i], cfg.is_hash_layer(i))
         for i in range(cfg.num_layers)
     ]
 

@@ -4,6 +4,8 @@ always-on shared expert.
 
 The bias lives in the non-trainable `balance` collection (variable `router_bias`, [E]); the
 training loop updates it outside the gradient (b_e += u * sign(mean_load - load_e)).
+Hash-routed layers (DeepSeek-V4 report 2.1) have no bias; their token -> experts table
+`tid2eid` [vocab, k] int32 sits in the same non-trainable collection.
 """
 
 import flax.linen as nn
@@ -13,7 +15,8 @@ import jax.numpy as jnp
 from model.config import ModelConfig
 from model.layers.common import dtype_of, normal_init
 from model.layers.ffn import SwiGLU
-from model.layers.router import expert_load, route, routing_confidence
+from model.layers.hash_routing import hash_route, random_hash_table
+from model.layers.router import expert_load, route, routing_confidence, sequence_balance_loss
 from model.ops.moe_dispatch import ExpertWeights, combine_copies, finalize_statistics
 from model.ops.tables import MOE
 from model.parallel.expert_parallel import expert_parallel_experts
@@ -41,9 +44,11 @@ class MoE(nn.Module):
     config: ModelConfig
     limit: float = 0.0  # routed experts' SwiGLU clamp
     shared_limit: float = 0.0
+    is_hash: bool = False  # experts chosen by token id (needs `token_ids`)
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, token_ids=None):
+        """x [B, T, d_model]; token_ids [B, T] int (hash-routed layers only)."""
         cfg, moe = self.config, self.config.moe
         dtype, param_dtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
         batch, length, d_model = x.shape
@@ -54,14 +59,24 @@ class MoE(nn.Module):
             (d_model, moe.num_experts), param_dtype,
         )
         logits = tokens.astype(jnp.float32) @ router_kernel.astype(jnp.float32)
-        bias = None
-        if moe.router_bias:
-            bias = self.variable(
-                "balance", "router_bias",
-                lambda: nn.with_logical_partitioning(
-                    jnp.zeros, ("expert",))((moe.num_experts,), jnp.float32),
+        if self.is_hash:
+            if token_ids is None:
+                raise ValueError("a hash-routed MoE layer needs the token ids")
+            table = self.variable(
+                "balance", "tid2eid",
+                lambda: nn.with_logical_partitioning(random_hash_table, ("vocab", "top_k"))(
+                    self.make_rng("params"), cfg.vocab_size, moe.num_experts, moe.top_k),
             ).value
-        routing = route(logits, bias, moe)
+            routing = hash_route(token_ids.reshape(-1), table, logits, moe)
+        else:
+            bias = None
+            if moe.router_bias:
+                bias = self.variable(
+                    "balance", "router_bias",
+                    lambda: nn.with_logical_partitioning(
+                        jnp.zeros, ("expert",))((moe.num_experts,), jnp.float32),
+                ).value
+            routing = route(logits, bias, moe)
 
         def expert_param(name, shape, axes):
             return self.param(name, normal_init(cfg.init_std, axes), shape, param_dtype).astype(dtype)
@@ -95,6 +110,12 @@ class MoE(nn.Module):
             "routing_confidence": jax.lax.stop_gradient(
                 routing_confidence(routing.probs, routing.indices).reshape(batch, length)
             ),
+            # DeepSeek-V4's sequence-wise balance loss (report 2.1); a fixed hash choice has
+            # nothing to balance.
+            "sequence_balance_loss": (jnp.zeros((), jnp.float32) if self.is_hash else
+                                      sequence_balance_loss(
+                                          routing.probs.reshape(batch, length, -1),
+                                          routing.indices.reshape(batch, length, -1))),
             **stats,
         }
         return y, aux

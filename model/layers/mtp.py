@@ -3,7 +3,9 @@
 Head h (1-based) reads the previous depth's hidden state at position t (the backbone's for
 h = 1) and the embedding of token x_{t+h}, and predicts x_{t+1+h}:
     h' = eh_proj([enorm(Emb(x_{t+h})); hnorm(h_prev)])
-    h_out = one SWA block with a dense FFN (h')
+    h_out = one sliding-window block with a dense FFN (h'): Step 3.5's S, or DeepSeek-V4's W
+            (`mtp.attention_type`); plain residuals even in an mHC model, whose heads read
+            the collapsed backbone output
     logits = output_head(norm(h_out))
 The concatenation order follows the published checkpoints' `eh_proj` layout (embedding half
 first); the report writes the two halves the other way round, which only permutes eh_proj's rows.
@@ -42,7 +44,8 @@ class MTPHead(nn.Module):
         self.hnorm = RMSNorm(**norm)
         self.eh_proj = Projection((cfg.d_model,), ("mtp_concat", "embed"), 1, cfg.init_std,
                                   dtype, param_dtype)
-        self.block = DecoderBlock(cfg, "S", is_moe=False, kv_cache=self.kv_cache)
+        self.block = DecoderBlock(cfg, cfg.mtp.attention_type, is_moe=False,
+                                  kv_cache=self.kv_cache, streams=False)
         self.norm = RMSNorm(**norm)
         if not cfg.mtp.share_output_head:
             self.output_head = Projection((cfg.vocab_size,), ("embed", "vocab"), 1,

@@ -39,26 +39,28 @@ class BlockGroup(nn.Module):
     kv_cache: KVCacheSpec | None = None
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids):
+    def __call__(self, x, positions, segment_ids, token_ids=None):
         block = block_class(self.config, in_scan=True)
         auxes = []
         for j, kind in enumerate(self.kinds):
             x, aux = block(self.config, kind.attention_type, kind.is_moe, kind.limit,
-                           kind.shared_limit, self.kv_cache, name=f"block_{j}")(
-                x, positions, segment_ids)
+                           kind.shared_limit, self.kv_cache, kind.is_hash, name=f"block_{j}")(
+                x, positions, segment_ids, token_ids)
             auxes.append(aux)
         return x, tuple(auxes)
 
 
 class LayerStack(nn.Module):
-    """x: [B, T, d_model] -> (x, per-layer aux list of length num_layers). With `kv_cache` the
-    layers decode incrementally; their caches are the `cache` collection, stacked like params."""
+    """x: [B, T, d_model] (mHC: streams [B, T, n, d_model]) -> (same shape, per-layer aux list
+    of length num_layers). `token_ids` [B, T] feed the hash-routed MoE layers. With `kv_cache`
+    the layers decode incrementally; their caches are the `cache` collection, stacked like
+    params."""
 
     config: ModelConfig
     kv_cache: KVCacheSpec | None = None
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids):
+    def __call__(self, x, positions, segment_ids, token_ids=None):
         cfg = self.config
         kinds = layer_kinds(cfg)
         per_layer_aux = [None] * cfg.num_layers
@@ -66,14 +68,19 @@ class LayerStack(nn.Module):
             block = block_class(cfg, in_scan=False)
             for i, kind in enumerate(kinds):
                 x, per_layer_aux[i] = block(cfg, kind.attention_type, kind.is_moe, kind.limit,
-                                            kind.shared_limit, self.kv_cache, name=f"layer_{i}")(
-                    x, positions, segment_ids)
+                                            kind.shared_limit, self.kv_cache, kind.is_hash,
+                                            name=f"layer_{i}")(
+                    x, positions, segment_ids, token_ids)
             return x, per_layer_aux
 
         stages = mesh_axis_size("pipeline")
         if stages > 1 and self.kv_cache is not None:
             raise ValueError("decoding with KV caches does not run under a pipeline mesh axis; "
                              "use mesh.pipeline=1 for inference")
+        if stages > 1 and (cfg.hyper_connections.hc_mult > 1 or cfg.moe.hash_layers):
+            raise ValueError("pipeline stages carry one [B, T, D] stream and no token ids: "
+                             "mHC (hyper_connections.hc_mult > 1) and hash-routed MoE layers "
+                             "(moe.hash_layers > 0) need mesh.pipeline=1")
         piped = pipelined_segment(cfg, stages) if stages > 1 else None
         for s, seg in enumerate(plan_segments(kinds)):
             unit = tuple(kinds[seg.start:seg.start + seg.period])
@@ -85,12 +92,12 @@ class LayerStack(nn.Module):
                 BlockGroup,
                 variable_axes={"params": 0, "balance": 0, "cache": 0},
                 split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast),
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=seg.repeats,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             x, auxes = scanned(cfg, unit, self.kv_cache, name=f"segment_{s}")(
-                x, positions, segment_ids)
+                x, positions, segment_ids, token_ids)
             _scatter_aux(per_layer_aux, seg, auxes)
         return x, per_layer_aux
 

@@ -36,12 +36,15 @@ def _chunk_rows(x: jax.Array, chunk: int, pad_value=0) -> jax.Array:
 def compressed_attention(q: jax.Array, kv: jax.Array, compressed: CompressedKV, sink: jax.Array,
                          *, window: int, segment_ids: jax.Array | None = None,
                          selected: jax.Array | None = None,
-                         query_chunk: int = QUERY_CHUNK) -> jax.Array:
+                         query_chunk: int = QUERY_CHUNK,
+                         entry_probs: bool = False):
     """q: [B, T, H, c] (normed, roped queries); kv: [B, T, c] raw sliding-window entries;
     compressed: entries [B, N, c]; sink: [H] logits; window: W >= 1; segment_ids: [B, T]
     (None: one document per row); selected: [B, T, k] int indices into the N compressed slots,
     -1 for none (CSA; must be distinct per query) or None (HCA: every visible entry)
-    -> [B, T, H, c] in q.dtype.
+    -> [B, T, H, c] in q.dtype; with `entry_probs` also the attention probability of each
+    compressed slot summed over heads, [B, T, k] (CSA) or [B, T, N] (HCA) float32 without
+    gradient (the lightning indexer's training target).
 
     An entry is attended only if `compressed.visible` (complete before the query, same
     document), whatever `selected` says, so an indexer's stray picks are harmless.
@@ -99,8 +102,12 @@ def compressed_attention(q: jax.Array, kv: jax.Array, compressed: CompressedKV, 
         out = jnp.einsum("bqhk,bkd->bqhd", win_probs, k_win, preferred_element_type=jnp.float32)
         pattern = "bqhn,bnd->bqhd" if selected is None else "bqhk,bqkd->bqhd"
         out = out + jnp.einsum(pattern, comp_probs, comp_keys, preferred_element_type=jnp.float32)
-        return out.astype(q.dtype)
+        summed = jax.lax.stop_gradient(jnp.sum(comp_probs.astype(jnp.float32), axis=2))
+        return out.astype(q.dtype), summed
 
-    outs = jax.lax.map(jax.checkpoint(one_chunk), jnp.arange(num_chunks))  # [n, B, C, H, c]
-    outs = jnp.moveaxis(outs, 0, 1).reshape(batch, num_chunks * chunk, heads, dim)
-    return outs[:, :length]
+    outs, summed = jax.lax.map(jax.checkpoint(one_chunk), jnp.arange(num_chunks))
+    outs = jnp.moveaxis(outs, 0, 1).reshape(batch, num_chunks * chunk, heads, dim)[:, :length]
+    if not entry_probs:
+        return outs
+    summed = jnp.moveaxis(summed, 0, 1)  # [B, n, C, N or k]
+    return outs, summed.reshape(batch, num_chunks * chunk, -1)[:, :length]

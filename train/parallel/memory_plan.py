@@ -221,7 +221,7 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
             saved += tokens * keep
             working = max(working, 2 * tokens * (matmul + other))
     extras = tokens * d_bytes * (2 + (2 if stages > 1 else 0))
-    mtp_block = sum(layer_bytes(cfg, LayerKind("S", False, 0.0, 0.0), seq_len, tensor))
+    mtp_block = sum(layer_bytes(cfg, LayerKind(cfg.mtp.attention_type, False, 0.0, 0.0, False), seq_len, tensor))
     mtp = run.trained_mtp_heads() * tokens * (6 * d_bytes + mtp_block)
     chunk = min(train.loss_chunk_size, micro * seq_len)
     logits = 2 * chunk * _split(cfg.vocab_size, tensor) * 4

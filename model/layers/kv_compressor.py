@@ -1,0 +1,97 @@
+"""The learned parts of DeepSeek-V4's compressed layers: the KV compressor of CSA / HCA
+(report §2.3.1 eqs. 9-12, §2.3.2 eqs. 20-23) and CSA's lightning indexer (eqs. 13-17).
+The arithmetic is in `model.ops.kv_compression` and `model.ops.sparse_indexer`.
+
+Parameter names are the Hugging Face checkpoint's (`self_attn.compressor.*`,
+`self_attn.compressor.indexer.*`); kernels are stored [in, out]. The compressors' `kv_norm` is a
+zero-centred offset like every stepjax norm weight (applied as 1 + w).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+from model.layers.common import dtype_of, normal_init
+from model.ops.kv_compression import CompressedKV, CompressorParams, compress_kv
+from model.ops.sparse_indexer import Selection, indexer_head_weights, select_entries
+from model.ops.interleaved_rope import rotate_trailing_pairs
+
+
+class Compressor(nn.Module):
+    """hidden [B, T, d] -> CompressedKV of `width`-channel entries, one per `rate` tokens;
+    `overlap` for CSA's two interleaved series (projections [d, 2·width])."""
+
+    config: ModelConfig
+    width: int
+    rate: int
+    overlap: bool
+
+    def setup(self):
+        cfg = self.config
+        out = 2 * self.width if self.overlap else self.width
+        param_dtype = dtype_of(cfg.param_dtype)
+        self.kv_proj = self.param("kv_proj", normal_init(cfg.init_std, ("embed", "kv_lora")),
+                                  (cfg.d_model, out), param_dtype)
+        self.gate_proj = self.param("gate_proj", normal_init(cfg.init_std, ("embed", "kv_lora")),
+                                    (cfg.d_model, out), param_dtype)
+        # The learned slot bias B of eqs. 11 / 22; upstream initialises it to 0.
+        self.position_bias = self.param(
+            "position_bias",
+            nn.with_logical_partitioning(nn.initializers.zeros_init(),
+                                         ("compress_slot", "kv_lora")),
+            (self.rate, out), param_dtype)
+        self.kv_norm = self.param(
+            "kv_norm", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("norm",)),
+            (self.width,), param_dtype)
+
+    def __call__(self, hidden, segment_ids, inv_freq) -> CompressedKV:
+        params = CompressorParams(self.kv_proj, self.gate_proj, self.position_bias,
+                                  1.0 + self.kv_norm.astype(jnp.float32))
+        return compress_kv(hidden, params, rate=self.rate, overlap=self.overlap,
+                           inv_freq=inv_freq, segment_ids=segment_ids,
+                           eps=self.config.norm_eps)
+
+
+class LightningIndexer(nn.Module):
+    """CSA's top-k selection (eqs. 13-17): its own overlapped compressor of width c^I, queries
+    from the shared query latent, per-head weights from the hidden state.
+
+    As DeepSeek-V3.2's indexer (the recipe the indexer loss follows), its inputs are detached:
+    it learns only from its own loss, and the main model gets no gradient through it."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, hidden, q_latent, positions, segment_ids,
+                 inv_freq) -> tuple[Selection, CompressedKV]:
+        """hidden [B, T, d], q_latent [B, T, q_lora_rank], positions / segment_ids [B, T]
+        (segment_ids None: one document per row) -> (Selection of [B, T, index_topk], the
+        indexer keys)."""
+        cfg, attn = self.config, self.config.shared_kv_attention
+        dtype, param_dtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
+        hidden, q_latent = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(q_latent)
+        keys = Compressor(cfg, attn.index_head_dim, attn.csa_rate, overlap=True,
+                          name="compressor")(hidden, segment_ids, inv_freq)
+        q_b_proj = self.param("q_b_proj", normal_init(cfg.init_std, ("q_lora", "index_heads")),
+                              (attn.q_lora_rank, attn.index_heads * attn.index_head_dim),
+                              param_dtype)
+        weights_proj = self.param("weights_proj", normal_init(cfg.init_std,
+                                                              ("embed", "index_heads")),
+                                  (cfg.d_model, attn.index_heads), param_dtype)
+        batch, length, _ = hidden.shape
+        queries = (q_latent.astype(dtype) @ q_b_proj.astype(dtype)).reshape(
+            batch, length, attn.index_heads, attn.index_head_dim)
+        token_index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        queries = rotate_trailing_pairs(queries, positions, inv_freq)
+        selection = select_entries(
+            queries, indexer_head_weights(hidden.astype(dtype), weights_proj), keys.entries,
+            token_index, keys.last_token, top_k=attn.index_topk, chunk_size=attn.query_chunk,
+            query_segment_ids=_segments(segment_ids, batch, length),
+            entry_segment_ids=keys.segment_ids)
+        return selection, keys
+
+
+def _segments(segment_ids, batch: int, length: int) -> jax.Array:
+    return jnp.zeros((batch, length), jnp.int32) if segment_ids is None else segment_ids
+
