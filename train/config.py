@@ -129,6 +129,11 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     mtp_offset_weights: tuple = (1.0,)
     balance_loss_coef: float = 0.001  # EP-group balance loss, eq. 1
     router_bias_rate: float = 0.001  # loss-free balancing update u
+    # DeepSeek-V4 (report 2.1 / 4.2.2): the sequence-wise balance loss, weight 1e-4 there.
+    sequence_balance_coef: float = 0.0
+    # The CSA lightning indexer's KL loss (model/ops/sparse_indexer.py); it trains only the
+    # indexer, whose inputs are detached, so 0 switches the indexer's learning off.
+    indexer_loss_coef: float = 1.0
 
     eval_batches: int = 4
     max_consecutive_skips: int = 5  # non-finite loss/grad skips before giving up
@@ -144,7 +149,7 @@ class TrainConfig(OptimizerConfig, LoopConfig):
         check_int("micro_batch_size", self.micro_batch_size, 0)
         check_choice("schedule", self.schedule, SCHEDULES)
         for name in ("min_lr", "mtp_loss_weight", "balance_loss_coef", "router_bias_rate",
-                     "peak_flops"):
+                     "sequence_balance_coef", "indexer_loss_coef", "peak_flops"):
             check_nonnegative(name, getattr(self, name))
         if self.schedule == "cosine" and self.min_lr > self.lr:
             raise ConfigError("min_lr", f"the cosine decays from train.lr={self.lr} down to "

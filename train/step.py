@@ -51,9 +51,17 @@ def loss_fn(model: CausalLM, run: RunConfig, params, balance, micro, mask_meta, 
     mtp = jnp.zeros((), jnp.float32)
     for h in range(heads):
         mtp += train.mtp_offset_weights[h] * head_loss(out.mtp_hidden[h], 2 + h, h + 1)
-    balance_loss = out.aux.get("balance_loss", jnp.zeros((), jnp.float32))
-    loss = lm + train.mtp_loss_weight * mtp + train.balance_loss_coef * balance_loss / num_micro
-    return loss, ({"loss/lm": lm, "loss/mtp": mtp, "loss/balance": balance_loss}, out.aux)
+    parts = {"loss/lm": lm, "loss/mtp": mtp}
+    loss = lm + train.mtp_loss_weight * mtp
+    # Per-micro-batch means (the step averages them): /num_micro sums to the batch mean.
+    for name, key, coef in (("loss/balance", "balance_loss", train.balance_loss_coef),
+                            ("loss/sequence_balance", "sequence_balance_loss",
+                             train.sequence_balance_coef),
+                            ("loss/indexer", "indexer_loss", train.indexer_loss_coef)):
+        if key in out.aux or key == "balance_loss":
+            parts[name] = out.aux.get(key, jnp.zeros((), jnp.float32))
+            loss = loss + coef * parts[name] / num_micro
+    return loss, (parts, out.aux)
 
 
 def target_counts(run: RunConfig, batch: dict, mask_meta) -> jax.Array:
@@ -91,9 +99,10 @@ def make_train_step(training: Training, run: RunConfig
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         grads, (losses, parts, moe_aux) = jax.lax.scan(accumulate, zeros, batch)
-        # lm/mtp terms are normalised by whole-step counts: sum them; the balance loss is a
-        # per-micro-batch mean: average it.
-        parts = {k: jnp.mean(v) if k == "loss/balance" else jnp.sum(v) for k, v in parts.items()}
+        # lm/mtp terms are normalised by whole-step counts: sum them; the balance and indexer
+        # losses are per-micro-batch means: average them.
+        parts = {k: jnp.sum(v) if k in ("loss/lm", "loss/mtp") else jnp.mean(v)
+                 for k, v in parts.items()}
         loss = jnp.sum(losses)
         moe_aux = jax.tree.map(lambda x: jnp.mean(x, axis=0), moe_aux)
 

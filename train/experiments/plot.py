@@ -25,7 +25,9 @@ from train.telemetry.metrics import METRICS_FILE, read_metrics
 # (title, metric names, log-scale y)
 PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("loss", ("loss", "loss/lm", "loss/mtp", "eval/loss"), False),
-    ("balance loss (eq. 1)", ("loss/balance",), False),
+    ("balance losses (eq. 1; DeepSeek-V4 sequence-wise)",
+     ("loss/balance", "loss/sequence_balance"), False),
+    ("lightning-indexer KL (DeepSeek-V4 CSA)", ("loss/indexer",), True),
     ("learning rate", ("lr",), False),
     ("gradient norm", ("grad_norm",), True),
     ("update RMS", ("update_rms/muon", "update_rms/adamw"), False),

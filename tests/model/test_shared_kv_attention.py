@@ -1,0 +1,139 @@
+"""DeepSeek-V4's attention layer (model/layers/shared_kv_attention.py) against a float64 loop
+reference of report §2.3: low-rank query with its norm, per-head query norm, KV-entry norm,
+interleaved partial RoPE on the trailing dims, window + compressed entries + sink, the inverse
+rotation of the output at the query position, and the grouped low-rank output projection; on
+packed rows (two documents) so compression and the window restart at the boundary."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.config import config_from_dict
+from model.layers.shared_kv_attention import SharedKVAttention
+from tests.compression_references import (
+    reference_attention,
+    reference_compress,
+    rope_interleaved,
+)
+
+EPS = 1e-6
+
+
+def tiny_config(layout="WH"):
+    return config_from_dict(dict(
+        vocab_size=32, d_model=24, num_layers=len(layout), layout=layout, window=5,
+        num_dense_layers=0, norm_eps=EPS,
+        shared_kv_attention=dict(num_heads=4, head_dim=12, rope_dims=4, q_lora_rank=16,
+                                 o_groups=2, o_lora_rank=6, rope_theta=100.0,
+                                 compress_rope_theta=1000.0, csa_rate=2, hca_rate=3,
+                                 index_heads=2, index_head_dim=8, index_topk=2,
+                                 query_chunk=8),
+        moe=dict(num_experts=4, top_k=2, expert_hidden=8, shared_hidden=8, num_ep_groups=1),
+        mtp=dict(num_heads=0)))
+
+
+def randomised(params, key):
+    """Every leaf random (the zero-initialised norms, sinks and slot biases included)."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(tree, [0.3 * jax.random.normal(k, x.shape, x.dtype)
+                                     for k, x in zip(keys, leaves)])
+
+
+def rms64(x, eps=EPS):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+
+
+def inv_freq64(rope_dims, theta):
+    return 1.0 / theta ** (np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims)
+
+
+def reference_layer(p, cfg, x, segments, attention_type):
+    """Explicit float64 evaluation of the layer on x [B, T, d] with packed `segments`."""
+    attn = cfg.shared_kv_attention
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+    x = np.asarray(x, np.float64)
+    batch, length, _ = x.shape
+    theta = attn.rope_theta if attention_type == "W" else attn.compress_rope_theta
+    freqs = inv_freq64(attn.rope_dims, theta)
+    heads, dim = attn.num_heads, attn.head_dim
+    positions = np.zeros((batch, length), int)
+    for b in range(batch):
+        for t in range(1, length):
+            same = segments[b][t] == segments[b][t - 1]
+            positions[b, t] = positions[b, t - 1] + 1 if same else 0
+    q = np.zeros((batch, length, heads, dim))
+    kv = np.zeros((batch, length, dim))
+    for b in range(batch):
+        for t in range(length):
+            latent = rms64(x[b, t] @ p["q_a_proj"]["kernel"]) * (1 + p["q_a_norm"]["weight"])
+            heads_q = np.einsum("r,rhd->hd", latent, p["q_b_proj"]["kernel"])
+            for h in range(heads):
+                q[b, t, h] = rope_interleaved(rms64(heads_q[h]), positions[b, t], freqs)
+            entry = rms64(x[b, t] @ p["kv_proj"]["kernel"]) * (1 + p["kv_norm"]["weight"])
+            kv[b, t] = rope_interleaved(entry, positions[b, t], freqs)
+    if attention_type == "W":
+        entries = [[] for _ in range(batch)]
+    else:
+        c = p["compressor"]
+        entries = reference_compress(x, c["kv_proj"], c["gate_proj"], c["position_bias"],
+                                     1 + c["kv_norm"], attn.hca_rate, False, freqs, segments,
+                                     eps=EPS)
+    o = reference_attention(q, kv, entries, p["sinks"], cfg.window, segments)
+    out = np.zeros((batch, length, cfg.d_model))
+    per_group = heads // attn.o_groups
+    for b in range(batch):
+        for t in range(length):
+            heads_o = [rope_interleaved(o[b, t, h], -positions[b, t], freqs)
+                       for h in range(heads)]
+            mixed = []
+            for g in range(attn.o_groups):
+                group_in = np.concatenate(heads_o[g * per_group:(g + 1) * per_group])
+                mixed.append(group_in @ p["o_a_proj"][g])
+            out[b, t] = np.einsum("gr,grd->d", np.stack(mixed), p["o_b_proj"]["kernel"])
+    return out
+
+
+@pytest.mark.parametrize("attention_type", ["W", "H"])
+def test_layer_matches_float64_loop_reference(attention_type):
+    cfg = tiny_config()
+    layer = SharedKVAttention(cfg, attention_type)
+    x = jax.random.normal(jax.random.key(0), (2, 14, cfg.d_model))
+    segments = np.array([[0] * 8 + [1] * 6, [0] * 14], np.int32)
+    from model.lm import positions_from_segments
+    positions = positions_from_segments(jnp.asarray(segments))
+    params = nn.meta.unbox(layer.init(jax.random.key(1), x, positions, segments))["params"]
+    params = randomised(params, jax.random.key(2))
+    got, aux = layer.apply({"params": params}, x, positions, jnp.asarray(segments))
+    want = reference_layer(params, cfg, x, segments, attention_type)
+    assert aux == {}
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5)
+
+
+def test_csa_layer_reports_indexer_loss_and_trains_indexer_only_through_it():
+    """The indexer's inputs are detached (V3.2's recipe): the LM path gives its params no
+    gradient, its KL loss gives them one and the rest of the layer none."""
+    cfg = tiny_config("C")
+    layer = SharedKVAttention(cfg, "C")
+    x = jax.random.normal(jax.random.key(0), (1, 12, cfg.d_model))
+    positions = jnp.arange(12)[None]
+    params = nn.meta.unbox(layer.init(jax.random.key(1), x, positions, None))["params"]
+    params = randomised(params, jax.random.key(2))
+
+    def grads(which):
+        def loss(p):
+            y, aux = layer.apply({"params": p}, x, positions, None)
+            return jnp.sum(y * y) if which == "output" else aux["indexer_loss"]
+        return jax.grad(loss)(params)
+
+    def norms(tree):
+        return {k: float(sum(jnp.sum(jnp.abs(v)) for v in jax.tree.leaves(sub)))
+                for k, sub in tree.items()}
+
+    from_output, from_indexer = norms(grads("output")), norms(grads("indexer"))
+    assert from_output["indexer"] == 0.0
+    assert all(v > 0 for k, v in from_output.items() if k != "indexer")
+    assert from_indexer["indexer"] > 0
+    assert all(v == 0.0 for k, v in from_indexer.items() if k != "indexer")
