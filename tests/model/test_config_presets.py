@@ -100,3 +100,40 @@ def test_100b_gate_ablation_presets(name, gate):
     assert cfg.swa_attention.partial_rotary_factor == 1.0
     assert cfg.mtp.num_heads >= 1
     assert cfg.layout.count("F") > 0 and cfg.layout.count("S") > 0
+
+
+def test_deepseek_v4_flash_preset_matches_hugging_face():
+    """Against transformers' DeepseekV4Config defaults (V4-Flash's, but for the layout, where
+    they give V4-Pro's two leading HCA layers): Flash starts with two sliding-window layers."""
+    from transformers import DeepseekV4Config
+
+    hf = DeepseekV4Config()
+    cfg = load_config(REPO / "configs" / "deepseek_v4_flash.yaml")
+    a, hc, moe = cfg.shared_kv_attention, cfg.hyper_connections, cfg.moe
+    assert (cfg.vocab_size, cfg.d_model, cfg.num_layers) == (
+        hf.vocab_size, hf.hidden_size, hf.num_hidden_layers)
+    assert cfg.layout == "WW" + "CH" * 20 + "C" and cfg.window == hf.sliding_window
+    assert (a.num_heads, a.head_dim, a.rope_dims, a.q_lora_rank, a.o_groups, a.o_lora_rank) == (
+        hf.num_attention_heads, hf.head_dim, hf.qk_rope_head_dim, hf.q_lora_rank, hf.o_groups,
+        hf.o_lora_rank)
+    assert (a.rope_theta, a.compress_rope_theta) == (hf.rope_theta, hf.compress_rope_theta)
+    assert (a.csa_rate, a.hca_rate) == (hf.compress_rates["compressed_sparse_attention"],
+                                        hf.compress_rates["heavily_compressed_attention"])
+    assert (a.index_heads, a.index_head_dim, a.index_topk) == (
+        hf.index_n_heads, hf.index_head_dim, hf.index_topk)
+    assert a.compress_rope_scaling.type == "yarn" and a.compress_rope_scaling.factor == 16
+    assert (a.compress_rope_scaling.original_max_len * a.compress_rope_scaling.factor
+            == hf.max_position_embeddings)
+    assert (hc.hc_mult, hc.sinkhorn_iters, hc.eps) == (
+        hf.hc_mult, hf.hc_sinkhorn_iters, hf.hc_eps)
+    assert cfg.num_moe_layers == 43 and moe.hash_layers == hf.mlp_layer_types.count("hash_moe")
+    assert (moe.num_experts, moe.top_k, moe.expert_hidden, moe.num_shared_experts,
+            moe.shared_hidden) == (hf.n_routed_experts, hf.num_experts_per_tok,
+                                   hf.moe_intermediate_size, hf.n_shared_experts,
+                                   hf.moe_intermediate_size)
+    assert moe.router_activation == "sqrt_softplus" and hf.scoring_func == "sqrtsoftplus"
+    assert moe.routed_scaling_factor == hf.routed_scaling_factor and moe.renormalize
+    assert set(cfg.swiglu_limits) == set(cfg.swiglu_limits_shared) == {hf.swiglu_limit}
+    assert cfg.swiglu_gate_clamp == "before_silu" and cfg.norm_eps == hf.rms_norm_eps
+    assert (cfg.mtp.num_heads, cfg.mtp.attention_type) == (hf.num_nextn_predict_layers, "W")
+    assert cfg.tie_embeddings == hf.tie_word_embeddings

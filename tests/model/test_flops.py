@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from model.config import load_config
-from model.flops import forward_flops, kv_cache_bytes, main
+from model.flops import BREAKDOWN, forward_flops, kv_cache_bytes, main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -146,10 +146,12 @@ def test_cli_json():
                    "mtp.num_heads=1")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert {"total", "breakdown", "kv_cache_bytes"} <= out.keys()
+    assert {"total", "breakdown", "kv_cache_bytes", "kv_cache_bytes_v4_release"} <= out.keys()
     cfg = load_config(TINY, ["mtp.num_heads=1"])
-    assert out["breakdown"] == dict(brute_force(cfg, 40, "prefill"))
-    assert out["kv_cache_bytes"] == expected_kv_bytes(cfg, 40)
+    # every component is listed, those a GQA model lacks (DeepSeek-V4's) as 0
+    assert out["breakdown"] == dict.fromkeys(BREAKDOWN, 0) | brute_force(cfg, 40, "prefill")
+    # no shared-KV layers: the release's storage changes nothing
+    assert out["kv_cache_bytes"] == out["kv_cache_bytes_v4_release"] == expected_kv_bytes(cfg, 40)
 
 
 def test_cli_bad_context_is_one_line_exit_2():

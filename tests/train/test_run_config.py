@@ -84,7 +84,8 @@ def test_a_config_without_a_model_is_refused_by_both_loaders(tmp_path, text):
         message = str(info.value)
         assert message.startswith(f"config file {str(path)!r} defines no model"), message
         # the presets are the repository's configs/*.yaml that define a model
-        assert message.endswith("start from a preset that has one: configs/sft_arith.yaml, "
+        assert message.endswith("start from a preset that has one: "
+                                "configs/deepseek_v4_flash.yaml, configs/sft_arith.yaml, "
                                 "configs/step35_flash.yaml, configs/tiny.yaml"), message
 
 
