@@ -20,7 +20,7 @@ from model.layers.moe import routed_experts
 from model.layers.router import route
 from model.ops.linear import linear
 from model.ops.moe_dispatch import ExpertWeights
-from model.ops.swiglu import swiglu_activation
+from model.ops.swiglu import SwiGLUClamp, swiglu_activation
 
 
 def main() -> None:
@@ -50,14 +50,15 @@ def main() -> None:
     def moe_loss(impl):
         def loss(x, weights, indices, combine_weights):
             y, _ = routed_experts(x, indices, combine_weights, ExpertWeights(*weights),
-                                  limit=0.0, impl=impl, block_size=args.block_size)
+                                  clamp=SwiGLUClamp(0.0), impl=impl, block_size=args.block_size)
             return jnp.sum(y)
         return loss
 
     def dense_loss(x, weights, indices, combine_weights):
         del indices, combine_weights
         gate, up, down = weights  # through model.ops.linear, as the model's dense FFN
-        return jnp.sum(linear(swiglu_activation(linear(x, gate), linear(x, up), 0.0), down))
+        h = swiglu_activation(linear(x, gate), linear(x, up), SwiGLUClamp(0.0))
+        return jnp.sum(linear(h, down))
 
     cases = {"dense FFN": (dense_loss, dense)}
     cases.update({impl: (moe_loss(impl), tuple(experts)) for impl in args.impls})

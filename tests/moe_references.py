@@ -43,17 +43,21 @@ def np_route(logits, bias, top_k, activation="sigmoid", renormalize=True, scale=
     return routes, probs
 
 
-def np_swiglu(x, w_gate, w_up, w_down, limit):
+def np_swiglu(x, w_gate, w_up, w_down, limit, before_silu=False):
+    """SwiGLU with the clamp (limit > 0): the gate capped at the limit after the SiLU, or its
+    input capped before it (before_silu, DeepSeek-V4); the up projection clipped to +-limit."""
     gate_pre, up = x @ w_gate, x @ w_up
+    if limit > 0 and before_silu:
+        gate_pre = np.minimum(gate_pre, limit)
     gate = gate_pre * np_sigmoid(gate_pre)  # silu
     if limit > 0:
-        gate = np.minimum(gate, limit)
+        gate = gate if before_silu else np.minimum(gate, limit)
         up = np.clip(up, -limit, limit)
     h = gate * up
     return h @ w_down, h
 
 
-def np_routed_experts(x, indices, combine, wg, wu, wd, limit):
+def np_routed_experts(x, indices, combine, wg, wu, wd, limit, before_silu=False):
     """Per-token loop over the chosen experts; returns (y, stats dict)."""
     x, combine = np.asarray(x, np.float64), np.asarray(combine, np.float64)
     wg, wu, wd = (np.asarray(w, np.float64) for w in (wg, wu, wd))
@@ -67,7 +71,7 @@ def np_routed_experts(x, indices, combine, wg, wu, wd, limit):
     for t in range(num_tokens):
         for j in range(top_k):
             e = int(indices[t, j])
-            out, h = np_swiglu(x[t], wg[e], wu[e], wd[e], limit)
+            out, h = np_swiglu(x[t], wg[e], wu[e], wd[e], limit, before_silu)
             y[t] += combine[t, j] * out
             count[e] += 1
             h_sq[e] += np.sum(h**2)
@@ -82,6 +86,39 @@ def np_routed_experts(x, indices, combine, wg, wu, wd, limit):
         "expert_out_norm_max": norm_max,
     }
     return y, stats
+
+
+def np_routed_experts_grads(x, indices, combine, wg, wu, wd, probe, limit, before_silu):
+    """Gradients of sum(y * probe), y of `np_routed_experts`, with respect to (x, combine, wg,
+    wu, wd): the SwiGLU backward written out copy by copy. A capped or clipped input gets no
+    gradient."""
+    x, combine, probe = (np.asarray(a, np.float64) for a in (x, combine, probe))
+    wg, wu, wd = (np.asarray(w, np.float64) for w in (wg, wu, wd))
+    d_x, d_combine = np.zeros_like(x), np.zeros_like(combine)
+    d_wg, d_wu, d_wd = np.zeros_like(wg), np.zeros_like(wu), np.zeros_like(wd)
+    clamped = limit > 0
+    for t in range(indices.shape[0]):
+        for j in range(indices.shape[1]):
+            e = int(indices[t, j])
+            g, u = x[t] @ wg[e], x[t] @ wu[e]
+            z = np.minimum(g, limit) if clamped and before_silu else g
+            sig = np_sigmoid(z)
+            silu, silu_slope = z * sig, sig * (1 + z * (1 - sig))
+            gate = np.minimum(silu, limit) if clamped and not before_silu else silu
+            gate_open = (g < limit if before_silu else silu < limit) if clamped else True
+            up = np.clip(u, -limit, limit) if clamped else u
+            up_open = np.abs(u) < limit if clamped else True
+            h = gate * up
+            d_out = combine[t, j] * probe[t]
+            d_combine[t, j] = (h @ wd[e]) @ probe[t]
+            d_wd[e] += np.outer(h, d_out)
+            d_h = wd[e] @ d_out
+            d_g = d_h * up * silu_slope * gate_open
+            d_u = d_h * gate * up_open
+            d_wg[e] += np.outer(x[t], d_g)
+            d_wu[e] += np.outer(x[t], d_u)
+            d_x[t] += wg[e] @ d_g + wu[e] @ d_u
+    return d_x, d_combine, d_wg, d_wu, d_wd
 
 
 def np_ep_balance_loss(load, mean_probs, num_groups):

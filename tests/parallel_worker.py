@@ -25,6 +25,7 @@ from train_helpers import small_run, synthetic_batch  # noqa: E402
 
 from model.layers.moe import routed_experts  # noqa: E402
 from model.ops.moe_dispatch import ExpertWeights
+from model.ops.swiglu import SwiGLUClamp
 from model.parallel.expert_parallel import expert_parallel_experts  # noqa: E402
 from model.parallel.rules import named, replicated, use_mesh
 from train import step as step_module  # noqa: E402
@@ -139,7 +140,7 @@ def ep_skew() -> dict:
     combine = jnp.asarray(rng.uniform(size=(tokens, top_k)), jnp.float32)
     weights = ExpertWeights(*(jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in (
         (experts, d_model, hidden), (experts, d_model, hidden), (experts, hidden, d_model))))
-    options = dict(limit=0.0, impl="sorted", block_size=8)
+    options = dict(clamp=SwiGLUClamp(0.0), impl="sorted", block_size=8)
 
     def reference(x, w):
         return routed_experts(x, indices, combine, w, **options)
@@ -196,11 +197,12 @@ def pallas_on_mesh() -> dict:
     combine = jnp.asarray(rng.uniform(size=(tokens, top_k)), jnp.float32)
     weights = ExpertWeights(*(jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in (
         (experts, d_model, hidden), (experts, d_model, hidden), (experts, hidden, d_model))))
-    want_y, _ = jax.jit(lambda x, w: routed_experts(x, indices, combine, w, limit=0.0,
+    no_clamp = SwiGLUClamp(0.0)
+    want_y, _ = jax.jit(lambda x, w: routed_experts(x, indices, combine, w, clamp=no_clamp,
                                                     impl="sorted", block_size=8))(x, weights)
     with use_mesh(mesh):
         got_y, _ = jax.jit(lambda x, w: expert_parallel_experts(
-            x, indices, combine, w, limit=0.0, impl="pallas", block_size=8,
+            x, indices, combine, w, clamp=no_clamp, impl="pallas", block_size=8,
             collective="padded"))(x, weights)
     return {"attention_error": relative_error([np.asarray(got)], [np.asarray(want)]),
             "moe_error": relative_error([np.asarray(got_y)], [np.asarray(want_y)])}

@@ -1,7 +1,5 @@
-"""SwiGLU feed-forward with the optional activation clamp of report 4.1.3.
-
-Clamp with limit L > 0: gate = min(silu(x W_g), L), up = clip(x W_u, -L, L); L = 0 disables it.
-"""
+"""SwiGLU feed-forward with the optional activation clamp of report 4.1.3 (limit L, 0 = off;
+the gate's cap after or before the SiLU as `swiglu_gate_clamp` says, see `model.ops.swiglu`)."""
 
 import flax.linen as nn
 from jax.ad_checkpoint import checkpoint_name
@@ -9,7 +7,7 @@ from jax.ad_checkpoint import checkpoint_name
 from model.config import ModelConfig
 from model.layers.common import dtype_of
 from model.layers.projection import Projection
-from model.ops.swiglu import swiglu_activation
+from model.ops.swiglu import SwiGLUClamp, swiglu_activation
 
 
 class SwiGLU(nn.Module):
@@ -17,7 +15,7 @@ class SwiGLU(nn.Module):
 
     config: ModelConfig
     hidden: int
-    limit: float = 0.0
+    limit: float = 0.0  # the clamp's L; the gate's cap placed by cfg.swiglu_gate_clamp
 
     @nn.compact
     def __call__(self, x):
@@ -28,6 +26,6 @@ class SwiGLU(nn.Module):
 
         gate = projection("gate_proj", self.hidden, ("embed", "mlp"))(x)
         up = projection("up_proj", self.hidden, ("embed", "mlp"))(x)
-        h = swiglu_activation(gate, up, self.limit)
+        h = swiglu_activation(gate, up, SwiGLUClamp(self.limit, cfg.swiglu_gate_clamp))
         out = projection("down_proj", x.shape[-1], ("mlp", "embed"))(h)
         return checkpoint_name(out, "ffn_out")

@@ -18,15 +18,16 @@ from model.layers.ffn import SwiGLU
 from model.layers.hash_routing import hash_route, random_hash_table
 from model.layers.router import expert_load, route, routing_confidence, sequence_balance_loss
 from model.ops.moe_dispatch import ExpertWeights, combine_copies, finalize_statistics
+from model.ops.swiglu import SwiGLUClamp
 from model.ops.tables import MOE
 from model.parallel.expert_parallel import expert_parallel_experts
 from model.parallel.mesh import mesh_size
 
 
-def routed_experts(x, indices, combine_weights, weights: ExpertWeights, *, limit: float,
+def routed_experts(x, indices, combine_weights, weights: ExpertWeights, *, clamp: SwiGLUClamp,
                    impl: str, block_size: int):
     """x: [N, D]; indices/combine_weights: [N, k] -> (y [N, D], per-expert stats dict of [E])."""
-    copy_out, sums = MOE.resolve(impl)(x, indices, weights, limit, block_size)
+    copy_out, sums = MOE.resolve(impl)(x, indices, weights, clamp, block_size)
     return (combine_copies(copy_out, combine_weights, x.dtype),
             finalize_statistics(sums, weights.gate.shape[-1]))
 
@@ -87,7 +88,8 @@ class MoE(nn.Module):
             up=expert_param("up_proj", (e, d_model, f), ("expert", "embed", "expert_mlp")),
             down=expert_param("down_proj", (e, f, d_model), ("expert", "expert_mlp", "embed")),
         )
-        options = dict(limit=self.limit, impl=cfg.moe_impl, block_size=moe.block_size)
+        options = dict(clamp=SwiGLUClamp(self.limit, cfg.swiglu_gate_clamp), impl=cfg.moe_impl,
+                       block_size=moe.block_size)
         # Under a mesh, per-shard dispatch (report 3.2: experts live on their EP rank; also
         # keeps the sort per device and lets XLA run the Pallas kernels unpartitioned).
         if mesh_size() > 1:

@@ -29,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from model.ops.swiglu import swiglu_activation
+from model.ops.swiglu import SwiGLUClamp, swiglu_activation
 
 MIN_CHUNK = 8  # the smallest chunk when max_chunk allows it (matmuls below ~8 rows waste time)
 
@@ -76,7 +76,7 @@ def _fused_gate_up(gate, up, expert):
     return jnp.concatenate([gate[expert], up[expert]], axis=-1)
 
 
-def _forward(rows, gate, up, down, starts, counts, limit, sizes, keep_gate_up):
+def _forward(rows, gate, up, down, starts, counts, clamp, sizes, keep_gate_up):
     """-> (out [R, D], h_sq [R] float32, gate_up [R, 2F] pre-activations if keep_gate_up)."""
     num_rows, d_model = rows.shape
     hidden = down.shape[1]
@@ -88,7 +88,7 @@ def _forward(rows, gate, up, down, starts, counts, limit, sizes, keep_gate_up):
         w_gate_up, w_down = context
         x = jax.lax.dynamic_slice_in_dim(rows, row, size)
         gate_up = jnp.dot(x, w_gate_up).astype(rows.dtype)
-        h = swiglu_activation(gate_up[:, :hidden], gate_up[:, hidden:], limit)
+        h = swiglu_activation(gate_up[:, :hidden], gate_up[:, hidden:], clamp)
         results = (jnp.dot(h, w_down).astype(rows.dtype),
                    jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1))
         results += (gate_up,) if keep_gate_up else ()
@@ -107,7 +107,7 @@ def _add_to_expert(buffer, expert, value):
     return jax.lax.dynamic_update_index_in_dim(buffer, current + value, expert, 0)
 
 
-def _backward(rows, gate_up, d_out, gate, up, down, starts, counts, limit, sizes):
+def _backward(rows, gate_up, d_out, gate, up, down, starts, counts, clamp, sizes):
     """-> (d_rows [R, D], d_gate, d_up, d_down in at least float32)."""
     hidden = down.shape[1]
     accumulate = jnp.promote_types(gate.dtype, jnp.float32)  # weight gradients are sums of chunks
@@ -121,7 +121,7 @@ def _backward(rows, gate_up, d_out, gate, up, down, starts, counts, limit, sizes
         x, pre = (jax.lax.dynamic_slice_in_dim(a, row, size) for a in (rows, gate_up))
         own_rows = (jnp.arange(size) < remaining)[:, None]  # overflow rows get no cotangent
         g = jnp.where(own_rows, jax.lax.dynamic_slice_in_dim(d_out, row, size), 0)
-        h, activation_vjp = jax.vjp(lambda a, b: swiglu_activation(a, b, limit),
+        h, activation_vjp = jax.vjp(lambda a, b: swiglu_activation(a, b, clamp),
                                     pre[:, :hidden], pre[:, hidden:])
         d_down = _add_to_expert(d_down, expert, jnp.dot(h.T, g, preferred_element_type=accumulate))
         d_h = jnp.dot(g, w_down.T).astype(rows.dtype)
@@ -138,26 +138,26 @@ def _backward(rows, gate_up, d_out, gate, up, down, starts, counts, limit, sizes
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def grouped_swiglu(rows, gate, up, down, starts, counts, limit, sizes):
+def grouped_swiglu(rows, gate, up, down, starts, counts, clamp: SwiGLUClamp, sizes):
     """SwiGLU of each expert on its rows: rows [R, D] sorted by expert, with at least sizes[0]
     rows of slack after the last expert's; gate/up [E, D, F], down [E, F, D]; starts/counts [E]
-    int32; sizes from `chunk_sizes`.
+    int32; clamp: the SwiGLU's (static); sizes from `chunk_sizes`.
 
     Returns (out [R, D], h_sq [R] float32: squared norm of each row's SwiGLU intermediate, which
     gets no gradient). Rows outside every expert's range hold unspecified values.
     """
-    return _forward(rows, gate, up, down, starts, counts, limit, sizes, False)
+    return _forward(rows, gate, up, down, starts, counts, clamp, sizes, False)
 
 
-def _grouped_swiglu_fwd(rows, gate, up, down, starts, counts, limit, sizes):
-    out, h_sq, gate_up = _forward(rows, gate, up, down, starts, counts, limit, sizes, True)
+def _grouped_swiglu_fwd(rows, gate, up, down, starts, counts, clamp, sizes):
+    out, h_sq, gate_up = _forward(rows, gate, up, down, starts, counts, clamp, sizes, True)
     return (out, h_sq), (rows, gate_up, gate, up, down, starts, counts)
 
 
-def _grouped_swiglu_bwd(limit, sizes, residuals, cotangents):
+def _grouped_swiglu_bwd(clamp, sizes, residuals, cotangents):
     rows, gate_up, gate, up, down, starts, counts = residuals
     d_out, _ = cotangents  # h_sq feeds only statistics
-    d_rows, *d_weights = _backward(rows, gate_up, d_out, gate, up, down, starts, counts, limit,
+    d_rows, *d_weights = _backward(rows, gate_up, d_out, gate, up, down, starts, counts, clamp,
                                    sizes)
     d_gate, d_up, d_down = (d.astype(w.dtype) for d, w in zip(d_weights, (gate, up, down)))
     return d_rows, d_gate, d_up, d_down, None, None

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from model.ops.grouped_swiglu import chunk_sizes, grouped_swiglu
 from model.ops.permute import permute_rows
-from model.ops.swiglu import swiglu_activation
+from model.ops.swiglu import SwiGLUClamp, swiglu_activation
 
 
 class ExpertWeights(NamedTuple):
@@ -41,7 +41,7 @@ class ExpertWeights(NamedTuple):
     down: jax.Array  # [E, F, D]
 
 
-# (x [N, D], indices [N, k], weights, limit, block_size)
+# (x [N, D], indices [N, k], weights, SwiGLUClamp, block_size)
 #   -> (per-copy expert outputs [N, k, D], per-expert statistic sums, dict of [E] arrays)
 GroupedFFN = Callable[..., tuple[jax.Array, dict]]
 
@@ -60,7 +60,7 @@ def sort_copies(indices: jax.Array, num_experts: int) -> SortedCopies:
     return SortedCopies(order, flat_expert[order], group_sizes)
 
 
-def sorted_block_ffn(x, indices, weights: ExpertWeights, limit, block_size):
+def sorted_block_ffn(x, indices, weights: ExpertWeights, clamp: SwiGLUClamp, block_size):
     num_tokens, top_k = indices.shape
     num_experts = weights.gate.shape[0]
     num_copies = num_tokens * top_k
@@ -77,7 +77,7 @@ def sorted_block_ffn(x, indices, weights: ExpertWeights, limit, block_size):
     rows = permute_rows(x, row_copy // top_k, copy_row.reshape(num_tokens, top_k))
 
     starts = jnp.cumsum(copies.group_sizes) - copies.group_sizes
-    out, h_sq = grouped_swiglu(rows, *weights, starts, copies.group_sizes, limit, sizes)
+    out, h_sq = grouped_swiglu(rows, *weights, starts, copies.group_sizes, clamp, sizes)
     row_expert = jnp.concatenate([copies.row_expert, jnp.full((slack,), num_experts,
                                                                copies.row_expert.dtype)])
     sums = expert_statistic_sums(out, h_sq, row_expert, copies.group_sizes)
@@ -85,7 +85,7 @@ def sorted_block_ffn(x, indices, weights: ExpertWeights, limit, block_size):
     return copy_out.reshape(num_tokens, top_k, -1), sums
 
 
-def ragged_dot_ffn(x, indices, weights: ExpertWeights, limit, block_size):
+def ragged_dot_ffn(x, indices, weights: ExpertWeights, clamp: SwiGLUClamp, block_size):
     del block_size
     num_tokens, top_k = indices.shape
     num_copies = num_tokens * top_k
@@ -95,7 +95,7 @@ def ragged_dot_ffn(x, indices, weights: ExpertWeights, limit, block_size):
     rows = permute_rows(x, copies.order // top_k, copy_row.reshape(num_tokens, top_k))
     gate = jax.lax.ragged_dot(rows, weights.gate, copies.group_sizes)
     up = jax.lax.ragged_dot(rows, weights.up, copies.group_sizes)
-    h = swiglu_activation(gate, up, limit)
+    h = swiglu_activation(gate, up, clamp)
     out = jax.lax.ragged_dot(h, weights.down, copies.group_sizes)
     out = jnp.where((copies.row_expert < weights.gate.shape[0])[:, None], out, 0)
     sums = expert_statistic_sums(out, jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1),

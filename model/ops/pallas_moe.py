@@ -24,7 +24,7 @@ from model.ops.moe_dispatch import (
     expert_statistic_sums,
     sort_copies,
 )
-from model.ops.swiglu import swiglu_activation
+from model.ops.swiglu import SwiGLUClamp, swiglu_activation
 from pallas_kernels.grouped_matmul import Tiling, default_tiling, gmm, resolve_interpret
 
 
@@ -56,7 +56,7 @@ def unpermute_combine(rows: jax.Array, copies: SortedCopies, combine_weights: ja
     return combine_copies(per_copy, combine_weights.astype(jnp.float32), out_dtype or rows.dtype)
 
 
-def pallas_moe_ffn(x, indices, weights: ExpertWeights, limit, block_size, *,
+def pallas_moe_ffn(x, indices, weights: ExpertWeights, clamp: SwiGLUClamp, block_size, *,
                    tiling: Tiling | tuple[int, int, int] | None = None,
                    interpret: bool | None = None):
     """x [N, D], indices [N, k] -> (per-copy expert outputs [N, k, D], per-expert statistic
@@ -78,7 +78,7 @@ def pallas_moe_ffn(x, indices, weights: ExpertWeights, limit, block_size, *,
     def grouped(lhs, rhs):
         return gmm(lhs, rhs, sizes, tiling=tiling, interpret=interpret)
 
-    h = swiglu_activation(grouped(rows, weights.gate), grouped(rows, weights.up), limit)
+    h = swiglu_activation(grouped(rows, weights.gate), grouped(rows, weights.up), clamp)
     out = jnp.where((copies.row_expert < num_experts)[:, None], grouped(h, weights.down), 0)
     h_sq = jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1)
     sums = expert_statistic_sums(out, h_sq, copies.row_expert, sizes)

@@ -8,23 +8,31 @@ The two differ only for gate inputs above L (silu(10) = 9.99955 < 10), and there
 gradient too: the V4 form stops it for every x W_g > L.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 GATE_CLAMPS = ("after_silu", "before_silu")
 
 
-def swiglu_activation(gate_pre: jax.Array, up_pre: jax.Array, limit: float,
-                      gate_clamp: str = "after_silu") -> jax.Array:
-    """silu(gate_pre) * up_pre with the report's clamp; shapes [..., hidden] in, same out.
+class SwiGLUClamp(NamedTuple):
+    """One SwiGLU's clamp. Hashable, so it passes as one static argument (jit partials, custom
+    VJP nondiff arguments) through every `moe_impl`; built from the config's per-layer
+    `swiglu_limits[_shared]` and `swiglu_gate_clamp`."""
 
-    gate_clamp: one of GATE_CLAMPS, where the gate's upper limit applies.
-    """
-    if gate_clamp not in GATE_CLAMPS:
-        raise ValueError(f"gate_clamp={gate_clamp!r}; expected one of {GATE_CLAMPS}")
+    limit: float  # L; 0 disables the clamp
+    gate: str = "after_silu"  # one of GATE_CLAMPS: where the gate's upper limit applies
+
+
+def swiglu_activation(gate_pre: jax.Array, up_pre: jax.Array, clamp: SwiGLUClamp) -> jax.Array:
+    """silu(gate_pre) * up_pre with the report's clamp; shapes [..., hidden] in, same out."""
+    limit = clamp.limit
+    if clamp.gate not in GATE_CLAMPS:
+        raise ValueError(f"swiglu_gate_clamp={clamp.gate!r}; expected one of {GATE_CLAMPS}")
     if limit <= 0:
         return jax.nn.silu(gate_pre) * up_pre
-    if gate_clamp == "before_silu":
+    if clamp.gate == "before_silu":
         gate = jax.nn.silu(jnp.minimum(gate_pre, limit))
     else:
         gate = jnp.minimum(jax.nn.silu(gate_pre), limit)

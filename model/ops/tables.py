@@ -45,7 +45,7 @@ ATTENTION = ImplementationTable("attention_impl", {
     "pallas": "pallas_kernels.flash_attention:flash_attention_core",
 })
 
-# moe_impl: (x [N,D], indices [N,k], ExpertWeights, limit, block_size)
+# moe_impl: (x [N,D], indices [N,k], ExpertWeights, SwiGLUClamp, block_size)
 #   -> (per-copy outputs [N,k,D], per-expert statistic sums) (`model.ops.moe_dispatch.GroupedFFN`).
 MOE = ImplementationTable("moe_impl", {
     "sorted": "model.ops.moe_dispatch:sorted_block_ffn",

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from model.ops.moe_dispatch import ExpertWeights, combine_copies, finalize_statistics
+from model.ops.swiglu import SwiGLUClamp
 from model.ops.tables import MOE
 from model.parallel.mesh import logical_spec, spec_axes
 
@@ -78,7 +79,7 @@ def _expand(mask: jax.Array, like: jax.Array) -> jax.Array:
     return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
 
 
-def _local_experts(x, indices, combine_weights, gate, up, down, *, num_experts, limit, impl,
+def _local_experts(x, indices, combine_weights, gate, up, down, *, num_experts, clamp, impl,
                    block_size, collective, stat_axes):
     """Per-device body. x [n, D]; indices/combine_weights [n, k]; gate/up [E_loc, D, F]."""
     num_tokens, top_k = indices.shape
@@ -98,7 +99,7 @@ def _local_experts(x, indices, combine_weights, gate, up, down, *, num_experts, 
     ids = exchange(expert_sorted - owner * local, send_sizes, recv_sizes, capacity, collective)
     ids = jnp.where(jnp.arange(capacity) < jnp.sum(recv_sizes), ids, local)
 
-    out, sums = MOE.resolve(impl)(rows, ids[:, None], ExpertWeights(gate, up, down), limit,
+    out, sums = MOE.resolve(impl)(rows, ids[:, None], ExpertWeights(gate, up, down), clamp,
                                   block_size)
     back = exchange(out[:, 0], recv_sizes, send_sizes, copies, collective)
     copy_out = jnp.zeros_like(back).at[order].set(back).reshape(num_tokens, top_k, -1)
@@ -109,8 +110,8 @@ def _local_experts(x, indices, combine_weights, gate, up, down, *, num_experts, 
     return y, sums
 
 
-def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights, *, limit: float,
-                            impl: str, block_size: int, collective: str):
+def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights, *,
+                            clamp: SwiGLUClamp, impl: str, block_size: int, collective: str):
     """`model.layers.moe.routed_experts` with the experts spread over the mesh axis `expert`
     (under a mesh context and the logical-axis rules; see module docstring).
     x [N, D], indices/combine_weights [N, k] -> (y [N, D], per-expert stats dict of [E])."""
@@ -126,7 +127,7 @@ def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights,
                          f"(rules give {token_spec})")
     stat_axes = tuple(a for a in token_axes if a != AXIS and mesh.shape[a] > 1)
     body = functools.partial(
-        _local_experts, num_experts=num_experts, limit=limit, impl=impl, block_size=block_size,
+        _local_experts, num_experts=num_experts, clamp=clamp, impl=impl, block_size=block_size,
         collective=resolve_collective(collective), stat_axes=stat_axes)
     expert_spec = P(AXIS, None, None)
     # check_vma=False: the `sorted` path's loops start from zero buffers, not typed as varying

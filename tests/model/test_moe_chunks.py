@@ -15,7 +15,7 @@ from moe_references import fast_jit
 
 from model.ops.grouped_swiglu import MIN_CHUNK, chunk_sizes, grouped_swiglu
 from model.ops.permute import permute_rows
-from model.ops.swiglu import swiglu_activation
+from model.ops.swiglu import SwiGLUClamp, swiglu_activation
 
 
 def test_chunk_sizes_halve_from_the_largest_useful_chunk():
@@ -67,7 +67,7 @@ def _reference_swiglu(rows, gate, up, down, row_expert, limit):
             outs.append(jnp.zeros(rows.shape[1], rows.dtype))
             h_sq.append(jnp.zeros((), rows.dtype))
             continue
-        h = swiglu_activation(rows[r] @ gate[e], rows[r] @ up[e], limit)
+        h = swiglu_activation(rows[r] @ gate[e], rows[r] @ up[e], SwiGLUClamp(limit))
         outs.append(h @ down[e])
         h_sq.append(jnp.sum(h * h))
     return jnp.stack(outs), jnp.stack(h_sq)
@@ -101,7 +101,8 @@ def test_grouped_swiglu_matches_per_row_reference(name, max_chunk, limit):
             return jnp.sum(jnp.where(owned, out, 0) * probe), (out, h_sq)
 
         def chunked(rows, *weights):
-            return grouped_swiglu(rows, *weights, starts, jnp.asarray(counts, jnp.int32), limit,
+            return grouped_swiglu(rows, *weights, starts, jnp.asarray(counts, jnp.int32),
+                                  SwiGLUClamp(limit),
                                   sizes)
 
         def reference(rows, *weights):

@@ -72,7 +72,7 @@ def _jitted_moe_apply(impl, compute_dtype):
     return fast_jit(MoE(_module_cfg(impl, compute_dtype), LIMIT, SHARED_LIMIT).apply)
 
 
-def _np_moe(params, bias, x):
+def _np_moe(params, bias, x, before_silu=False):
     """Reference MoE output and aux from the module's params, in float64."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     tokens = np.asarray(x, np.float64).reshape(-1, D_MODEL)
@@ -80,10 +80,10 @@ def _np_moe(params, bias, x):
     indices = np.array([sorted(r) for r in routes])
     combine = np.array([[r[e] for e in sorted(r)] for r in routes])
     y, stats = np_routed_experts(tokens, indices, combine, p["gate_proj"], p["up_proj"],
-                                 p["down_proj"], LIMIT)
+                                 p["down_proj"], LIMIT, before_silu)
     shared = p["shared_expert"]
     shared_out, _ = np_swiglu(tokens, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],
-                              shared["down_proj"]["kernel"], SHARED_LIMIT)
+                              shared["down_proj"]["kernel"], SHARED_LIMIT, before_silu)
     load = stats["expert_tokens"] / indices.size
     aux = {
         "expert_load": load,
@@ -151,6 +151,17 @@ def test_moe_module_matches_reference(moe_setup, impl, bias_kind):
     shared = params["shared_expert"]
     gate_pre = tokens @ np.asarray(shared["gate_proj"]["kernel"], np.float64)
     assert np.any(gate_pre * np_sigmoid(gate_pre) > SHARED_LIMIT)
+
+
+def test_moe_module_caps_gates_before_the_silu_when_configured(moe_setup):
+    """swiglu_gate_clamp=before_silu (DeepSeek-V4) reaches the routed and the shared experts."""
+    cfg, x, params, _ = moe_setup
+    module = MoE(cfg.replace(swiglu_gate_clamp="before_silu"), LIMIT, SHARED_LIMIT)
+    bias = np.zeros(EXPERTS, np.float32)
+    y, _ = fast_jit(module.apply)({"params": params, "balance": {"router_bias": bias}}, x)
+    ref_y, _, _ = _np_moe(params, bias, x, before_silu=True)
+    np.testing.assert_allclose(np.asarray(y), ref_y, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(_np_moe(params, bias, x)[0], ref_y, atol=1e-2)  # placement matters
 
 
 def test_uniform_bias_changes_nothing_and_large_bias_forces_experts(moe_setup):

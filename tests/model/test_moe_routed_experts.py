@@ -19,6 +19,7 @@ from moe_references import (
 
 from model.layers.moe import routed_experts
 from model.ops.moe_dispatch import ExpertWeights
+from model.ops.swiglu import SwiGLUClamp
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
@@ -86,7 +87,8 @@ CASES = ["random", "random_clamped", "empty_experts", "one_expert", "more_expert
 
 @functools.lru_cache(maxsize=None)
 def _jitted_routed(impl, limit, block_size):
-    return fast_jit(functools.partial(routed_experts, limit=limit, impl=impl, block_size=block_size))
+    return fast_jit(functools.partial(routed_experts, clamp=SwiGLUClamp(limit), impl=impl,
+                                      block_size=block_size))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -146,7 +148,8 @@ def test_routed_expert_gradients_agree(name):
 
     grads = {"dense": loss_of(lambda *a: _dense_reference(*a, limit))(x, combine, w)}
     for impl in IMPLS:
-        fn = functools.partial(routed_experts, limit=limit, impl=impl, block_size=block_size)
+        fn = functools.partial(routed_experts, clamp=SwiGLUClamp(limit), impl=impl,
+                               block_size=block_size)
         grads[impl] = loss_of(lambda *a, fn=fn: fn(*a)[0])(x, combine, w)
     names = ["x", "combine", "gate", "up", "down"]
     ref = jax.tree.leaves(grads["dense"])

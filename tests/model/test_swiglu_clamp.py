@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.ops.swiglu import swiglu_activation
+from model.ops.swiglu import SwiGLUClamp, swiglu_activation
 
 # gate inputs around the limit, where the placements differ (silu(10) = 9.99955)
 GATE = np.array([[-12.0, -1.0, 0.5, 9.9, 10.0002, 10.3, 11.0, 40.0]], np.float32)
@@ -33,18 +33,19 @@ def np_swiglu(gate_pre, up_pre, limit, before_silu):
 @pytest.mark.parametrize("gate_clamp", ["after_silu", "before_silu"])
 @pytest.mark.parametrize("limit", [0.0, 10.0])
 def test_swiglu_clamp_matches_reference(gate_clamp, limit):
-    got = swiglu_activation(jnp.asarray(GATE), jnp.asarray(UP), limit, gate_clamp)
+    got = swiglu_activation(jnp.asarray(GATE), jnp.asarray(UP), SwiGLUClamp(limit, gate_clamp))
     expected = np_swiglu(GATE, UP, limit, gate_clamp == "before_silu")
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6)
 
 
 def test_the_two_placements_differ_above_the_limit_in_value_and_gradient():
-    after = swiglu_activation(jnp.asarray(GATE), jnp.asarray(UP), 10.0)  # the default
-    before = swiglu_activation(jnp.asarray(GATE), jnp.asarray(UP), 10.0, "before_silu")
+    after = swiglu_activation(jnp.asarray(GATE), jnp.asarray(UP), SwiGLUClamp(10.0))  # default
+    before = swiglu_activation(jnp.asarray(GATE), jnp.asarray(UP),
+                               SwiGLUClamp(10.0, "before_silu"))
     differs = np.asarray(after) != np.asarray(before)
     np.testing.assert_array_equal(differs[0], GATE[0] > 10.0)
-    grad = jax.grad(lambda g, mode: jnp.sum(swiglu_activation(g, jnp.ones_like(g), 10.0, mode)),
-                    argnums=0)
+    grad = jax.grad(lambda g, mode: jnp.sum(
+        swiglu_activation(g, jnp.ones_like(g), SwiGLUClamp(10.0, mode))), argnums=0)
     g_after = np.asarray(grad(jnp.asarray(GATE), "after_silu"))[0]
     g_before = np.asarray(grad(jnp.asarray(GATE), "before_silu"))[0]
     assert g_after[4] > 0 and g_before[4] == 0  # x = 10.0002: silu(x) < 10, x > 10
@@ -53,7 +54,7 @@ def test_the_two_placements_differ_above_the_limit_in_value_and_gradient():
 
 def test_unknown_gate_clamp_is_rejected():
     with pytest.raises(ValueError, match="gate_clamp"):
-        swiglu_activation(jnp.ones(2), jnp.ones(2), 10.0, "pre")
+        swiglu_activation(jnp.ones(2), jnp.ones(2), SwiGLUClamp(10.0, "pre"))
 
 
 @pytest.mark.parity
@@ -71,7 +72,8 @@ def test_before_silu_matches_transformers_v4_experts_and_shared_mlp():
     experts = DeepseekV4Experts(config)
     gate_up = torch.from_numpy(np.concatenate([GATE, UP], axis=-1))
     np.testing.assert_allclose(
-        np.asarray(swiglu_activation(jnp.asarray(GATE), jnp.asarray(UP), 10.0, "before_silu")),
+        np.asarray(swiglu_activation(jnp.asarray(GATE), jnp.asarray(UP),
+                                     SwiGLUClamp(10.0, "before_silu"))),
         experts._apply_gate(gate_up).numpy(), rtol=1e-6)
 
     torch.manual_seed(0)
@@ -83,5 +85,5 @@ def test_before_silu_matches_transformers_v4_experts_and_shared_mlp():
                   for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
     xj = jnp.asarray(x.numpy())
     assert float(jnp.max(xj @ wg)) > 10.0  # the clamp is exercised
-    got = swiglu_activation(xj @ wg, xj @ wu, 10.0, "before_silu") @ wd
+    got = swiglu_activation(xj @ wg, xj @ wu, SwiGLUClamp(10.0, "before_silu")) @ wd
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-5)

@@ -23,6 +23,7 @@ import pytest
 from model.layers.moe import routed_experts
 from model.ops.moe_dispatch import ExpertWeights, finalize_statistics
 from model.ops.pallas_moe import pallas_moe_ffn, permute, unpermute, unpermute_combine
+from model.ops.swiglu import SwiGLUClamp
 from pallas_kernels.grouped_matmul import (
     Tiling,
     gmm,
@@ -310,11 +311,12 @@ def _moe_case(name):
 def _moe_value_and_grad(impl, limit, block):
     def loss(x, combine, w, idx, probe):
         if impl == "pallas":
-            out, sums = pallas_moe_ffn(x, idx, w, limit, block)
+            out, sums = pallas_moe_ffn(x, idx, w, SwiGLUClamp(limit), block)
             y = jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), combine)
             stats = finalize_statistics(sums, w.gate.shape[-1])
         else:
-            y, stats = routed_experts(x, idx, combine, w, limit=limit, impl=impl, block_size=block)
+            y, stats = routed_experts(x, idx, combine, w, clamp=SwiGLUClamp(limit), impl=impl,
+                                      block_size=block)
             out = None
         return jnp.sum(y * probe), (y, out, stats)
 

@@ -245,6 +245,10 @@ def test_experts_orthogonalised_one_by_one():
     (("layers", "mlp", "embed"), (1, 384, 128), MatrixView((1,), 384, 128)),
     (("layers", "embed"), (3, 128), MatrixView((3,), 128, 1)),
     (("heads",), (6,), MatrixView((), 1, 6)),
+    (("layers", "o_groups", "o_group_in", "o_lora"), (3, 4, 64, 16), MatrixView((3, 4), 64, 16)),
+    (("o_groups", "o_group_in", "o_lora"), (4, 64, 16), MatrixView((4,), 64, 16)),
+    (("layers", "hc_streams", "embed", "hc_mix"), (3, 4, 128, 24), MatrixView((3,), 512, 24)),
+    (("hc_streams", "embed", "hc_mix"), (4, 128, 4), MatrixView((), 512, 4)),
 ])
 def test_matrix_view(axes, shape, view):
     assert matrix_view(axes, shape) == view

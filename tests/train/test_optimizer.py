@@ -112,6 +112,50 @@ def test_matrix_views_of_the_tiny_model(tiny_sink):
     assert views["mtp_0/block/self_attn/k_proj/kernel"] == ((), d, cfg.num_kv_heads * hd)
 
 
+# DeepSeek-V4 params as the model names them, hand-made (scanned over 3 layers where marked).
+V4_AXES = {
+    "o_a_proj": ("layers", "o_groups", "o_group_in", "o_lora"),  # grouped output projection
+    "position_bias": ("layers", "compress_slot", "kv_lora"),  # KV compressor, per slot
+    "fn": ("layers", "hc_streams", "embed", "hc_mix"), "base": ("layers", "hc_mix"),  # mHC
+    "scale": ("layers", "hc_gate"),
+    "hc_fn": ("hc_streams", "embed", "hc_mix"), "hc_base": ("hc_mix",), "hc_scale": ("hc_gate",),
+    "sink": ("layers", "heads"),
+}
+V4_SHAPES = {"o_a_proj": (3, 2, 8, 4), "position_bias": (3, 4, 6), "fn": (3, 2, 4, 8),
+             "base": (3, 8), "scale": (3, 3), "hc_fn": (2, 4, 2), "hc_base": (2,),
+             "hc_scale": (1,), "sink": (3, 4)}
+
+
+def test_labels_of_the_deepseek_v4_params():
+    """Report 2.4: AdamW for mHC's biases and gates (and the sinks, the compressor's position
+    biases); Muon for the rest: mHC's fn kernels and the grouped output projection."""
+    labels = param_labels(V4_AXES)
+    assert {p for p, label in labels.items() if label == "muon"} == {"o_a_proj", "fn", "hc_fn"}
+
+
+def test_deepseek_v4_params_step():
+    """One step: each output-projection group and each layer's [n*D, width] mHC kernel gets its
+    own orthogonal update; the position bias is AdamW's and not decayed (zero gradient: no
+    change)."""
+    rng = np.random.default_rng(4)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in V4_SHAPES.items()}
+    grads = {k: rng.standard_normal(s).astype(np.float32) for k, s in V4_SHAPES.items()}
+    grads["position_bias"] = np.zeros(V4_SHAPES["position_bias"], np.float32)
+    lr, wd, rms = 0.5, 0.1, 0.2
+    tx = build_optimizer(V4_AXES, learning_rate=lr, weight_decay=wd, grad_clip=0.0,
+                         muon=dict(update_rms=rms))
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert np.all(np.asarray(updates["position_bias"]) == 0)
+
+    def singular_values(name, matrix_shape):
+        direction = -np.asarray(updates[name]) / lr - wd * params[name]  # undo lr and decay
+        blocks = direction.reshape(-1, *matrix_shape)
+        return np.linalg.svd(blocks, compute_uv=False) / (rms * np.sqrt(max(matrix_shape)))
+
+    np.testing.assert_allclose(singular_values("o_a_proj", (8, 4)), 1.0, atol=0.02)  # 6 groups
+    np.testing.assert_allclose(singular_values("fn", (2 * 4, 8)), 1.0, atol=0.02)  # 3 layers
+
+
 @pytest.fixture(scope="module")
 def one_step(tiny_sink):
     """One update of the tiny model (gate=sink, router frozen): lr 0.5 constant, wd 0.1, no clip.

@@ -161,10 +161,11 @@ class MatrixView:
 
 
 def batch_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
-    """Logical axes that index independent matrices: `layers` (scanned stacks) and `expert` for
-    expert weights (those that also carry `expert_mlp`; the router's `expert` axis is a matrix
-    axis)."""
-    batch = {"layers"} | ({"expert"} if "expert_mlp" in axes else set())
+    """Logical axes that index independent matrices: `layers` (scanned stacks), `o_groups` (the
+    grouped output projection `o_a_proj` [g, in/g, out/g]: g separate maps, DeepSeek-V4 report
+    2.3) and `expert` for expert weights (those that also carry `expert_mlp`; the router's
+    `expert` axis is a matrix axis)."""
+    batch = {"layers", "o_groups"} | ({"expert"} if "expert_mlp" in axes else set())
     return tuple(a for a in axes if a in batch)
 
 
@@ -173,9 +174,9 @@ def matrix_view(axes: tuple[str, ...], shape: tuple[int, ...]) -> MatrixView:
 
     Batch axes (see `batch_axes`) must lead. Of the rest, a leading `embed` / `mtp_concat` input
     axis gives [first, product(rest)] (q_proj [D, H*hd], gate_proj [D, F], eh_proj [2D, D]),
-    otherwise [product(all but last), last] (o_proj [H*hd, D], down_proj [F, D]). With flax's
-    [in..., out...] kernel layout m is the fan-in and n the fan-out. A param without matrix
-    axes (norm weight, sink) gets m = 1.
+    otherwise [product(all but last), last] (o_proj [H*hd, D], down_proj [F, D], mHC's fn
+    [n, D, width] -> [n*D, width]). With flax's [in..., out...] kernel layout m is the fan-in
+    and n the fan-out. A param without matrix axes (norm weight, sink) gets m = 1.
     """
     if len(axes) != len(shape):
         raise ValueError(f"matrix_view: axes {axes} do not match shape {shape}")
@@ -273,8 +274,8 @@ _STACK_AXES = ("data", "fsdp", "expert", "tensor", "pipeline")
 
 def whole_matrices(x: jax.Array) -> jax.Array:
     """x [B, ..., m, n] constrained so every device holds whole [m, n] matrices: inner batch
-    axes (experts) on `expert`, the stack axis B over as many other mesh axes as divide it.
-    Unchanged without a mesh context."""
+    axes (experts, output-projection groups) on `expert`, the stack axis B over as many other
+    mesh axes as divide it. Unchanged without a mesh context."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x

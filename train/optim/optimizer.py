@@ -6,11 +6,13 @@
     lr = schedule(applied_updates(opt_state))          # the rate the next update uses (logging)
 
 Groups (labels, `param_labels`):
-  muon   - hidden matrices, experts per expert, router (report 4.2.3): scale_by_muon, decoupled
-           weight decay, learning rate.
-  adamw  - anything with a `vocab` axis (embedding, LM head, MTP output heads) and params with
-           fewer than 2 matrix axes (norm weights, attention sinks): Adam, weight decay on the
-           vocab matrices only, learning rate. With optimizer='adamw', every trained param.
+  muon   - hidden matrices, experts per expert, router (report 4.2.3), mHC's `fn` kernels, the
+           grouped output projection per group (DeepSeek-V4 report 2.4: Muon for all other
+           modules): scale_by_muon, decoupled weight decay, learning rate.
+  adamw  - anything with a `vocab` axis (embedding, LM head, MTP output heads), params with
+           fewer than 2 matrix axes (norm weights, attention sinks, mHC's static biases and
+           gates) and bias tables (`BIAS_TABLE_AXES`): Adam, weight decay on the vocab matrices
+           only, learning rate. With optimizer='adamw', every trained param.
   frozen - MoE router kernels when freeze_router (mid/post-training, report 3.2 / 4.2), and
            MTP heads that the loss does not use (MTP-2/3 before their fine-tuning stage).
 One schedule drives both groups: Muon's update-RMS matching (train.optim.muon.update_scale)
@@ -29,10 +31,23 @@ from train.optim.muon import batch_axes, scale_by_muon
 
 _is_axes = lambda x: isinstance(x, tuple)  # noqa: E731  (axes tuples are leaves, not nodes)
 
+# Logical axes that only learned bias tables carry: the KV compressor's positional biases
+# `position_bias` [m, 2c] ("compress_slot", "kv_lora"; DeepSeek-V4 report eqs. 11, 21). Two
+# axes, but per-slot biases added to the compression logits, not a linear map, so they take
+# AdamW without weight decay like mHC's static biases, which report 2.4 assigns to AdamW (the
+# report names no optimizer for the compression biases themselves).
+BIAS_TABLE_AXES = ("compress_slot",)
+
 
 def _matrix_rank(axes: tuple[str, ...]) -> int:
     """Number of non-batch axes: 1 for a norm weight [L, D] or a sink [H], 2+ for matrices."""
     return len(axes) - len(batch_axes(axes))
+
+
+def _is_matrix(axes: tuple[str, ...]) -> bool:
+    """A linear map: weight decay, and Muon unless it has a `vocab` axis (not a bias, gate or
+    norm weight)."""
+    return _matrix_rank(axes) >= 2 and not any(a in BIAS_TABLE_AXES for a in axes)
 
 
 def _label(path, axes: tuple[str, ...], optimizer: str, freeze_router: bool,
@@ -43,7 +58,7 @@ def _label(path, axes: tuple[str, ...], optimizer: str, freeze_router: bool,
     head = re.fullmatch(r"mtp_(\d+)", str(getattr(path[0], "key", "")))
     if head and trained_mtp_heads is not None and int(head.group(1)) >= trained_mtp_heads:
         return "frozen"  # an MTP head outside the loss (report 2.2: only MTP-1 trains at first)
-    if optimizer == "adamw" or "vocab" in axes or _matrix_rank(axes) < 2:
+    if optimizer == "adamw" or "vocab" in axes or not _is_matrix(axes):
         return "adamw"
     return "muon"
 
@@ -72,7 +87,7 @@ def build_optimizer(axes_tree: Any, *, learning_rate: optax.ScalarOrSchedule,
     """
     labels = param_labels(axes_tree, optimizer=optimizer, freeze_router=freeze_router,
                           trained_mtp_heads=trained_mtp_heads)
-    decay_mask = jax.tree.map(lambda a: "vocab" in a or _matrix_rank(a) >= 2, axes_tree,
+    decay_mask = jax.tree.map(lambda a: "vocab" in a or _is_matrix(a), axes_tree,
                               is_leaf=_is_axes)
     muon_group = optax.chain(
         scale_by_muon(axes_tree, **(muon or {})),
