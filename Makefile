@@ -10,7 +10,7 @@ STAMP := $(VENV)/.stepjax-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,parity]'
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -52,7 +52,6 @@ bench: $(STAMP)
 
 # stepjax against transformers' torch implementation on the same checkpoint (README, Performance).
 bench-torch: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[torch]'
 	$(PY) -m benchmarks.vs_torch $(ARGS)
 
 clean-venv:

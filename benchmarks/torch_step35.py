@@ -1,7 +1,7 @@
 """The torch side of `benchmarks.vs_torch`: Hugging Face transformers' Step 3.5 text model
 (`step3p5`, implemented in `transformers.models.step3p7`) on a published-layout checkpoint,
 its fwd+bwd step and the per-module replays of the breakdown. torch and transformers are
-imported here only (`pip install -e '.[torch]'`)."""
+imported here only (`pip install -e '.[parity]'`, which `make` installs)."""
 
 from __future__ import annotations
 

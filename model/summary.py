@@ -37,9 +37,11 @@ from model.config.cli import config_parser, format_table, human, parse_config
 from model.lm import CausalLM
 
 GROUPS = ("embeddings", "attention", "dense_ffn", "moe_routed", "moe_shared", "router", "norms",
-          "lm_head", "mtp", "other")
-_ATTENTION_PARAMS = {"q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "sink"}
+          "hyper_connections", "lm_head", "mtp", "other")
+_ATTENTION_PARAMS = {"q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "sink",
+                     "self_attn"}  # every DeepSeek-V4 attention param sits under self_attn
 _NORMS = {"input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "norm"}
+_HYPER_CONNECTIONS = {"attn_hc", "ffn_hc", "hc_head"}
 _EXCLUDED_FROM_EXCL_EMBEDDINGS = ("embeddings", "lm_head")
 
 
@@ -65,6 +67,8 @@ def param_group(path: tuple[str, ...]) -> str:
     if path[0] == "lm_head":
         return "lm_head"
     names = set(path)
+    if names & _HYPER_CONNECTIONS:
+        return "hyper_connections"
     if names & _NORMS:
         return "norms"
     if "moe" in names:

@@ -4,12 +4,18 @@
   semantics, the tests compare numbers, not speed), unless the caller set XLA_FLAGS;
 - one persistent compilation cache shared by the test processes, so a step function compiled by
   one test is not compiled again by another. Cache keys cover the HLO, the JAX version and the
-  compile options, so a stale entry is never used.
+  compile options, so a stale entry is never used;
+- the `parity` tests (against Hugging Face transformers, the `.[parity]` extra) need torch and
+  transformers: without them they are deselected and the run ends with a loud list of what did
+  not run; under CI (CI=true), where `make test` installs the extra, their absence is an error.
 """
 
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
@@ -20,3 +26,37 @@ def pytest_configure(config):
     cache = Path(tempfile.gettempdir()) / f"stepjax-test-xla-cache-{os.getuid()}"
     jax.config.update("jax_compilation_cache_dir", str(cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _parity_available() -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if _parity_available():
+        return
+    parity = [item for item in items if item.get_closest_marker("parity")]
+    if not parity:
+        return
+    if os.environ.get("CI") == "true":
+        raise pytest.UsageError(
+            f"{len(parity)} parity tests need torch and transformers, which CI installs with "
+            "the .[parity] extra (`make test` does); they are missing")
+    items[:] = [item for item in items if not item.get_closest_marker("parity")]
+    config.hook.pytest_deselected(items=parity)
+    config.stash[_NOT_RUN] = [item.nodeid for item in parity]
+
+
+_NOT_RUN = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    not_run = config.stash.get(_NOT_RUN, [])
+    if not_run:
+        terminalreporter.section("PARITY TESTS NOT RUN", sep="!", red=True, bold=True)
+        terminalreporter.line(f"{len(not_run)} tests against Hugging Face transformers did not "
+                              "run: torch / transformers are not installed. Install them with "
+                              "`pip install -e '.[parity]'` (torch 2.13.0, the CPU wheel).",
+                              red=True, bold=True)
+        for nodeid in not_run:
+            terminalreporter.line(f"  not run: {nodeid}", red=True)
