@@ -6,7 +6,8 @@ single-device dispatch. Prints one JSON object; the test asserts on it.
 
 MESH: comma-separated axis=size, e.g. `pipeline=2,data=4` (loss and gradients), prefixed with
 `step:` to also run the whole train step with the Muon update (slower to compile); the word
-`ep_skew` runs the skewed expert-parallel dispatch check instead.
+`ep_skew` runs the skewed expert-parallel dispatch check instead, `v4:MESH` the loss and
+gradients of a tiny DeepSeek-V4 model (W/C/H layers, mHC, hash routing) on MESH.
 """
 
 import functools
@@ -21,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
-from train_helpers import small_run, synthetic_batch  # noqa: E402
+from train_helpers import small_run, small_v4_run, synthetic_batch  # noqa: E402
 
 from model.layers.moe import routed_experts  # noqa: E402
 from model.ops.moe_dispatch import ExpertWeights
@@ -67,6 +68,30 @@ def initial_state():
     run = small_run(*RUN_OVERRIDES)
     training = build_training(run)
     return jax.jit(lambda: create_state(training.model, training.optimizer, run.train.seed))()
+
+
+def v4_loss_and_grads(mesh_sizes: dict, devices) -> tuple[float, list]:
+    """Loss and gradients of a tiny DeepSeek-V4 model on a mesh of `mesh_sizes`."""
+    run = small_v4_run("train.batch_size=16", "train.seq_len=16", "model.moe.num_ep_groups=2")
+    training = build_training(run)
+    mesh = make_mesh(MeshConfig(**{"data": 1, **mesh_sizes}), devices)
+    abstract = abstract_state(training, run.train.seed)
+    shardings = named(mesh, state_specs(abstract, training.variable_axes, mesh, run))
+    state = jax.jit(lambda: create_state(training.model, training.optimizer, run.train.seed))()
+
+    def loss_and_grads(params, balance, batch):
+        counts = step_module.target_counts(run, batch, False)
+        micro = jax.tree.map(lambda x: x[0], batch)
+        (loss, _), grads = jax.value_and_grad(step_module.loss_fn, argnums=2, has_aux=True)(
+            training.model, run, params, balance, micro, False, counts, 1)
+        return loss, grads
+
+    with use_mesh(mesh):
+        state = jax.device_put(state, shardings)
+        batch = {k: jax.device_put(v, NamedSharding(mesh, batch_spec(mesh)))
+                 for k, v in BATCH.items()}
+        loss, grads = jax.jit(loss_and_grads)(state.params, state.balance, batch)
+    return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
 def run_step(mesh_sizes: dict, devices, whole_step: bool = True) -> dict:
@@ -211,6 +236,17 @@ def pallas_on_mesh() -> dict:
 def main(args: list[str]) -> None:
     if args == ["ep_skew"]:
         print(json.dumps({**ep_skew(), **pallas_on_mesh()}))
+        return
+    if args[0].startswith("v4:"):
+        want_loss, want_grads = v4_loss_and_grads({"data": 1}, jax.devices()[:1])
+        results = {}
+        for text in args:
+            mesh = text.removeprefix("v4:")
+            sizes = {k: int(v) for k, v in (item.split("=") for item in mesh.split(","))}
+            loss, grads = v4_loss_and_grads(sizes, jax.devices())
+            results[mesh] = {"loss_error": abs(loss - want_loss) / abs(want_loss),
+                             "grad_error": relative_error(grads, want_grads)}
+        print(json.dumps(results))
         return
     reference = run_step({"data": 1}, jax.devices()[:1])
     results = {}

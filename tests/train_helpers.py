@@ -31,6 +31,28 @@ def small_run(*overrides, vocab: int = 64):
                                   *overrides])
 
 
+TINY_V4 = REPO / "configs" / "tiny_deepseek_v4.yaml"
+# Every feature of tiny_deepseek_v4.yaml (W, C and H layers, mHC, a hash-routed MoE layer, the
+# V4 losses, MTP) at test sizes.
+SMALL_V4 = [
+    "model.d_model=32", "model.num_layers=4", "model.layout=WCHC", "model.window=8",
+    "model.shared_kv_attention.num_heads=2", "model.shared_kv_attention.head_dim=16",
+    "model.shared_kv_attention.rope_dims=8", "model.shared_kv_attention.q_lora_rank=16",
+    "model.shared_kv_attention.o_groups=2", "model.shared_kv_attention.o_lora_rank=8",
+    "model.shared_kv_attention.csa_rate=2", "model.shared_kv_attention.hca_rate=4",
+    "model.shared_kv_attention.index_heads=2", "model.shared_kv_attention.index_head_dim=8",
+    "model.shared_kv_attention.index_topk=3", "model.shared_kv_attention.query_chunk=8",
+    "model.hyper_connections.hc_mult=2", "model.moe.num_experts=4", "model.moe.top_k=2",
+    "model.moe.expert_hidden=16", "model.moe.shared_hidden=16", "model.moe.num_ep_groups=1",
+    "model.dense_hidden=32", "train.seq_len=32", "train.batch_size=4", "train.warmup_steps=2",
+    "train.progress=false", "train.peak_flops=1e9", "train.sequence_balance_coef=1e-4",
+]
+
+
+def small_v4_run(*overrides, vocab: int = 64):
+    return load_run_config(TINY_V4, [*SMALL_V4, f"model.vocab_size={vocab}", *overrides])
+
+
 def synthetic_batch(num_micro: int, micro: int, length: int, vocab: int, seed: int = 0) -> dict:
     """[num_micro, micro, length] batch of two packed documents per row (first 3 tokens meta)."""
     rng = np.random.default_rng(seed)

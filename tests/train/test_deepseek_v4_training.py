@@ -2,8 +2,6 @@
 lightning indexer through its own loss only), the losses it adds are in the metrics, and its
 loss falls when trained on the embedded corpus as `python -m train` trains configs/tiny.yaml."""
 
-from pathlib import Path
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,35 +9,13 @@ import numpy as np
 import pytest
 
 from model.lm import CausalLM, init_variables
-from train.config import load_run_config
 from train.loop import train
 from train.step import loss_fn
 from train.telemetry.metrics import METRICS_FILE, read_metrics
-from tests.train_helpers import synthetic_batch
-
-TINY_V4 = Path(__file__).resolve().parents[2] / "configs" / "tiny_deepseek_v4.yaml"
-# Smaller than the preset, every feature kept: W, C and H layers, mHC, a hash-routed layer, MTP.
-SMALL_V4 = ["model.d_model=32", "model.num_layers=4", "model.layout=WCHC", "model.window=8",
-            "model.shared_kv_attention.num_heads=2", "model.shared_kv_attention.head_dim=16",
-            "model.shared_kv_attention.rope_dims=8", "model.shared_kv_attention.q_lora_rank=16",
-            "model.shared_kv_attention.o_groups=2", "model.shared_kv_attention.o_lora_rank=8",
-            "model.shared_kv_attention.csa_rate=2", "model.shared_kv_attention.hca_rate=4",
-            "model.shared_kv_attention.index_heads=2",
-            "model.shared_kv_attention.index_head_dim=8",
-            "model.shared_kv_attention.index_topk=3", "model.shared_kv_attention.query_chunk=8",
-            "model.hyper_connections.hc_mult=2", "model.moe.num_experts=4", "model.moe.top_k=2",
-            "model.moe.expert_hidden=16", "model.moe.shared_hidden=16",
-            "model.moe.num_ep_groups=1", "model.dense_hidden=32",
-            "train.seq_len=32", "train.batch_size=4", "train.warmup_steps=2",
-            "train.progress=false", "train.peak_flops=1e9", "train.sequence_balance_coef=1e-4"]
-
-
-def v4_run(*overrides, vocab=64):
-    return load_run_config(TINY_V4, [*SMALL_V4, f"model.vocab_size={vocab}", *overrides])
-
+from tests.train_helpers import FAST_COMPILE, small_v4_run, synthetic_batch
 
 def test_every_trainable_parameter_gets_a_gradient():
-    run = v4_run()
+    run = small_v4_run()
     model = CausalLM(run.model)
     variables = nn.meta.unbox(init_variables(model, jax.random.key(0)))
     batch = {k: jnp.asarray(v[0]) for k, v in synthetic_batch(1, 2, 32, 64).items()}
@@ -49,8 +25,8 @@ def test_every_trainable_parameter_gets_a_gradient():
         return loss_fn(model, run, params, variables["balance"], batch, jnp.asarray(False),
                        counts, 1)
 
-    (_, (parts, _)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
-        variables["params"])
+    (_, (parts, _)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True),
+                                     compiler_options=FAST_COMPILE)(variables["params"])
     assert {"loss/lm", "loss/mtp", "loss/balance", "loss/sequence_balance",
             "loss/indexer"} <= set(parts)
     assert float(parts["loss/indexer"]) > 0
@@ -63,7 +39,7 @@ def test_every_trainable_parameter_gets_a_gradient():
 
 @pytest.mark.slow
 def test_loss_falls_on_the_embedded_corpus(tmp_path):
-    run = v4_run("train.steps=30", "train.lr=1e-2", "train.min_lr=1e-3", "train.log_every=1",
+    run = small_v4_run("train.steps=30", "train.lr=1e-2", "train.min_lr=1e-3", "train.log_every=1",
                  "train.eval_every=0", "train.checkpoint_every=30", vocab=4096)
     summary = train(run, tmp_path)
     assert summary.last_step == 30
