@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from model.config import ModelConfig
+from model.config import SHARED_KV_KINDS, ModelConfig
 from model.inference.kv_cache import KVCacheSpec
 from model.inference.sampling import Sampling, sample, sample_with_logprob, token_probs
 from model.inference.speculative import accept_drafts
@@ -70,6 +70,11 @@ class Decoder:
 
     def __init__(self, config: ModelConfig, variables: dict, *, max_len: int, draft: int = 0,
                  prefill_chunk: int = 256):
+        shared_kv = sorted(set(config.layout + config.mtp.attention_type) & set(SHARED_KV_KINDS))
+        if shared_kv:
+            raise ValueError(f"decoding with KV caches is not implemented for DeepSeek-V4 "
+                             f"attention layers ({', '.join(shared_kv)} in layout / "
+                             "mtp.attention_type); score such models with a full forward pass")
         if not 0 <= draft <= config.mtp.num_heads:
             raise ValueError(f"draft: {draft} speculative tokens need as many MTP heads; the "
                              f"model has mtp.num_heads={config.mtp.num_heads}")

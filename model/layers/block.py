@@ -42,10 +42,9 @@ class DecoderBlock(nn.Module):
 
         def attention(h):
             if self.attention_type in SHARED_KV_KINDS:
-                if self.kv_cache is not None:
-                    raise NotImplementedError(
-                        "incremental decoding (KV caches) of DeepSeek-V4 attention layers "
-                        f"({SHARED_KV_KINDS}) is not implemented")
+                if self.kv_cache is not None:  # refused up front by the Decoder
+                    raise ValueError("KV-cache decoding of DeepSeek-V4 attention layers "
+                                     f"({SHARED_KV_KINDS}) is not implemented")
                 return SharedKVAttention(cfg, self.attention_type, name="self_attn")(
                     input_norm(h), positions, segment_ids)
             return Attention(cfg, self.attention_type, self.kv_cache, name="self_attn")(
