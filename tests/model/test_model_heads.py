@@ -160,7 +160,7 @@ def test_no_gate_and_explicit_moe_layers(base):
         assert "g_proj" not in layer["self_attn"] and "sink" not in layer["self_attn"]
     balance = unscan(variables["balance"]["layers"], cfg)
     assert sorted(balance) == ["layer_0", "layer_3"]
-    assert set(out.aux) == {"moe", "balance_loss"}
+    assert set(out.aux) == {"moe", "balance_loss", "sequence_balance_loss"}
     assert out.aux["moe"]["expert_tokens"].shape == (2, cfg.moe.num_experts)
     np.testing.assert_array_equal(np.asarray(out.aux["moe"]["expert_tokens"]).sum(-1),
                                   BATCH * LENGTH * cfg.moe.top_k)

@@ -53,14 +53,14 @@ def test_output_shapes_and_aux(base):
         assert np.all(np.isfinite(np.asarray(leaf)))
 
     aux = out.aux
-    assert set(aux) == {"moe", "balance_loss", "attention_gate_mean"}
+    assert set(aux) == {"moe", "balance_loss", "sequence_balance_loss", "attention_gate_mean"}
     moe = aux["moe"]
     experts = cfg.moe.num_experts
     assert set(moe) == {"expert_load", "expert_prob", "balance_loss", "routing_confidence",
                         "expert_tokens", "expert_act_rms", "expert_out_norm_mean",
-                        "expert_out_norm_max"}
+                        "expert_out_norm_max", "sequence_balance_loss"}
     for key in moe:
-        expected = {"balance_loss": (NUM_MOE_LAYERS,),
+        expected = {"balance_loss": (NUM_MOE_LAYERS,), "sequence_balance_loss": (NUM_MOE_LAYERS,),
                     "routing_confidence": (NUM_MOE_LAYERS, BATCH, LENGTH)}.get(
                         key, (NUM_MOE_LAYERS, experts))
         assert moe[key].shape == expected, key
