@@ -6,9 +6,14 @@
     cfg, variables = load_hf_checkpoint("Step-3.5-Flash/")     # streams shard by shard
     save_hf_checkpoint(cfg, variables, "exported/", dtype="bfloat16")
 
-Supported families: Step 3.5 Flash (`model_type: step3p5`, model/interop/step3p5.py). Config
-keys that do not change the network (token ids, max_position_embeddings, torch_dtype, ...) are
-ignored on import.
+Supported families, picked by config.json's `model_type` on import and by the model's layers on
+export (W/C/H layers: DeepSeek-V4, else Step 3.5):
+- Step 3.5 Flash (`model_type: step3p5`, model/interop/step3p5.py), the published format;
+- DeepSeek-V4 (`model_type: deepseek_v4`, model/interop/deepseek_v4.py), as transformers'
+  DeepseekV4ForCausalLM saves and loads it (save_pretrained's default tensor names; no MTP
+  layers, as transformers builds none; the FP8/FP4 releases are refused).
+Config keys that do not change the network (token ids, max_position_embeddings, torch_dtype,
+...) are ignored on import.
 """
 
 from __future__ import annotations
@@ -36,16 +41,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      parser_class=ArgumentParser)
     imports = commands.add_parser(
         "import", help="Hugging Face checkpoint -> stepjax model directory",
-        description="Converts a Hugging Face Step 3.5 directory (config.json + safetensors) "
-                    "into a stepjax model directory (model/interop/model_dir.py).")
+        description="Converts a Hugging Face Step 3.5 or DeepSeek-V4 directory (config.json + "
+                    "safetensors) into a stepjax model directory (model/interop/model_dir.py).")
     imports.add_argument("source", metavar="HF_DIR")
     imports.add_argument("--out", required=True, metavar="MODEL_DIR", help="new or empty")
     imports.add_argument("--param-dtype", choices=DTYPES, default=None,
                          help="dtype of the imported params (default float32)")
     exports = commands.add_parser(
         "export", help="stepjax model directory or training workdir -> Hugging Face checkpoint",
-        description="Writes a Hugging Face Step 3.5 directory from a stepjax model directory or "
-                    "a `python -m train` workdir (its latest checkpoint).")
+        description="Writes a Hugging Face directory from a stepjax model directory or a "
+                    "`python -m train` workdir (its latest checkpoint): DeepSeek-V4 for a model "
+                    "with W/C/H layers, else Step 3.5.")
     exports.add_argument("source", metavar="DIR")
     exports.add_argument("--out", required=True, metavar="HF_DIR", help="new or empty")
     exports.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,

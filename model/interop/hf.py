@@ -4,8 +4,9 @@
     save_hf_checkpoint(cfg, variables, "exported/", dtype="bfloat16")
 
 config.json's `model_type` picks the family (`FAMILIES`): its module translates the config and
-names every tensor (model/interop/step3p5.py); the safetensors reading and writing is shared
-(model/interop/safetensors_io.py). Adding a family means adding its module and one entry here.
+names every tensor (model/interop/step3p5.py, model/interop/deepseek_v4.py); the safetensors
+reading and writing is shared (model/interop/safetensors_io.py). Adding a family means adding
+its module and one entry here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -21,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.config import DTYPES, ModelConfig
-from model.interop import step3p5
+from model.config import DTYPES, SHARED_KV_KINDS, ModelConfig
+from model.interop import deepseek_v4, step3p5
 from model.interop.model_dir import fresh_directory, variable_shardings
 from model.interop.safetensors_io import (
     CheckpointFormatError,
@@ -42,11 +44,14 @@ class Family(NamedTuple):
     config_from_hf: Callable[[Mapping[str, Any]], ModelConfig]
     config_to_hf: Callable[[ModelConfig], dict]
     tensor_table: Callable[[ModelConfig, dict], list[Entry]]
+    ignored_tensors: str | None = None  # regex of stored tensors an import skips
 
 
 FAMILIES = {
     step3p5.MODEL_TYPE: Family(step3p5.config_from_hf, step3p5.config_to_hf,
                                step3p5.tensor_table),
+    deepseek_v4.MODEL_TYPE: Family(deepseek_v4.config_from_hf, deepseek_v4.config_to_hf,
+                                   deepseek_v4.tensor_table, deepseek_v4.IGNORED_TENSORS),
 }
 
 
@@ -55,6 +60,13 @@ def checkpoint_family(model_type: Any) -> Family:
         raise CheckpointFormatError(f"model_type: {model_type!r} is not supported, known "
                                     f"checkpoint families: {sorted(FAMILIES)}")
     return FAMILIES[model_type]
+
+
+def model_type_of(config: ModelConfig) -> str:
+    """The family a config exports to: DeepSeek-V4 when it has W/C/H layers, else Step 3.5."""
+    if any(kind in SHARED_KV_KINDS for kind in config.layout):
+        return deepseek_v4.MODEL_TYPE
+    return step3p5.MODEL_TYPE
 
 
 # ---- import -------------------------------------------------------------------------------------
@@ -80,8 +92,11 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
         config = config.replace(param_dtype=param_dtype)
     abstract = nn.meta.unbox(abstract_variables(config))
     entries = {e.name: e for e in family.tensor_table(config, abstract)}
-    files = shard_names(path)
-    check_tensors(path, files, {name: e.hf_shape for name, e in entries.items()})
+    files = _without_ignored(shard_names(path), family.ignored_tensors)
+    check_tensors(path, files, {name: e.hf_shape for name, e in entries.items()},
+                  integer={name for name, e in entries.items()
+                           if np.issubdtype(lookup(abstract[e.collection], e.path).dtype,
+                                            np.integer)})
     shardings = variable_shardings(config, mesh)
     variables: dict = {}
     for name, array in read_tensors(path, files, progress=progress):
@@ -89,33 +104,45 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
         leaf = lookup(abstract[entry.collection], entry.path)
         sharding = lookup(shardings[entry.collection], entry.path)
         value = entry.transform.to_ours(array, entry.shape).astype(leaf.dtype)
-        if entry.index is None:
+        if not entry.index:
             _insert(variables, entry, _place(value, sharding))
             continue
         stacked = lookup(variables.get(entry.collection, {}), entry.path)
         if stacked is None:
             stacked = jnp.zeros(leaf.shape, leaf.dtype, device=sharding)
-        _insert(variables, entry, _write_slot(stacked, _place(value, _slot(sharding)),
-                                              entry.index))
+        slice_sharding = _slice_sharding(sharding, len(entry.index))
+        _insert(variables, entry, _write_slice(stacked, _place(value, slice_sharding),
+                                               np.asarray(entry.index, np.int32)))
     return config, variables
+
+
+def _without_ignored(files: dict[str, list[str]], pattern: str | None) -> dict[str, list[str]]:
+    """{shard file: tensor names} less the names the family's import skips."""
+    if pattern is None:
+        return files
+    return {file: [n for n in names if not re.search(pattern, n)] for file, names in files.items()}
 
 
 def _place(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
-def _slot(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
-    """Sharding of one layer of a stacked variable: the stacked spec without its first axis."""
+def _slice_sharding(sharding: jax.sharding.Sharding, depth: int) -> jax.sharding.Sharding:
+    """Sharding of one slice of a stacked variable (a layer; an expert of a layer): the stacked
+    spec without its first `depth` axes."""
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
-            *sharding.spec[1:]))
+            *sharding.spec[depth:]))
     return sharding
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _write_slot(stacked: jax.Array, value: jax.Array, index) -> jax.Array:
-    """stacked [L, ...] with layer `index` replaced by value [...], in place (donated)."""
-    return jax.lax.dynamic_update_index_in_dim(stacked, value, index, 0)
+def _write_slice(stacked: jax.Array, value: jax.Array, index: jax.Array) -> jax.Array:
+    """stacked [n_1..n_k, ...] with the slice at leading positions `index` [k] replaced by
+    value [...], in place (donated)."""
+    depth = stacked.ndim - value.ndim
+    start = [index[i] for i in range(depth)] + [0] * value.ndim
+    return jax.lax.dynamic_update_slice(stacked, value.reshape((1,) * depth + value.shape), start)
 
 
 def _insert(tree: dict, entry: Entry, value: Any) -> None:
@@ -141,30 +168,34 @@ def _check_variables(variables: dict, abstract: dict) -> None:
 
 
 def save_hf_checkpoint(config: ModelConfig, variables: dict, path: str | Path, *,
-                       model_type: str = step3p5.MODEL_TYPE, max_shard_bytes: int = 5 * 2**30,
+                       model_type: str | None = None, max_shard_bytes: int = 5 * 2**30,
                        dtype: str | None = None, progress: bool = True) -> None:
     """Writes `path/config.json` and the safetensors shards (`model.safetensors`, or
     `model-0000k-of-0000N.safetensors` + `model.safetensors.index.json`) of family
-    `model_type`, materialising one shard on the host at a time. `dtype`: tensor dtype in the
-    files (default: each variable's); the router bias is always float32, as the reference keeps
-    it. `path` must be new or empty.
+    `model_type` (default: `model_type_of(config)`), materialising one shard on the host at a
+    time. `dtype`: tensor dtype in the files (default: each variable's); the `balance`
+    collection (router biases, hash tables) and the tensors the family fixes (DeepSeek-V4's
+    float32 norms and mHC, int64 tables) keep their dtype, as the reference keeps them.
+    `path` must be new or empty.
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype: got {dtype!r}, allowed values are {list(DTYPES)}")
-    family = checkpoint_family(model_type)
+    family = checkpoint_family(model_type or model_type_of(config))
     hf_config = family.config_to_hf(config)
     abstract = nn.meta.unbox(abstract_variables(config))
     _check_variables(variables, abstract)
     entries = family.tensor_table(config, abstract)
 
     def file_dtype(entry: Entry) -> np.dtype:
+        if entry.dtype is not None:
+            return np.dtype(entry.dtype)
         leaf = lookup(abstract[entry.collection], entry.path)
         return np.dtype(leaf.dtype if dtype is None or entry.collection == "balance" else dtype)
 
     def tensor(i: int) -> np.ndarray:
         entry = entries[i]
         leaf = lookup(variables[entry.collection], entry.path)
-        value = np.asarray(leaf if entry.index is None else leaf[entry.index])
+        value = np.asarray(leaf[entry.index])
         return np.ascontiguousarray(entry.transform.to_hf(value).astype(file_dtype(entry)))
 
     with fresh_directory(Path(path)) as staging:

@@ -13,7 +13,7 @@ import os
 import struct
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -23,6 +23,7 @@ from tqdm import tqdm
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+INT_DTYPES = {"I64": "int64", "I32": "int32"}  # lookup tables (DeepSeek-V4's tid2eid)
 
 
 class CheckpointFormatError(ValueError):
@@ -94,9 +95,10 @@ def _listing(names: Sequence[str]) -> str:
 
 
 def check_tensors(path: Path, files: dict[str, list[str]],
-                  expected: Mapping[str, Sequence[int]]) -> None:
+                  expected: Mapping[str, Sequence[int]], integer: Collection[str] = ()) -> None:
     """Names, dtypes and shapes of every tensor against `expected` ({name: stored shape}), from
-    the shard headers only (no data read), so a mismatch is reported before anything is loaded."""
+    the shard headers only (no data read), so a mismatch is reported before anything is loaded.
+    Tensors named in `integer` hold integers (INT_DTYPES), the others floats."""
     stored = [name for names in files.values() for name in names]
     unknown = [name for name in stored if name not in expected]
     if unknown:
@@ -115,10 +117,11 @@ def check_tensors(path: Path, files: dict[str, list[str]],
                     raise CheckpointFormatError(f"{name}: listed under {file} in {INDEX} but "
                                                 "not stored there")
                 tensor = f.get_slice(name)
-                if tensor.get_dtype() not in FLOAT_DTYPES:
+                allowed = INT_DTYPES if name in integer else FLOAT_DTYPES
+                if tensor.get_dtype() not in allowed:
                     raise CheckpointFormatError(
                         f"{name}: dtype {tensor.get_dtype()} is not supported (expected "
-                        f"{'/'.join(FLOAT_DTYPES)}; quantized checkpoints are not)")
+                        f"{'/'.join(allowed)}; quantized checkpoints are not)")
                 found, want = list(tensor.get_shape()), list(expected[name])
                 if found != want:
                     raise CheckpointFormatError(f"{name}: expected {want}, found {found}")

@@ -144,6 +144,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     if cfg.gate == "sink":
         raise CheckpointFormatError("gate: 'sink' has no Step 3.5 checkpoint equivalent; "
                                     "export models with gate 'headwise' or 'none'")
+    if any(kind not in _HF_LAYER_TYPES for kind in cfg.layout):
+        raise CheckpointFormatError(f"layout: {cfg.layout!r} has DeepSeek-V4 layers (W/C/H), "
+                                    "which a Step 3.5 checkpoint cannot hold (model_type "
+                                    "deepseek_v4 can)")
     types = cfg.layout + "S" * cfg.mtp.num_heads
     per_layer = lambda field: [getattr(cfg.attention_config(t), field) for t in types]  # noqa: E731
     no_clamp = [0.0] * cfg.mtp.num_heads
@@ -341,7 +345,7 @@ def tensor_table(cfg: ModelConfig, abstract: dict) -> list[Entry]:
     out (`model.interop.tensor_names.entry`)."""
     entries = []
 
-    def add(name: str, rule: Rule, prefix: tuple = (), index: int | None = None) -> None:
+    def add(name: str, rule: Rule, prefix: tuple = (), index: tuple[int, ...] = ()) -> None:
         found = entry(name, rule, abstract, prefix, index)
         if found is not None:
             entries.append(found)

@@ -8,6 +8,7 @@ A family module (e.g. model/interop/step3p5.py) lists `Rule`s and turns them int
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -64,7 +65,39 @@ class Experts:
         return array.transpose(0, 2, 1)
 
 
-SAME, LINEAR = Same(), Linear()
+@dataclasses.dataclass(frozen=True)
+class Offset:
+    """A stepjax norm weight w, applied as (1 + w) (model/layers/norm.py) <-> a checkpoint
+    weight applied as `weight * x` (DeepSeek-V4's RMSNorm): weight = 1 + w, in float32."""
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        return tuple(shape)
+
+    def to_ours(self, array: np.ndarray, shape: tuple) -> np.ndarray:
+        return array.astype(np.float32) - 1.0
+
+    def to_hf(self, array: np.ndarray) -> np.ndarray:
+        return array.astype(np.float32) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedLinear:
+    """Per-group kernels [g, in, out] <-> torch's stacked group weights [g*out, in] (each
+    group's [out, in] block in turn; DeepSeek-V4's grouped output projection `wo_a`)."""
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        groups, inputs, outputs = shape
+        return (groups * outputs, inputs)
+
+    def to_ours(self, array: np.ndarray, shape: tuple) -> np.ndarray:
+        groups, inputs, outputs = shape
+        return array.reshape(groups, outputs, inputs).transpose(0, 2, 1)
+
+    def to_hf(self, array: np.ndarray) -> np.ndarray:
+        return array.transpose(0, 2, 1).reshape(-1, array.shape[1])
+
+
+SAME, LINEAR, OFFSET = Same(), Linear(), Offset()
 
 
 class Rule(NamedTuple):
@@ -72,6 +105,7 @@ class Rule(NamedTuple):
     ours: str  # variable path inside `collection`, relative to the layer's subtree
     transform: Any
     collection: str = "params"
+    dtype: str | None = None  # the tensor's dtype in the files whatever the variable's
 
 
 class Entry(NamedTuple):
@@ -80,9 +114,12 @@ class Entry(NamedTuple):
     name: str
     collection: str
     path: tuple[str, ...]  # inside the collection
-    index: int | None  # slot along the stacked `layers` axis of a scanned variable
-    shape: tuple[int, ...]  # our shape of the slot
+    # Leading positions of the slice: () the whole variable, (r,) slot r along the stacked
+    # `layers` axis of a scanned variable, (..., e) expert e of an expert-stacked one.
+    index: tuple[int, ...]
+    shape: tuple[int, ...]  # our shape of the slice
     transform: Any
+    dtype: str | None = None  # fixed dtype in the files (None: the variable's or the export's)
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -99,35 +136,36 @@ def lookup(tree: Any, path: Sequence[str]) -> Any:
 
 
 def entry(name: str, rule: Rule, abstract: dict, prefix: tuple = (),
-          index: int | None = None) -> Entry | None:
-    """Tensor `name` under `rule` for the variable at `prefix` (slot `index` of a stacked one)
-    of `abstract` (unboxed variables or their ShapeDtypeStructs); None when the model lacks the
-    variable (g_proj without a head-wise gate, lm_head with tied embeddings, ...)."""
+          index: tuple[int, ...] = ()) -> Entry | None:
+    """Tensor `name` under `rule` for the variable at `prefix` (its slice at leading positions
+    `index`, see `Entry.index`) of `abstract` (unboxed variables or their ShapeDtypeStructs);
+    None when the model lacks the variable (g_proj without a head-wise gate, lm_head with tied
+    embeddings, ...)."""
     path = (*prefix, *rule.ours.split("/"))
     leaf = lookup(abstract.get(rule.collection, {}), path)
     if leaf is None:
         return None
-    shape = tuple(leaf.shape[1:] if index is not None else leaf.shape)
-    return Entry(name, rule.collection, path, index, shape, rule.transform)
+    shape = tuple(leaf.shape[len(index):])
+    return Entry(name, rule.collection, path, tuple(index), shape, rule.transform, rule.dtype)
 
 
-def layer_slots(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int | None]]:
-    """Where decoder layer i lives: (subtree path, index along the stacked axis or None).
-    Scanned layout as in model/layers/stack.py: layer start + r * period + j is slot r of
-    `layers/segment_s/block_j`."""
+def layer_slots(cfg: ModelConfig) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Where decoder layer i lives: (subtree path, its `Entry.index` there: () or the slot
+    along the stacked axis). Scanned layout as in model/layers/stack.py: layer
+    start + r * period + j is slot r of `layers/segment_s/block_j`."""
     if not cfg.scan_layers:
-        return [(("layers", f"layer_{i}"), None) for i in range(cfg.num_layers)]
+        return [(("layers", f"layer_{i}"), ()) for i in range(cfg.num_layers)]
     slots: list = [None] * cfg.num_layers
     for s, seg in enumerate(plan_segments(layer_kinds(cfg))):
         for r in range(seg.repeats):
             for j in range(seg.period):
                 slots[seg.start + r * seg.period + j] = (
-                    ("layers", f"segment_{s}", f"block_{j}"), r)
+                    ("layers", f"segment_{s}", f"block_{j}"), (r,))
     return slots
 
 
 def check_coverage(abstract: dict, entries: Sequence[Entry], family: str) -> None:
-    """Every variable (every layer slot of a stacked one) must have a checkpoint name, or an
+    """Every variable (every slice of a stacked one) must have a checkpoint name, or an
     import would leave it unset."""
     covered: dict[tuple, set] = {}
     for e in entries:
@@ -135,6 +173,8 @@ def check_coverage(abstract: dict, entries: Sequence[Entry], family: str) -> Non
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         keys = tuple(str(k.key) for k in path)
         slots = covered.get((keys[0], keys[1:]), set())
-        if slots != {None} and slots != set(range(leaf.shape[0] if leaf.shape else 0)):
+        depth = len(next(iter(slots), ()))
+        every = set(itertools.product(*(range(n) for n in leaf.shape[:depth])))
+        if slots != every:
             raise CheckpointFormatError(f"{'/'.join(keys)}: no {family} checkpoint tensor maps "
                                         "to this variable")
