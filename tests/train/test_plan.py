@@ -9,11 +9,17 @@ from pathlib import Path
 
 import pytest
 
+from model.config import load_config
+from model.layers.layer_plan import LayerKind
+from train.config import load_run_config
+from train.parallel.memory_plan import activation_bytes, chunk_working_bytes, layer_bytes
 from train.parallel.plan import PlanError, main, parse_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 STEP35 = str(ROOT / "configs" / "step35_flash.yaml")
+TINY_V4 = str(ROOT / "configs" / "tiny_deepseek_v4.yaml")
+V4_FLASH = str(ROOT / "configs" / "deepseek_v4_flash.yaml")
 # tiny.yaml as one scanned segment of 8 identical F-MoE layers, so mesh.pipeline=2 fits it.
 PIPELINABLE = ["model.num_layers=8", "model.layout=F*8", "model.num_dense_layers=0",
                "model.swiglu_limits=0", "model.swiglu_limits_shared=0"]
@@ -154,12 +160,88 @@ def test_table_and_over_budget_warning(capsys):
     assert main(["--config", TINY, "--mesh", "data=2", "--device-memory", "0.01", "--strict"]) == 1
 
 
+def test_v4_layer_bytes_by_hand():
+    """Per-token bytes of one W, one H and one C layer of tiny_deepseek_v4.yaml (float32, T=256,
+    tensor=2), array by array from the model code: D=128, 4 heads of 64 (2 per device),
+    q_lora 96, 2 output groups of 64, csa 4 / hca 32, indexer 4 heads of 32 and top-16, every
+    layer MoE (16 experts top-4 of hidden 64, one shared of 64), 4 mHC streams, 20 Sinkhorn
+    iterations."""
+    cfg = load_config(TINY_V4)
+    f = 4  # float32 bytes
+    # attention: q_a_proj, q_b_proj (2 heads x 64), kv_proj, o_b_proj outputs
+    attn_m = f * (96 + 2 * 64 + 64 + 128)
+    # input / q_a / kv norms (x*rsqrt, weighted output); padded window keys, roped query,
+    # un-roped output, o_a_proj output [2 groups, 64]
+    attn_o = f * (2 * 128 + 2 * 96 + 2 * 64 + 64 + 2 * 64 + 2 * 64 + 2 * 64)
+    # MoE: router logits, shared gate/up (64 over 2), shared out | router probabilities, 3
+    # d-sized, 4 dispatched rows (in, out, gate/up/act of 32), shared activation
+    moe_m = f * (16 + 2 * 32 + 128)
+    moe_o = f * (16 + 3 * 128 + 4 * (2 * 128 + 3 * 32) + 32)
+    # mHC, two sublayers: 24 mapping pre-activations | streams [4, 128], their normed copy,
+    # collapsed input, sublayer output, Sinkhorn: per iteration two [4, 4] and four [4]
+    hc_m = 2 * f * 24
+    hc_o = 2 * f * (4 * 128 + 4 * 128 + 128 + 128 + 20 * (2 * 16 + 4 * 4))
+    w_m, w_o = attn_m + moe_m + hc_m, attn_o + moe_o + hc_o
+
+    def compressor(width, rate, overlapped):
+        """kv/gate projections | float32 gathered values, softmax exp and weights per slot
+        channel, 4 float32 arrays per entry; overlapped: the masked previous-block halves
+        (values, logits: 4 bytes each, their bool masks)."""
+        u = 2 * width if overlapped else width
+        return 2 * f * u, 3 * f * u + 4 * f * width / rate + (10 * width if overlapped else 0)
+
+    h_cm, h_co = compressor(64, 32, False)
+    c_cm, c_co = compressor(64, 4, True)
+    i_cm, i_co = compressor(32, 4, True)
+    # indexer: queries [4 x 32] and head weights [4] | the same in float32, every chunk's
+    # scores + ReLU mask per head and visibility over 256/4 entries, 7 arrays of [16]
+    index_m = f * (4 * 32 + 4)
+    index_o = f * (4 * 32 + 4) + 64 * (4 * 4 + 4 * 1 + 1) + 7 * 4 * 16
+    expected = {"W": (w_m, w_o), "H": (w_m + h_cm, w_o + h_co),
+                "C": (w_m + c_cm + i_cm + index_m, w_o + c_co + i_co + index_o)}
+    for kind, (matmul, other) in expected.items():
+        got = layer_bytes(cfg, LayerKind(kind, True, 10.0, 10.0, False), 256, 2)
+        assert got == pytest.approx((matmul, other)), kind
+    # A query chunk of max(window 32, query_chunk 64) rows, differentiated: float32 logits +
+    # probabilities of 2 heads over 128 window keys + 0 / 16 / 256/32 compressed entries, CSA's
+    # 16 gathered [64] entries per query, forward and cotangent.
+    for kind, entries in (("W", 0), ("C", 16), ("H", 8)):
+        gathered = 16 * 64 * f if kind == "C" else 0
+        got = chunk_working_bytes(cfg, LayerKind(kind, True, 10.0, 10.0, False), 256, 2)
+        assert got == 2 * 64 * (2 * (128 + entries) * (f + f) + gathered), kind
+
+
+def test_v4_plans_and_mhc_streams_cost_memory(capsys):
+    flash = plan(capsys, "--config", V4_FLASH, "--devices", "8", "--mesh",
+                 "fsdp=2,expert=2,tensor=2")
+    assert flash["devices"] == 8 and flash["remat_policy"] == "dots"
+    parts = flash["activation_parts_bytes"]
+    assert sum(parts.values()) == flash["per_device_bytes"]["activations"]
+    assert all(v > 0 for v in parts.values())
+    untensored = plan(capsys, "--config", V4_FLASH, "--devices", "8", "--mesh",
+                      "fsdp=4,expert=2,tensor=1", "--batch-size", "16")
+    assert untensored["tokens_per_device"] == flash["tokens_per_device"]
+    # `heads` shard over tensor: query-sized arrays and scores halve
+    assert untensored["activation_parts_bytes"]["layer_working_set"] > parts["layer_working_set"]
+    sizes = {"pipeline": 1, "data": 1, "fsdp": 2, "expert": 2, "tensor": 2}
+
+    def tiny_parts(hc_mult: int) -> dict:
+        run = load_run_config(TINY_V4, [f"model.hyper_connections.hc_mult={hc_mult}"])
+        return activation_bytes(run, sizes)["parts"]
+
+    four, one = tiny_parts(4), tiny_parts(1)
+    for part in ("layers_saved", "layer_working_set", "embeddings_and_io"):
+        assert four[part] > one[part], part
+    assert four["mtp_heads"] == one["mtp_heads"]  # the MTP block takes one stream
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--config", "configs/missing.yaml", "--mesh", "data=1"], "does not exist"),
     (["--config", TINY, "--mesh", "data=2", "--devices", "3"], "mesh"),
     (["--config", TINY, "--mesh", "data=-1"], "--devices"),
     (["--config", TINY, "--mesh", "data"], "axis=size"),
     (["--config", TINY, "--mesh", "pipeline=2,data=1"], "mesh.pipeline=2"),
+    (["--config", TINY_V4, "--mesh", "pipeline=2,data=1"], "mHC"),
     (["--config", TINY, "--mesh", "data=1", "train.bogus=1"], "train.bogus"),
 ])
 def test_errors_are_one_line_exit_2(capsys, argv, needle):

@@ -36,13 +36,39 @@ rounded up, with a warning, when they do not split). Per token, each decoder lay
   attention scores = H/t * keys * (4 + c) with attention_impl=xla (float32 scores plus
                     compute-dtype probabilities; keys = T on full layers, 2*max(W, 128) on
                     sliding-window layers when that is < T), else 4*H/t (flash log-sum-exp).
+DeepSeek-V4 layers W / C / H (train/parallel/v4_activations.py) replace the attention terms;
+the FFN terms stay. Hq = H*hd/t query channels on the device (`heads` shards over tensor; the
+latent, output-group, compressor and indexer widths do not), L = q_lora_rank, G*R = o_groups
+* o_lora_rank, nrm(w) = 8*w (12*w when c < 4: an RMSNorm keeps float32 copies):
+  W:  M = c * [L + Hq + hd + D]                                (q_a, q_b, kv, o_b projections)
+      O = nrm(D + L + hd) + (4 - c)*Hq + c * [hd + 2*Hq + G*R]     (norms, float32 q for its
+                       norm; window keys, roped query, un-roped output, o_a (a batched dot))
+  H:  W + cmp(hd, hca_rate)        C:  W + cmp(hd, csa_rate, overlapped) + the indexer:
+      cmp(Id, csa_rate, overlapped), M += c*(Hi*Id + Hi) (queries, head weights), O += 4*(Hi*Id
+      + Hi) + T/csa_rate * (5*Hi + 1) + 28*k (every query chunk's float32 scores, ReLU and
+      visibility masks: the indexer's lax.map is not rematerialised; the [k = index_topk]
+      selection and indexer-loss arrays). Hi, Id: index heads, head dim.
+  cmp(w, m), u = w (2w overlapped) channels: M = 2*c*u (kv, gate), O = 12*u + 16*w/m (+ 10*w
+      overlapped): float32 gathered values, softmax exp and weights, pooled entries.
+  The core attention runs query chunks of C = min(max(window, query_chunk), T) rows, each
+  rematerialised in the backward (jax.checkpoint inside lax.map): only its inputs above are
+  saved, and while a layer is differentiated one chunk adds, per batch row,
+  chunk = 2*C*[H/t*(2C + e)*(4 + c) + c*k*hd (C only)]   (e = 0 W, k C, T/hca_rate H
+  compressed entries; float32 logits, probabilities; CSA's gathered selected entries).
+mHC with n = hc_mult > 1 streams adds per layer (two sublayers; MTP blocks have one stream)
+  M += 2 * 4*(2+n)*n                                          (mapping pre-activations)
+  O += 2 * [(c + f + 4)*n*D + 2*c*D + 8*iters*n*(n+2)]  (streams, their float32 copy: f = 4
+         when c < 4 else 0, their float32 normed copy, collapsed input, sublayer output,
+         Sinkhorn's iterates)
+and the layer input I below is the streams, n*c*D (else I = c*D).
 What a layer keeps for the backward pass depends on model.remat_policy:
-  none -> M + O;  dots -> c*D + M (the layer input and the projection outputs);
-  save_attention_out / save_ffn_out -> 2*c*D;  full -> c*D (the layer input only).
+  none -> M + O;  dots -> I + M (the layer input and the projection outputs);
+  save_attention_out / save_ffn_out -> I + c*D;  full -> I (the layer input only).
 Activations = N * sum over the device's layers of that
-            + N * max over layers of 2 * (M + O)      (the layer being differentiated: its
-                                                       recomputed forward and its cotangents)
-            + N * c*D * (2, +2 with a pipeline)       (embeddings, final hidden, pipeline I/O)
+            + max over layers of 2*N*(M + O)          (the layer being differentiated: its
+              + rows * chunk                           recomputed forward and its cotangents)
+            + N * c*D * (2, +2 with a pipeline)       (embeddings, final hidden, pipeline I/O;
+              + N * n*D*(c + 4) with mHC               final streams, HyperHead's normed copy)
             + N * per trained MTP head (6*c*D + M + O of its dense SWA block, never rematted)
             + 2 * min(loss_chunk_size, micro_batch*T) * V/t * 4   (one float32 logits chunk
                                                                    and its gradient)
@@ -52,10 +78,12 @@ ticks included), so its saved activations are scaled by (m + S - 1) / m (m = pip
 micro-batches) and its working set by 1 / m. Routing is assumed balanced (each device holds
 about top_k * N expert rows); EP all-to-all buffers are not counted.
 
-Calibration: for configs/tiny.yaml on one CPU device (float32, batch 8 x 256) XLA's compiled
-gradient step reported 870 MiB of temporaries with remat none and 341 MiB with full, against
-estimates of 624 and 198 MiB: 1.4-1.7x low (XLA kept several float32 copies of the attention
-scores and more than one layer's working set live). Treat the activation row as a lower bound.
+Calibration (one CPU device, float32, batch 8 x 256, jax 0.10; `compiled.memory_analysis()`
+temporaries of the jitted train step, which also hold the gradients): configs/tiny.yaml 439
+MiB with remat none and 186 MiB with full, against estimates of 624 and 198 MiB;
+configs/tiny_deepseek_v4.yaml 706 / 406 / 350 MiB with none / dots / full against 706 / 327 /
+277 MiB, and 364 MiB against 415 MiB with hc_mult=1. Between 0.7x and 1.4x of XLA's figure:
+a guide, not a bound.
 """
 
 from __future__ import annotations
@@ -69,7 +97,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict
 from jax.sharding import PartitionSpec as P
 
-from model.config import ModelConfig
+from model.config import SHARED_KV_KINDS, ModelConfig
 from model.layers.layer_plan import LayerKind, layer_kinds, plan_segments
 from model.parallel.mesh import spec_axes
 from model.parallel.pipeline import bubble_fraction, num_microbatches, pipelined_segment
@@ -77,11 +105,17 @@ from model.parallel.rules import abstract_mesh
 from model.summary import param_group
 from train.config import RunConfig
 from train.parallel.sharding import check_batch_fits, data_parallel_size, state_specs
+from train.parallel.v4_activations import (
+    DTYPE_BYTES,
+    core_chunk_bytes,
+    hyper_connection_bytes,
+    shared_kv_attention_bytes,
+    tensor_split,
+)
 from train.state import abstract_state, build_training
 
 GIB = 2**30
 MIN_ATTENTION_CHUNK = 128  # model/ops/attention_cores.py MIN_CHUNK: smallest sliding-window chunk
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class PlanError(ValueError):
@@ -144,52 +178,73 @@ def state_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
 # ---- activation estimate ---------------------------------------------------------------------
 
 
-def _split(n: int, ways: int) -> float:
-    """n elements over `ways` tensor shards when they divide it, else replicated."""
-    return n / ways if ways > 1 and n % ways == 0 else float(n)
-
-
-def layer_bytes(cfg: ModelConfig, kind: LayerKind, seq_len: int,
-                tensor: int) -> tuple[float, float]:
-    """(matmul outputs M, other saved tensors O) of one decoder layer, bytes per token (see the
-    module docstring)."""
-    c = _DTYPE_BYTES[cfg.compute_dtype]
+def _gqa_attention_bytes(cfg: ModelConfig, attention_type: str, seq_len: int,
+                         tensor: int) -> tuple[float, float]:
+    """(M, O) per token of the attention sublayer of an F or S layer, input norm included."""
+    c = DTYPE_BYTES[cfg.compute_dtype]
     d, hd, kv = cfg.d_model, cfg.head_dim, cfg.num_kv_heads
-    heads = cfg.attention_config(kind.attention_type).num_heads
-    h = _split(heads, tensor) / heads  # share of the heads on this device
+    heads = cfg.attention_config(attention_type).num_heads
+    h = tensor_split(heads, tensor) / heads  # share of the heads on this device
     gate = heads if cfg.gate == "headwise" else 0
     matmul = c * ((heads * hd + 2 * kv * hd + gate) * h + d)
     other = c * (2 * d + 2 * heads * hd * h)
     if cfg.attention_impl == "xla":
         chunk = max(cfg.window, MIN_ATTENTION_CHUNK)
-        keys = 2 * chunk if kind.attention_type == "S" and chunk < seq_len else seq_len
+        keys = 2 * chunk if attention_type == "S" and chunk < seq_len else seq_len
         other += heads * h * keys * (4 + c)
     else:
         other += 4 * heads * h
-    if kind.is_moe:
-        moe = cfg.moe
-        shared = moe.num_shared_experts
-        hidden = _split(moe.expert_hidden, tensor)
-        # Routed-expert products are ragged/batched dots, which the `dots` policy recomputes:
-        # they count as "other", with the dispatched rows, activations and combine.
-        matmul += 4 * moe.num_experts + c * shared * (2 * _split(moe.shared_hidden, tensor) + d)
-        other += 4 * moe.num_experts + c * (
-            3 * d + moe.top_k * (2 * d + 3 * hidden) + shared * _split(moe.shared_hidden, tensor))
-    else:
-        matmul += c * (2 * _split(cfg.dense_hidden, tensor) + d)
-        other += c * (2 * d + _split(cfg.dense_hidden, tensor))
     return matmul, other
 
 
-def saved_per_layer(policy: str, matmul: float, other: float, d_bytes: float) -> float:
-    """Bytes per token a layer keeps for the backward pass under remat `policy`."""
+def layer_bytes(cfg: ModelConfig, kind: LayerKind, seq_len: int, tensor: int,
+                streams: bool = True) -> tuple[float, float]:
+    """(matmul outputs M, other saved tensors O) of one decoder layer, bytes per token (see the
+    module docstring). `streams=False`: a block outside the mHC streams (the MTP heads')."""
+    c = DTYPE_BYTES[cfg.compute_dtype]
+    d = cfg.d_model
+    if kind.attention_type in SHARED_KV_KINDS:
+        matmul, other = shared_kv_attention_bytes(cfg, kind.attention_type, seq_len, tensor)
+    else:
+        matmul, other = _gqa_attention_bytes(cfg, kind.attention_type, seq_len, tensor)
+    if kind.is_moe:
+        moe = cfg.moe
+        shared = moe.num_shared_experts
+        hidden = tensor_split(moe.expert_hidden, tensor)
+        shared_hidden = tensor_split(moe.shared_hidden, tensor)
+        # Routed-expert products are ragged/batched dots, which the `dots` policy recomputes:
+        # they count as "other", with the dispatched rows, activations and combine.
+        matmul += 4 * moe.num_experts + c * shared * (2 * shared_hidden + d)
+        other += 4 * moe.num_experts + c * (
+            3 * d + moe.top_k * (2 * d + 3 * hidden) + shared * shared_hidden)
+    else:
+        matmul += c * (2 * tensor_split(cfg.dense_hidden, tensor) + d)
+        other += c * (2 * d + tensor_split(cfg.dense_hidden, tensor))
+    if streams and cfg.hyper_connections.hc_mult > 1:
+        hc_matmul, hc_other = hyper_connection_bytes(cfg)
+        matmul, other = matmul + hc_matmul, other + hc_other
+    return matmul, other
+
+
+def chunk_working_bytes(cfg: ModelConfig, kind: LayerKind, seq_len: int, tensor: int) -> float:
+    """Bytes per batch row of a layer's chunked attention working set beyond 2 * (M + O): the
+    DeepSeek-V4 core attention's query chunk (F / S layers count their scores in O)."""
+    if kind.attention_type in SHARED_KV_KINDS:
+        return core_chunk_bytes(cfg, kind.attention_type, seq_len, tensor)
+    return 0.0
+
+
+def saved_per_layer(policy: str, matmul: float, other: float, input_bytes: float,
+                    d_bytes: float) -> float:
+    """Bytes per token a layer keeps for the backward pass under remat `policy`; `input_bytes`
+    of the layer input (c*D, or c*n*D for n mHC streams), `d_bytes` of a sublayer output."""
     if policy == "none":
         return matmul + other
     if policy == "dots":
-        return d_bytes + matmul
+        return input_bytes + matmul
     if policy in ("save_attention_out", "save_ffn_out"):
-        return 2 * d_bytes
-    return d_bytes  # full
+        return input_bytes + d_bytes
+    return input_bytes  # full
 
 
 def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
@@ -200,8 +255,10 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     ways = math.prod(sizes[a] for a in ("data", "fsdp", "expert"))
     rows = -(-micro // ways)
     tokens = rows * seq_len
-    c = _DTYPE_BYTES[cfg.compute_dtype]
+    c = DTYPE_BYTES[cfg.compute_dtype]
     d_bytes = c * cfg.d_model
+    streams = cfg.hyper_connections.hc_mult
+    input_bytes = streams * d_bytes  # a layer's input: the residual, or the n mHC streams
 
     kinds = layer_kinds(cfg)
     piped_layers: set[int] = set()
@@ -213,18 +270,24 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     saved = working = 0.0
     for i, kind in enumerate(kinds):
         matmul, other = layer_bytes(cfg, kind, seq_len, tensor)
-        keep = saved_per_layer(cfg.remat_policy, matmul, other, d_bytes)
+        keep = saved_per_layer(cfg.remat_policy, matmul, other, input_bytes, d_bytes)
+        differentiated = (2 * tokens * (matmul + other)
+                          + rows * chunk_working_bytes(cfg, kind, seq_len, tensor))
         if i in piped_layers:  # 1/S of the layers, all m + S - 1 ticks, one micro-batch at a time
             saved += tokens * keep * (microbatches + stages - 1) / microbatches / stages
-            working = max(working, 2 * tokens * (matmul + other) / microbatches)
+            working = max(working, differentiated / microbatches)
         else:
             saved += tokens * keep
-            working = max(working, 2 * tokens * (matmul + other))
+            working = max(working, differentiated)
+    # embeddings and final hidden; mHC: the final streams, their float32 normed copy (HyperHead)
     extras = tokens * d_bytes * (2 + (2 if stages > 1 else 0))
-    mtp_block = sum(layer_bytes(cfg, LayerKind(cfg.mtp.attention_type, False, 0.0, 0.0, False), seq_len, tensor))
+    if streams > 1:
+        extras += tokens * streams * cfg.d_model * (c + 4)
+    mtp_kind = LayerKind(cfg.mtp.attention_type, False, 0.0, 0.0, False)
+    mtp_block = sum(layer_bytes(cfg, mtp_kind, seq_len, tensor, streams=False))
     mtp = run.trained_mtp_heads() * tokens * (6 * d_bytes + mtp_block)
     chunk = min(train.loss_chunk_size, micro * seq_len)
-    logits = 2 * chunk * _split(cfg.vocab_size, tensor) * 4
+    logits = 2 * chunk * tensor_split(cfg.vocab_size, tensor) * 4
     parts = {"layers_saved": saved, "layer_working_set": working, "embeddings_and_io": extras,
              "mtp_heads": mtp, "logits_chunk": logits}
     parts = {k: int(round(v)) for k, v in parts.items()}
@@ -243,6 +306,10 @@ def plan_memory(run: RunConfig, sizes: dict[str, int], device_memory_gib: float 
     stages = sizes["pipeline"]
     pipeline = None
     if stages > 1:
+        if run.model.hyper_connections.hc_mult > 1 or run.model.moe.hash_layers:
+            raise PlanError(f"mesh.pipeline={stages}: pipeline stages carry one [B, T, D] stream "
+                            "and no token ids, so mHC (hyper_connections.hc_mult > 1) and "
+                            "hash-routed MoE layers (moe.hash_layers > 0) need mesh.pipeline=1")
         try:
             index = pipelined_segment(run.model, stages)
         except ValueError as err:
