@@ -147,7 +147,8 @@ def select_entries(
     entry_segment_ids: jax.Array | None = None,
 ) -> Selection:
     """Top-k compressed entries per query (eqs. 16-17), computed `chunk_size` queries at a time
-    (peak score memory [B, chunk_size, H, S] instead of [B, T, H, S]).
+    and recomputed in the backward (peak score memory [B, chunk_size, H, S] instead of
+    [B, T, H, S], in the forward and the backward).
 
     queries: [B, T, H, c]; head_weights: [B, T, H]; keys: [B, S, c]; query_positions: [B, T];
     entry_end_positions: [B, S]; segment ids: [B, T] / [B, S] or None (one document per row).
@@ -175,7 +176,9 @@ def select_entries(
         )
         return _select_chunk(q, w, keys, visible, top_k)
 
-    out = jax.lax.map(one_chunk, tuple(chunked(x) for x in per_chunk))
+    # Rematerialised per chunk (as the core attention's chunks): the backward keeps only the
+    # [B, T, k] selection, not every chunk's [chunk, H, S] scores, so memory stays O(T·k).
+    out = jax.lax.map(jax.checkpoint(one_chunk), tuple(chunked(x) for x in per_chunk))
 
     def unchunked(x):
         """[num_chunks, B, chunk_size, k] -> [B, T, k]."""

@@ -58,13 +58,11 @@ def shared_kv_attention_bytes(cfg: ModelConfig, attention_type: str, seq_len: in
         parts.append(compressor_bytes(c, attn.index_head_dim, attn.csa_rate, overlap=True))
         # `index_heads` is not a sharded logical axis: the indexer is whole on every device.
         heads, queries = attn.index_heads, attn.index_heads * attn.index_head_dim
-        entries = seq_len // attn.csa_rate
-        # The indexer's query chunks run in a lax.map without remat, so its backward keeps
-        # every chunk's float32 scores and ReLU mask per head and its visibility mask; then the
-        # float32 queries and head weights, and the [index_topk] selection (indices, picks,
-        # scores) and indexer-loss arrays (target, log-probabilities, masks): 7 x 4 bytes.
-        parts.append((c * (queries + heads),
-                      4 * (queries + heads) + entries * (5 * heads + 1) + 28 * attn.index_topk))
+            # The indexer's query chunks are rematerialised (their scores are working set, see
+        # `core_chunk_bytes`); saved: the float32 queries and head weights, and the
+        # [index_topk] selection (indices, picks, scores) and indexer-loss arrays (target,
+        # log-probabilities, masks): 7 x 4 bytes.
+        parts.append((c * (queries + heads), 4 * (queries + heads) + 28 * attn.index_topk))
     return sum(m for m, _ in parts), sum(o for _, o in parts)
 
 
@@ -78,7 +76,15 @@ def core_chunk_bytes(cfg: ModelConfig, attention_type: str, seq_len: int, tensor
     heads = tensor_split(attn.num_heads, tensor)
     scores = heads * (2 * chunk + compressed) * (4 + c)  # float32 logits, probabilities
     gathered = c * attn.index_topk * attn.head_dim if attention_type == "C" else 0
-    return 2 * chunk * (scores + gathered)  # CSA: each query's selected entries [k, head_dim]
+    core = 2 * chunk * (scores + gathered)  # CSA: each query's selected entries [k, head_dim]
+    if attention_type != "C":
+        return core
+    # The indexer's chunk, recomputed in the backward: float32 scores and ReLU mask per
+    # (query, indexer head, entry) and the visibility mask, forward and cotangent; the indexer
+    # is whole on every device. The two chunks are differentiated one after the other.
+    index_rows = min(attn.query_chunk, seq_len)
+    indexer = 2 * index_rows * (seq_len // attn.csa_rate) * (5 * attn.index_heads + 1)
+    return max(core, indexer)
 
 
 def hyper_connection_bytes(cfg: ModelConfig) -> tuple[float, float]:
