@@ -85,10 +85,22 @@ def _np_moe(params, bias, x, before_silu=False):
     shared_out, _ = np_swiglu(tokens, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],
                               shared["down_proj"]["kernel"], SHARED_LIMIT, before_silu)
     load = stats["expert_tokens"] / indices.size
+    # DeepSeek-V4's sequence-wise balance loss: per row sum_i f_i P_i with
+    # f_i = E / (k T) * (times i is chosen in the row), P_i = the row's mean probability
+    batch, length = x.shape[:2]
+    per_row = []
+    for b in range(batch):
+        rows = range(b * length, (b + 1) * length)
+        f = np.zeros(EXPERTS)
+        for n in rows:
+            for e in routes[n]:
+                f[e] += EXPERTS / (TOP_K * length)
+        per_row.append(np.sum(f * probs[list(rows)].mean(0)))
     aux = {
         "expert_load": load,
         "expert_prob": probs.mean(0),
         "routing_confidence": np.array([sum(probs[n, e] for e in r) for n, r in enumerate(routes)]),
+        "sequence_balance_loss": np.mean(per_row),
         **stats,
     }
     return (y + shared_out).reshape(x.shape), aux, routes
@@ -135,7 +147,7 @@ def test_moe_module_matches_reference(moe_setup, impl, bias_kind):
     assert set(aux) == set(ref_aux)
     n = x.shape[0] * x.shape[1]
     expected_shapes = {k: (EXPERTS,) for k in ref_aux}
-    expected_shapes.update(routing_confidence=x.shape[:2])
+    expected_shapes.update(routing_confidence=x.shape[:2], sequence_balance_loss=())
     for key, ref in ref_aux.items():
         assert aux[key].shape == expected_shapes[key], key
         np.testing.assert_allclose(np.asarray(aux[key]).reshape(np.shape(ref)), ref, rtol=1e-4,

@@ -86,7 +86,8 @@ def test_a_config_without_a_model_is_refused_by_both_loaders(tmp_path, text):
         # the presets are the repository's configs/*.yaml that define a model
         assert message.endswith("start from a preset that has one: "
                                 "configs/deepseek_v4_flash.yaml, configs/sft_arith.yaml, "
-                                "configs/step35_flash.yaml, configs/tiny.yaml"), message
+                                "configs/step35_flash.yaml, configs/tiny.yaml, "
+                                "configs/tiny_deepseek_v4.yaml"), message
 
 
 def test_presets_with_top_level_model_fields_still_load():
