@@ -51,15 +51,16 @@ def loss_fn(model: CausalLM, run: RunConfig, params, balance, micro, mask_meta, 
     mtp = jnp.zeros((), jnp.float32)
     for h in range(heads):
         mtp += train.mtp_offset_weights[h] * head_loss(out.mtp_hidden[h], 2 + h, h + 1)
-    parts = {"loss/lm": lm, "loss/mtp": mtp}
-    loss = lm + train.mtp_loss_weight * mtp
-    # Per-micro-batch means (the step averages them): /num_micro sums to the batch mean.
-    for name, key, coef in (("loss/balance", "balance_loss", train.balance_loss_coef),
-                            ("loss/sequence_balance", "sequence_balance_loss",
+    balance_loss = out.aux.get("balance_loss", jnp.zeros((), jnp.float32))
+    parts = {"loss/lm": lm, "loss/mtp": mtp, "loss/balance": balance_loss}
+    # The balance and indexer losses are per-micro-batch means (the step averages them):
+    # /num_micro sums to the batch mean.
+    loss = lm + train.mtp_loss_weight * mtp + train.balance_loss_coef * balance_loss / num_micro
+    for name, key, coef in (("loss/sequence_balance", "sequence_balance_loss",
                              train.sequence_balance_coef),
                             ("loss/indexer", "indexer_loss", train.indexer_loss_coef)):
-        if key in out.aux or key == "balance_loss":
-            parts[name] = out.aux.get(key, jnp.zeros((), jnp.float32))
+        if key in out.aux:  # DeepSeek-V4's terms: MoE layers / CSA layers present
+            parts[name] = out.aux[key]
             loss = loss + coef * parts[name] / num_micro
     return loss, (parts, out.aux)
 

@@ -70,7 +70,8 @@ class Decoder:
 
     def __init__(self, config: ModelConfig, variables: dict, *, max_len: int, draft: int = 0,
                  prefill_chunk: int = 256):
-        shared_kv = sorted(set(config.layout + config.mtp.attention_type) & set(SHARED_KV_KINDS))
+        mtp_kind = config.mtp.attention_type if config.mtp.num_heads else ""
+        shared_kv = sorted(set(config.layout + mtp_kind) & set(SHARED_KV_KINDS))
         if shared_kv:
             raise ValueError(f"decoding with KV caches is not implemented for DeepSeek-V4 "
                              f"attention layers ({', '.join(shared_kv)} in layout / "

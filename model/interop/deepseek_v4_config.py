@@ -24,6 +24,7 @@ from model.config import (
     RopeScaling,
     SharedKVAttentionConfig,
 )
+from model.interop.config_json import check_family, required
 from model.interop.safetensors_io import CheckpointFormatError
 
 MODEL_TYPE = "deepseek_v4"
@@ -58,53 +59,41 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """ModelConfig of a DeepSeek-V4 config.json: the architecture from the file, runtime fields
     (dtypes, kernels, scan, remat, ...) at their defaults. Every layer is an MoE layer; the
     hash-routed ones (`mlp_layer_types` "hash_moe") must come first."""
-    if hf.get("model_type") != MODEL_TYPE:
-        raise CheckpointFormatError(
-            f"model_type: expected {MODEL_TYPE!r}, got {hf.get('model_type')!r}")
-    for key, allowed in _REQUIRED_VALUES.items():
-        if hf.get(key, allowed[0]) not in allowed:
-            raise CheckpointFormatError(f"{key}: {hf[key]!r} is not supported "
-                                        f"(stepjax implements {allowed[0]!r})")
+    check_family(hf, MODEL_TYPE, _REQUIRED_VALUES)
     for key, modern in _LEGACY_KEYS.items():
         if key in hf:
             raise CheckpointFormatError(f"{key}: a legacy key; give {modern} instead (as "
                                         "transformers >= 5.24 saves it)")
-    num_layers = _required(hf, "num_hidden_layers")
-    hc_mult = _required(hf, "hc_mult")
+    num_layers = required(hf, "num_hidden_layers")
+    hc_mult = required(hf, "hc_mult")
     if hc_mult < 2:
         raise CheckpointFormatError(f"hc_mult: {hc_mult} is not supported; transformers builds "
                                     "hyper-connections even for 1 stream, stepjax only for >= 2")
-    limit = float(_required(hf, "swiglu_limit"))
+    limit = float(required(hf, "swiglu_limit"))
     if limit <= 0:
         raise CheckpointFormatError(f"swiglu_limit: {limit} is not supported; transformers "
                                     "clamps with it unconditionally, stepjax's 0 means no clamp")
     try:
         return ModelConfig(
-            vocab_size=_required(hf, "vocab_size"), d_model=_required(hf, "hidden_size"),
+            vocab_size=required(hf, "vocab_size"), d_model=required(hf, "hidden_size"),
             num_layers=num_layers, layout=_layout(hf, num_layers),
-            window=_required(hf, "sliding_window"), gate="none",
+            window=required(hf, "sliding_window"), gate="none",
             shared_kv_attention=_attention_from_hf(hf),
             hyper_connections=HyperConnectionConfig(
-                hc_mult=hc_mult, sinkhorn_iters=_required(hf, "hc_sinkhorn_iters"),
-                eps=float(_required(hf, "hc_eps"))),
+                hc_mult=hc_mult, sinkhorn_iters=required(hf, "hc_sinkhorn_iters"),
+                eps=float(required(hf, "hc_eps"))),
             num_dense_layers=0, moe=_moe_from_hf(hf, num_layers),
             # DeepseekV4MLP clamps the shared expert with the routed experts' limit
             swiglu_limits=limit, swiglu_limits_shared=limit, swiglu_gate_clamp="before_silu",
             mtp=MTPConfig(num_heads=0, attention_type="W"),
             tie_embeddings=hf.get("tie_word_embeddings", False),
-            norm_eps=float(_required(hf, "rms_norm_eps")))
+            norm_eps=float(required(hf, "rms_norm_eps")))
     except ConfigError as err:
         raise CheckpointFormatError(f"config.json gives an invalid stepjax config: {err}") from None
 
 
-def _required(values: Mapping[str, Any], key: str, prefix: str = "") -> Any:
-    if values.get(key) is None:
-        raise CheckpointFormatError(f"{prefix}{key}: missing from config.json")
-    return values[key]
-
-
 def _per_layer(hf: Mapping, key: str, num_layers: int, allowed) -> list:
-    names = _required(hf, key)
+    names = required(hf, key)
     if not isinstance(names, list) or len(names) != num_layers:
         raise CheckpointFormatError(f"{key}: expected a list of num_hidden_layers={num_layers} "
                                     f"entries, got {names!r}")
@@ -130,17 +119,17 @@ def _hash_layers(hf: Mapping, num_layers: int) -> int:
 
 
 def _moe_from_hf(hf: Mapping, num_layers: int) -> MoEConfig:
-    num_experts = _required(hf, "n_routed_experts")
-    scoring = _required(hf, "scoring_func")
+    num_experts = required(hf, "n_routed_experts")
+    scoring = required(hf, "scoring_func")
     if scoring not in _SCORING:
         raise CheckpointFormatError(f"scoring_func: {scoring!r} is not supported, expected one "
                                     f"of {list(_SCORING)}")
-    hidden = _required(hf, "moe_intermediate_size")
+    hidden = required(hf, "moe_intermediate_size")
     return MoEConfig(
-        num_experts=num_experts, top_k=_required(hf, "num_experts_per_tok"),
+        num_experts=num_experts, top_k=required(hf, "num_experts_per_tok"),
         expert_hidden=hidden, num_shared_experts=1, shared_hidden=hidden,
         router_activation=_SCORING[scoring], router_bias=True, renormalize=True,
-        routed_scaling_factor=float(_required(hf, "routed_scaling_factor")),
+        routed_scaling_factor=float(required(hf, "routed_scaling_factor")),
         # G of the balance loss (eq. 1) is a training choice the checkpoint does not carry:
         # the default, or a divisor of the expert count.
         num_ep_groups=math.gcd(MoEConfig.num_ep_groups, num_experts),
@@ -148,7 +137,7 @@ def _moe_from_hf(hf: Mapping, num_layers: int) -> MoEConfig:
 
 
 def _attention_from_hf(hf: Mapping) -> SharedKVAttentionConfig:
-    head_dim = _required(hf, "head_dim")
+    head_dim = required(hf, "head_dim")
     main, compress = _rope_parameters(hf)
     if main.get("rope_type", "default") != "default":
         raise CheckpointFormatError(f"rope_parameters.main.rope_type: {main['rope_type']!r} is "
@@ -162,16 +151,16 @@ def _attention_from_hf(hf: Mapping) -> SharedKVAttentionConfig:
              "heavily_compressed_attention": SharedKVAttentionConfig.hca_rate,
              **(hf.get("compress_rates") or {})}
     return SharedKVAttentionConfig(
-        num_heads=_required(hf, "num_attention_heads"), head_dim=head_dim,
-        rope_dims=rope_dims.pop(), q_lora_rank=_required(hf, "q_lora_rank"),
-        o_groups=_required(hf, "o_groups"), o_lora_rank=_required(hf, "o_lora_rank"),
-        rope_theta=float(_required(main, "rope_theta", "rope_parameters.main.")),
-        compress_rope_theta=float(_required(compress, "rope_theta", "rope_parameters.compress.")),
+        num_heads=required(hf, "num_attention_heads"), head_dim=head_dim,
+        rope_dims=rope_dims.pop(), q_lora_rank=required(hf, "q_lora_rank"),
+        o_groups=required(hf, "o_groups"), o_lora_rank=required(hf, "o_lora_rank"),
+        rope_theta=float(required(main, "rope_theta", "rope_parameters.main.")),
+        compress_rope_theta=float(required(compress, "rope_theta", "rope_parameters.compress.")),
         compress_rope_scaling=_compress_scaling(compress),
         csa_rate=rates["compressed_sparse_attention"],
         hca_rate=rates["heavily_compressed_attention"],
-        index_heads=_required(hf, "index_n_heads"), index_head_dim=_required(hf, "index_head_dim"),
-        index_topk=_required(hf, "index_topk"))
+        index_heads=required(hf, "index_n_heads"), index_head_dim=required(hf, "index_head_dim"),
+        index_topk=required(hf, "index_topk"))
 
 
 def _rope_parameters(hf: Mapping) -> tuple[dict, dict]:
@@ -181,11 +170,11 @@ def _rope_parameters(hf: Mapping) -> tuple[dict, dict]:
     params = hf.get("rope_parameters") or {}
     if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
         return dict(params["main"]), dict(params["compress"])
-    rotary = _required(hf, "partial_rotary_factor")
-    main = {"rope_type": "default", "rope_theta": _required(hf, "rope_theta"),
+    rotary = required(hf, "partial_rotary_factor")
+    main = {"rope_type": "default", "rope_theta": required(hf, "rope_theta"),
             "partial_rotary_factor": rotary}
     compress = {"rope_type": "default", **params,
-                "rope_theta": _required(hf, "compress_rope_theta"),
+                "rope_theta": required(hf, "compress_rope_theta"),
                 "partial_rotary_factor": rotary}
     if compress["rope_type"] == "yarn":
         compress.setdefault("attention_factor", 1.0)
@@ -209,8 +198,8 @@ def _compress_scaling(compress: Mapping) -> RopeScaling:
         raise CheckpointFormatError(f"{prefix}attention_factor: {compress.get('attention_factor')!r}"
                                     " is not supported; stepjax implements 1.0")
     return RopeScaling(
-        type="yarn", factor=float(_required(compress, "factor", prefix)),
-        original_max_len=int(_required(compress, "original_max_position_embeddings", prefix)),
+        type="yarn", factor=float(required(compress, "factor", prefix)),
+        original_max_len=int(required(compress, "original_max_position_embeddings", prefix)),
         beta_fast=float(compress.get("beta_fast") or 32.0),
         beta_slow=float(compress.get("beta_slow") or 1.0))
 

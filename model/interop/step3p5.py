@@ -28,6 +28,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from model.config import AttentionTypeConfig, ModelConfig, MoEConfig, MTPConfig, RopeScaling
+from model.interop.config_json import check_family, required
 from model.interop.safetensors_io import CheckpointFormatError
 from model.interop.tensor_names import (
     LINEAR,
@@ -62,33 +63,27 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """ModelConfig of a Step 3.5 config.json: the architecture from the file, runtime fields
     (dtypes, kernels, scan, remat, ...) at their defaults. MoE layers come back as
     `num_dense_layers` when they are a suffix of the stack, else as `moe_layers`."""
-    if hf.get("model_type") != MODEL_TYPE:
-        raise CheckpointFormatError(
-            f"model_type: expected {MODEL_TYPE!r}, got {hf.get('model_type')!r}")
-    for key, allowed in _REQUIRED_VALUES.items():
-        if hf.get(key, allowed[0]) not in allowed:
-            raise CheckpointFormatError(f"{key}: {hf[key]!r} is not supported "
-                                        f"(stepjax implements {allowed[0]!r})")
+    check_family(hf, MODEL_TYPE, _REQUIRED_VALUES)
     if not all(hf.get("use_rope_layers") or [True]):
         raise CheckpointFormatError("use_rope_layers: layers without RoPE are not supported")
-    num_layers = _required(hf, "num_hidden_layers")
+    num_layers = required(hf, "num_hidden_layers")
     num_mtp = hf.get("num_nextn_predict_layers", 0)
     types = _layer_types(hf, num_layers, num_mtp)
     moe_layers = _moe_layers_from_hf(hf, num_layers)
     dense = num_layers - len(moe_layers)
     suffix = moe_layers == list(range(dense, num_layers))
-    head_dim = hf.get("head_dim") or _required(hf, "hidden_size") // _required(
+    head_dim = hf.get("head_dim") or required(hf, "hidden_size") // required(
         hf, "num_attention_heads")
     fields = dict(
-        vocab_size=_required(hf, "vocab_size"), d_model=_required(hf, "hidden_size"),
+        vocab_size=required(hf, "vocab_size"), d_model=required(hf, "hidden_size"),
         num_layers=num_layers, layout=types[:num_layers],
         window=hf.get("sliding_window") or ModelConfig.window,
-        num_kv_heads=_required(hf, "num_attention_groups"), head_dim=head_dim,
+        num_kv_heads=required(hf, "num_attention_groups"), head_dim=head_dim,
         **_attention_from_hf(hf, types, num_layers, head_dim),
         gate="headwise" if hf.get("use_head_wise_attn_gate", False) else "none",
         qk_norm=hf.get("use_qk_norm", True),
         num_dense_layers=dense if suffix else 0, moe_layers=None if suffix else tuple(moe_layers),
-        dense_hidden=_required(hf, "intermediate_size"), moe=_moe_from_hf(hf),
+        dense_hidden=required(hf, "intermediate_size"), moe=_moe_from_hf(hf),
         swiglu_limits=_limits_from_hf(hf, "swiglu_limits", num_layers, num_mtp),
         swiglu_limits_shared=_limits_from_hf(hf, "swiglu_limits_shared", num_layers, num_mtp),
         mtp=MTPConfig(num_heads=num_mtp), tie_embeddings=hf.get("tie_word_embeddings", False),
@@ -104,7 +99,7 @@ def _attention_from_hf(hf: Mapping, types: str, num_layers: int, head_dim: int) 
     reference's defaults (theta 1e4, RoPE on every dim)."""
     theta = _per_type(hf, "rope_theta", types, num_layers, 10_000.0)
     rotary = _per_type(hf, "partial_rotary_factors", types, num_layers, 1.0)
-    heads = _required(hf, "num_attention_heads")
+    heads = required(hf, "num_attention_heads")
     other = hf.get("attention_other_setting") or {}
     for key, expected in (("num_attention_groups", hf.get("num_attention_groups")),
                           ("head_dim", head_dim),
@@ -183,12 +178,6 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     }
 
 
-def _required(values: Mapping[str, Any], key: str, prefix: str = "") -> Any:
-    if values.get(key) is None:
-        raise CheckpointFormatError(f"{prefix}{key}: missing from config.json")
-    return values[key]
-
-
 def _check_length(field: str, values: Sequence, num_layers: int, num_mtp: int) -> None:
     if len(values) not in (num_layers, num_layers + num_mtp):
         raise CheckpointFormatError(
@@ -198,7 +187,7 @@ def _check_length(field: str, values: Sequence, num_layers: int, num_mtp: int) -
 
 def _layer_types(hf: Mapping, num_layers: int, num_mtp: int) -> str:
     """'F'/'S' per layer, MTP layers included (they must be sliding-window blocks)."""
-    names = _required(hf, "layer_types")
+    names = required(hf, "layer_types")
     _check_length("layer_types", names, num_layers, num_mtp)
     unknown = sorted({n for n in names if n not in _LAYER_TYPES})
     if unknown:
@@ -251,8 +240,8 @@ def _rope_scaling_from_hf(hf: Mapping, types: str) -> RopeScaling:
     if "full_attention" not in scaled:
         return RopeScaling()
     return RopeScaling(
-        type=kind, factor=float(_required(raw, "factor", "rope_scaling.")),
-        original_max_len=int(_required(raw, "original_max_position_embeddings", "rope_scaling.")),
+        type=kind, factor=float(required(raw, "factor", "rope_scaling.")),
+        original_max_len=int(required(raw, "original_max_position_embeddings", "rope_scaling.")),
         **{key: float(raw[key]) for key in extra[kind] if key in raw})
 
 

@@ -14,8 +14,12 @@ import jax.numpy as jnp
 from model.config import ModelConfig
 from model.layers.common import dtype_of, normal_init
 from model.ops.kv_compression import CompressedKV, CompressorParams, compress_kv
-from model.ops.sparse_indexer import Selection, indexer_head_weights, select_entries
-from model.ops.interleaved_rope import rotate_trailing_pairs
+from model.ops.sparse_indexer import (
+    Selection,
+    indexer_head_weights,
+    indexer_queries,
+    select_entries,
+)
 
 
 class Compressor(nn.Module):
@@ -80,18 +84,12 @@ class LightningIndexer(nn.Module):
                                                               ("embed", "index_heads")),
                                   (cfg.d_model, attn.index_heads), param_dtype)
         batch, length, _ = hidden.shape
-        queries = (q_latent.astype(dtype) @ q_b_proj.astype(dtype)).reshape(
-            batch, length, attn.index_heads, attn.index_head_dim)
+        queries = indexer_queries(q_latent.astype(dtype), q_b_proj, positions, inv_freq,
+                                  num_heads=attn.index_heads)
         token_index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        queries = rotate_trailing_pairs(queries, positions, inv_freq)
         selection = select_entries(
             queries, indexer_head_weights(hidden.astype(dtype), weights_proj), keys.entries,
             token_index, keys.last_token, top_k=attn.index_topk, chunk_size=attn.query_chunk,
-            query_segment_ids=_segments(segment_ids, batch, length),
-            entry_segment_ids=keys.segment_ids)
+            query_segment_ids=segment_ids, entry_segment_ids=keys.segment_ids)
         return selection, keys
-
-
-def _segments(segment_ids, batch: int, length: int) -> jax.Array:
-    return jnp.zeros((batch, length), jnp.int32) if segment_ids is None else segment_ids
 

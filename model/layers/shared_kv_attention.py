@@ -99,10 +99,12 @@ class SharedKVAttention(nn.Module):
                 selection, _ = LightningIndexer(cfg, name="indexer")(
                     x, q_latent, positions, segment_ids, inv_freq)
                 selected = jnp.where(selection.valid, selection.indices, -1)
-        y, entry_probs = compressed_attention(
-            q, kv, compressed, sinks, window=cfg.window, segment_ids=segment_ids,
-            selected=selected, query_chunk=attn.query_chunk, entry_probs=True)
-        if selected is not None:
+        core = dict(window=cfg.window, segment_ids=segment_ids, query_chunk=attn.query_chunk)
+        if selected is None:
+            y = compressed_attention(q, kv, compressed, sinks, **core)
+        else:
+            y, entry_probs = compressed_attention(q, kv, compressed, sinks, selected=selected,
+                                                  entry_probs=True, **core)
             aux["indexer_loss"] = indexer_kl_loss(entry_probs[:, :, None], selection.scores,
                                                   selection.valid)
         y = rotate_trailing_pairs(y, -positions, inv_freq)  # §2.3.3: undo the entries' RoPE

@@ -30,6 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from model.ops.interleaved_rope import rotate_trailing_pairs
+
 
 class Selection(NamedTuple):
     indices: jax.Array  # [B, T, k] int32 chosen entries (0 where not valid)
@@ -39,39 +41,24 @@ class Selection(NamedTuple):
     )  # [B, T, k] float32 index scores I_{t,s} of the chosen entries (-inf if not valid)
 
 
-def rotate_trailing_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """V4's RoPE: rotates the *last* R dims of each head, pairing neighbouring channels
-    (2i, 2i+1) (report §2.3.3, "partial RoPE" on the last 64 dims).
-
-    x: [B, T, H, D]; cos/sin: [B, T, R/2] float32 -> [B, T, H, D] float32.
-    """
-    half = cos.shape[-1]
-    x = x.astype(jnp.float32)
-    rest, rope = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half :]
-    even, odd = rope[..., 0::2], rope[..., 1::2]  # [B, T, H, R/2]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
-    return jnp.concatenate([rest, rotated.reshape(rope.shape)], axis=-1)
-
-
 def indexer_queries(
     q_latent: jax.Array,
     q_b_proj: jax.Array,
-    rope_cos: jax.Array,
-    rope_sin: jax.Array,
+    positions: jax.Array,
+    inv_freq: jax.Array,
     *,
     num_heads: int,
 ) -> jax.Array:
     """Indexer queries q^I_t (eq. 14), rotated at the query positions.
 
     q_latent: [B, T, d_c] (c^Q_t of eq. 13, after the main attention's q_a_norm);
-    q_b_proj: [d_c, H·c]; rope_cos/rope_sin: [B, T, R/2] of the compressed layers' RoPE (the
-    same table the indexer keys were rotated with, so q·k depends on distance only).
-    Returns [B, T, H, c] float32.
+    q_b_proj: [d_c, H·c]; positions: [B, T]; inv_freq: [R/2] of the compressed layers' RoPE
+    (the frequencies the indexer keys were rotated with, so q·k depends on distance only).
+    Returns [B, T, H, c] in q_latent's dtype.
     """
     batch, length, _ = q_latent.shape
     q = jnp.einsum("btr,rf->btf", q_latent, q_b_proj.astype(q_latent.dtype))
-    return rotate_trailing_interleaved(q.reshape(batch, length, num_heads, -1), rope_cos, rope_sin)
+    return rotate_trailing_pairs(q.reshape(batch, length, num_heads, -1), positions, inv_freq)
 
 
 def indexer_head_weights(hidden: jax.Array, weights_proj: jax.Array) -> jax.Array:

@@ -24,10 +24,13 @@ RATIO = 4  # CSA compression rate m
 # ---- float64 loop references -------------------------------------------------------------------
 
 
+def np_inv_freq(rope_dims, theta=10000.0):
+    return 1.0 / theta ** (np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims)
+
+
 def np_rope_cos_sin(positions, rope_dims, theta=10000.0):
     """[B, T] -> cos, sin [B, T, R/2] of the default (unscaled) RoPE table."""
-    inv_freq = 1.0 / theta ** (np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims)
-    angles = positions[..., None].astype(np.float64) * inv_freq
+    angles = positions[..., None].astype(np.float64) * np_inv_freq(rope_dims, theta)
     return np.cos(angles), np.sin(angles)
 
 
@@ -115,8 +118,8 @@ def test_queries_and_head_weights_match_reference():
     got = indexer_queries(
         jnp.asarray(q_latent),
         jnp.asarray(q_b_proj),
-        jnp.asarray(cos, jnp.float32),
-        jnp.asarray(sin, jnp.float32),
+        jnp.asarray(positions),
+        jnp.asarray(np_inv_freq(rope), jnp.float32),
         num_heads=heads,
     )
     assert got.shape == (batch, length, heads, dim) and got.dtype == jnp.float32
@@ -275,7 +278,7 @@ def test_gradients_reach_indexer_weights_and_not_main_attention():
     hidden = jnp.asarray(rng.normal(size=(batch, length, d_model)), jnp.float32)
     q_latent = jnp.asarray(rng.normal(size=(batch, length, d_c)), jnp.float32)
     positions = jnp.arange(length, dtype=jnp.int32)[None]
-    cos, sin = (jnp.asarray(x, jnp.float32) for x in np_rope_cos_sin(np.asarray(positions), 4))
+    inv_freq = jnp.asarray(np_inv_freq(4), jnp.float32)
     ends = csa_entry_end_positions(batch, entries, RATIO)
     params = {
         "q_b_proj": jnp.asarray(rng.normal(size=(d_c, heads * dim)), jnp.float32),
@@ -287,7 +290,7 @@ def test_gradients_reach_indexer_weights_and_not_main_attention():
     }
 
     def loss(p):
-        q = indexer_queries(q_latent, p["q_b_proj"], cos, sin, num_heads=heads)
+        q = indexer_queries(q_latent, p["q_b_proj"], positions, inv_freq, num_heads=heads)
         w = indexer_head_weights(hidden, p["weights_proj"])
         sel = select_entries(q, w, p["keys"], positions, ends, top_k=top_k, chunk_size=5)
         main_probs = jax.nn.softmax(p["main_logits"], axis=-1)  # [B, T, H_main, S]
@@ -340,14 +343,12 @@ def test_matches_transformers_indexer():
     with torch.no_grad():
         hf_indices = indexer(hidden, q_residual, position_ids, cache=None, layer_idx=0).numpy()
     rope = cfg.qk_rope_head_dim
-    cos, sin = np_rope_cos_sin(
-        position_ids.numpy(), rope, cfg.rope_parameters["compress"]["rope_theta"]
-    )
     q = indexer_queries(
         jnp.asarray(q_residual.numpy()),
         jnp.asarray(indexer.q_b_proj.weight.detach().numpy().T),
-        jnp.asarray(cos, jnp.float32),
-        jnp.asarray(sin, jnp.float32),
+        jnp.asarray(position_ids.numpy()),
+        jnp.asarray(np_inv_freq(rope, cfg.rope_parameters["compress"]["rope_theta"]),
+                    jnp.float32),
         num_heads=cfg.index_n_heads,
     )
     w = indexer_head_weights(
