@@ -187,8 +187,11 @@ def output_head_params(config: ModelConfig, params: dict, head: int = 0) -> dict
 def init_variables(module: nn.Module, key: jax.Array) -> dict:
     """Boxed (logical axes kept) variables of `module.init` on a dummy [1, 8] token batch:
     `CausalLM` or a module wrapping it with the same inputs; no variable's shape depends on
-    the batch or the length."""
-    return module.init(key, jnp.zeros((1, 8), jnp.int32))
+    the batch or the length.
+
+    Jitted: run eagerly, every op of the dummy forward pass (each scan, map and loop body) is
+    compiled on its own, which on CPU took twice as long as compiling the whole init at once."""
+    return jax.jit(module.init)(key, jnp.zeros((1, 8), jnp.int32))
 
 
 @functools.lru_cache(maxsize=8)
