@@ -64,7 +64,11 @@ class SharedKVAttention(nn.Module):
 
     aux of a C layer: `indexer_loss`, the KL of the indexer's scores from the main attention's
     probabilities over the selected entries (model.ops.sparse_indexer.indexer_kl_loss), the
-    indexer's only training signal."""
+    indexer's only training signal.
+
+    With `kv_cache` set the layer decodes incrementally (model/inference/compressed_cache.py):
+    `positions` are absolute (-1 marks padding), `segment_ids` is unused, the window ring and
+    the compressed entries live in the mutable `cache` collection, and aux is empty."""
 
     config: ModelConfig
     attention_type: str  # "W", "C" or "H"
