@@ -9,7 +9,9 @@
                         # distribution (plain decoding; RL records it as pi_infer)
 
 Caches (model/inference/kv_cache.py) hold max_len positions on full layers and a W + draft ring on
-SWA layers. Prompts of different lengths share a batch: each row has its own positions, padding has
+SWA layers; DeepSeek-V4's W / C / H layers (model/inference/compressed_cache.py) a W + draft ring of
+shared entries, and on C / H layers the compressed entries with a short tail of per-token
+compressor projections (C layers also the lightning indexer's keys). Prompts of different lengths share a batch: each row has its own positions, padding has
 position -1, and finished rows are frozen (their tokens get position -1).
 
 Speculative decoding (report 2.1-2.2): after the main model has seen the sequence up to
@@ -33,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from model.config import SHARED_KV_KINDS, ModelConfig
+from model.config import ModelConfig
+from model.inference.compressed_cache import CompressorCache
 from model.inference.kv_cache import KVCacheSpec
 from model.inference.sampling import Sampling, sample, sample_with_logprob, token_probs
 from model.inference.speculative import accept_drafts
@@ -70,12 +73,6 @@ class Decoder:
 
     def __init__(self, config: ModelConfig, variables: dict, *, max_len: int, draft: int = 0,
                  prefill_chunk: int = 256):
-        mtp_kind = config.mtp.attention_type if config.mtp.num_heads else ""
-        shared_kv = sorted(set(config.layout + mtp_kind) & set(SHARED_KV_KINDS))
-        if shared_kv:
-            raise ValueError(f"decoding with KV caches is not implemented for DeepSeek-V4 "
-                             f"attention layers ({', '.join(shared_kv)} in layout / "
-                             "mtp.attention_type); score such models with a full forward pass")
         if not 0 <= draft <= config.mtp.num_heads:
             raise ValueError(f"draft: {draft} speculative tokens need as many MTP heads; the "
                              f"model has mtp.num_heads={config.mtp.num_heads}")
@@ -316,11 +313,13 @@ class Decoder:
 
 
 def cache_bytes(config: ModelConfig, cache) -> dict[str, int]:
-    """Bytes of a decode cache (`Decoder.init_cache`) by attention type: {'full', 'swa'}.
-    MTP heads count as SWA (each is one SWA block)."""
+    """Bytes of a decode cache (`Decoder.init_cache`) by kind: 'full' (F layers), 'swa' (the
+    sliding-window rings: S and W layers, the window branch of C / H layers, the MTP heads),
+    'compressed' (C / H layers' compressed entries and compressor tails), 'indexer' (the CSA
+    indexers' keys and tails); the last two are 0 without DeepSeek-V4 compressed layers."""
     kinds = layer_kinds(config)
     segments = plan_segments(kinds)
-    totals = {"full": 0, "swa": 0}
+    totals = {"full": 0, "swa": 0, "compressed": 0, "indexer": 0}
     for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
         names = [getattr(p, "key", "") for p in path]
         if names[0] == "layers" and names[1].startswith("segment_"):
@@ -330,6 +329,11 @@ def cache_bytes(config: ModelConfig, cache) -> dict[str, int]:
             kind = kinds[int(names[1].removeprefix("layer_"))]
         else:
             kind = None  # an MTP head
-        full = kind is not None and kind.attention_type == "F"
-        totals["full" if full else "swa"] += leaf.size * leaf.dtype.itemsize
+        if "indexer" in names:
+            category = "indexer"
+        elif names[-1] in CompressorCache._fields:
+            category = "compressed"
+        else:
+            category = "full" if kind is not None and kind.attention_type == "F" else "swa"
+        totals[category] += leaf.size * leaf.dtype.itemsize
     return totals

@@ -15,14 +15,14 @@ rejected) and are ignored, so rolling back is free: the next chunk simply starts
 Padding tokens carry position -1: they are neither attended to nor written.
 """
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from model.ops.attention_cores import masked_attention
 
-_FAR = jnp.iinfo(jnp.int32).max
+FAR = jnp.iinfo(jnp.int32).max  # a position after every real one (rows without tokens)
 
 
 class KVCacheSpec(NamedTuple):
@@ -48,35 +48,71 @@ def empty_layer_cache(batch: int, slots: int, num_kv: int, head_dim: int, dtype)
     return LayerCache(zeros, zeros, jnp.full((batch, slots), -1, jnp.int32))
 
 
+def chunk_bounds(positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions [B, T] (-1 = padding) -> (first position [B], one past the last [B]); a row
+    without tokens has start FAR and end 0, so it invalidates and writes nothing."""
+    valid = positions >= 0
+    start = jnp.min(jnp.where(valid, positions, FAR), axis=1)
+    end = jnp.max(jnp.where(valid, positions, -1), axis=1) + 1
+    return start, end
+
+
+def chunk_key_positions(cache_position: jax.Array, positions: jax.Array,
+                        start: jax.Array) -> jax.Array:
+    """Positions of [cache entries older than the chunk; the chunk] as keys, -1 for empty or
+    stale slots and padding: [B, S], [B, T], [B] -> [B, S + T]."""
+    older = jnp.where(cache_position < start[:, None], cache_position, -1)
+    return jnp.concatenate([older, jnp.where(positions >= 0, positions, -1)], axis=1)
+
+
+def causal_mask(key_pos: jax.Array, positions: jax.Array, window: int | None) -> jax.Array:
+    """Query t sees key j iff 0 <= j <= t (and t - j < window): [B, K], [B, T] -> bool [B, T, K]."""
+    query_pos = positions[:, :, None]
+    mask = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= query_pos)
+    if window is not None:
+        mask &= query_pos - key_pos[:, None, :] < window
+    return mask
+
+
 def attend_and_update(q, k, v, positions, cache: LayerCache, *, window: int | None,
                       sink: jax.Array | None) -> tuple[jax.Array, LayerCache]:
     """q: [B, T, H, D], k/v: [B, T, K, D] (RoPE applied), positions: [B, T] absolute, -1 for
     padding; valid tokens of a row must be consecutive positions. Returns the attention output
     [B, T, H, D] and the cache with the chunk written in."""
-    valid = positions >= 0
-    start = jnp.min(jnp.where(valid, positions, _FAR), axis=1)  # [B]
-    end = jnp.max(jnp.where(valid, positions, -1), axis=1) + 1  # [B] one past the last token
-    older = jnp.where(cache.position < start[:, None], cache.position, -1)
-    key_pos = jnp.concatenate([older, jnp.where(valid, positions, -1)], axis=1)  # [B, S + T]
-    query_pos = positions[:, :, None]
-    mask = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= query_pos)
-    if window is not None:
-        mask &= query_pos - key_pos[:, None, :] < window
+    start, end = chunk_bounds(positions)
+    mask = causal_mask(chunk_key_positions(cache.position, positions, start), positions, window)
     keys = jnp.concatenate([cache.key, k.astype(cache.key.dtype)], axis=1)
     values = jnp.concatenate([cache.value, v.astype(cache.value.dtype)], axis=1)
     out = masked_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask, sink)
     return out, write_chunk(cache, k, v, positions, end)
 
 
-def write_chunk(cache: LayerCache, k, v, positions, end) -> LayerCache:
-    """Writes the chunk's valid tokens into their slots. Only the last S positions of a row
-    (those >= end - S) are written, so no two writes of a row share a slot."""
-    slots = cache.key.shape[1]
+def ring_write(buffer: jax.Array, new: jax.Array, positions: jax.Array,
+               end: jax.Array) -> jax.Array:
+    """Writes the chunk's valid tokens new [B, T, ...] into slot position mod S of buffer
+    [B, S, ...]. Only the last S positions of a row (those >= end - S) are written, so no two
+    writes of a row share a slot."""
+    slots = buffer.shape[1]
     keep = (positions >= 0) & (positions >= (end - slots)[:, None])
     slot = jnp.where(keep, positions % slots, slots)  # out of range: dropped
     rows = jnp.arange(positions.shape[0])[:, None]
+    return buffer.at[rows, slot].set(new.astype(buffer.dtype), mode="drop")
 
-    def put(buffer, new):
-        return buffer.at[rows, slot].set(new.astype(buffer.dtype), mode="drop")
 
-    return LayerCache(put(cache.key, k), put(cache.value, v), put(cache.position, positions))
+def write_chunk(cache: LayerCache, k, v, positions, end) -> LayerCache:
+    """The chunk's keys, values and positions written into their ring slots."""
+    return LayerCache(*(ring_write(buffer, new, positions, end)
+                        for buffer, new in zip(cache, (k, v, positions))))
+
+
+def cache_variables(module, empty: NamedTuple) -> tuple[NamedTuple, Callable]:
+    """The `cache` collection variables of flax `module` named after the fields of `empty`
+    (their initial values) -> (current state, store(new state))."""
+    variables = [module.variable("cache", name, lambda value=value: value)
+                 for name, value in zip(empty._fields, empty)]
+
+    def store(state: NamedTuple) -> None:
+        for variable, value in zip(variables, state):
+            variable.value = value
+
+    return type(empty)(*(variable.value for variable in variables)), store

@@ -11,7 +11,12 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from model.config import ModelConfig
-from model.inference.kv_cache import KVCacheSpec, LayerCache, attend_and_update, empty_layer_cache
+from model.inference.kv_cache import (
+    KVCacheSpec,
+    attend_and_update,
+    cache_variables,
+    empty_layer_cache,
+)
 from model.layers.common import dtype_of
 from model.layers.norm import RMSNorm
 from model.layers.projection import Projection
@@ -81,12 +86,9 @@ class Attention(nn.Module):
     def _cached_attention(self, q, k, v, positions, window, sink):
         """Attends over this layer's cache plus the chunk and writes the chunk into the cache."""
         batch, _, kv_heads, head_dim = k.shape
-        empty = empty_layer_cache(batch, self.kv_cache.slots(window), kv_heads, head_dim,
-                                  dtype_of(self.config.compute_dtype))
-        cache = [self.variable("cache", name, lambda i=i: empty[i])
-                 for i, name in enumerate(LayerCache._fields)]
-        y, updated = attend_and_update(q, k, v, positions, LayerCache(*(c.value for c in cache)),
-                                       window=window, sink=sink)
-        for variable, value in zip(cache, updated):
-            variable.value = value
+        cache, store = cache_variables(self, empty_layer_cache(
+            batch, self.kv_cache.slots(window), kv_heads, head_dim,
+            dtype_of(self.config.compute_dtype)))
+        y, updated = attend_and_update(q, k, v, positions, cache, window=window, sink=sink)
+        store(updated)
         return y

@@ -28,7 +28,7 @@ class DecoderBlock(nn.Module):
     is_moe: bool
     limit: float = 0.0  # routed-expert clamp
     shared_limit: float = 0.0  # dense FFN / shared-expert clamp
-    kv_cache: KVCacheSpec | None = None  # incremental decoding (model/inference/kv_cache.py)
+    kv_cache: KVCacheSpec | None = None  # incremental decoding (model/inference/)
     is_hash: bool = False  # MoE routed by token id (model/layers/hash_routing.py)
     streams: bool = True  # mHC when hc_mult > 1 (MTP blocks take one stream)
 
@@ -41,13 +41,8 @@ class DecoderBlock(nn.Module):
         ffn_norm = RMSNorm(name="post_attention_layernorm", **norm)
 
         def attention(h):
-            if self.attention_type in SHARED_KV_KINDS:
-                if self.kv_cache is not None:  # refused up front by the Decoder
-                    raise ValueError("KV-cache decoding of DeepSeek-V4 attention layers "
-                                     f"({SHARED_KV_KINDS}) is not implemented")
-                return SharedKVAttention(cfg, self.attention_type, name="self_attn")(
-                    input_norm(h), positions, segment_ids)
-            return Attention(cfg, self.attention_type, self.kv_cache, name="self_attn")(
+            layer = SharedKVAttention if self.attention_type in SHARED_KV_KINDS else Attention
+            return layer(cfg, self.attention_type, self.kv_cache, name="self_attn")(
                 input_norm(h), positions, segment_ids)
 
         def ffn(h):

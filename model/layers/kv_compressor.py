@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
+from model.inference.compressed_cache import cached_compression, entry_ends
+from model.inference.kv_cache import KVCacheSpec
 from model.layers.common import dtype_of, normal_init
 from model.ops.kv_compression import CompressedKV, CompressorParams, compress_kv
 from model.ops.sparse_indexer import (
@@ -49,34 +51,37 @@ class Compressor(nn.Module):
             "kv_norm", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("norm",)),
             (self.width,), param_dtype)
 
+    def params(self) -> CompressorParams:
+        return CompressorParams(self.kv_proj, self.gate_proj, self.position_bias,
+                                1.0 + self.kv_norm.astype(jnp.float32))
+
     def __call__(self, hidden, segment_ids, inv_freq) -> CompressedKV:
-        params = CompressorParams(self.kv_proj, self.gate_proj, self.position_bias,
-                                  1.0 + self.kv_norm.astype(jnp.float32))
-        return compress_kv(hidden, params, rate=self.rate, overlap=self.overlap,
+        return compress_kv(hidden, self.params(), rate=self.rate, overlap=self.overlap,
                            inv_freq=inv_freq, segment_ids=segment_ids,
                            eps=self.config.norm_eps)
 
 
 class LightningIndexer(nn.Module):
     """CSA's top-k selection (eqs. 13-17): its own overlapped compressor of width c^I, queries
-    from the shared query latent, per-head weights from the hidden state.
+    from the shared query latent, per-head weights from the hidden state. With `kv_cache` the
+    keys come from the indexer's decode cache (model/inference/compressed_cache.py) and
+    `positions` are absolute (-1 = padding).
 
     As DeepSeek-V3.2's indexer (the recipe the indexer loss follows), its inputs are detached:
     it learns only from its own loss, and the main model gets no gradient through it."""
 
     config: ModelConfig
+    kv_cache: KVCacheSpec | None = None
 
     @nn.compact
-    def __call__(self, hidden, q_latent, positions, segment_ids,
-                 inv_freq) -> tuple[Selection, CompressedKV]:
+    def __call__(self, hidden, q_latent, positions, segment_ids, inv_freq) -> Selection:
         """hidden [B, T, d], q_latent [B, T, q_lora_rank], positions / segment_ids [B, T]
-        (segment_ids None: one document per row) -> (Selection of [B, T, index_topk], the
-        indexer keys)."""
+        (segment_ids None: one document per row) -> Selection of [B, T, index_topk]."""
         cfg, attn = self.config, self.config.shared_kv_attention
         dtype, param_dtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
         hidden, q_latent = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(q_latent)
-        keys = Compressor(cfg, attn.index_head_dim, attn.csa_rate, overlap=True,
-                          name="compressor")(hidden, segment_ids, inv_freq)
+        compressor = Compressor(cfg, attn.index_head_dim, attn.csa_rate, overlap=True,
+                                name="compressor")
         q_b_proj = self.param("q_b_proj", normal_init(cfg.init_std, ("q_lora", "index_heads")),
                               (attn.q_lora_rank, attn.index_heads * attn.index_head_dim),
                               param_dtype)
@@ -86,10 +91,16 @@ class LightningIndexer(nn.Module):
         batch, length, _ = hidden.shape
         queries = indexer_queries(q_latent.astype(dtype), q_b_proj, positions, inv_freq,
                                   num_heads=attn.index_heads)
+        head_weights = indexer_head_weights(hidden.astype(dtype), weights_proj)
+        options = dict(top_k=attn.index_topk, chunk_size=attn.query_chunk)
+        if self.kv_cache is not None:
+            keys = cached_compression(self, compressor.params(), hidden, positions,
+                                      self.kv_cache, rate=attn.csa_rate, overlap=True,
+                                      inv_freq=inv_freq, eps=cfg.norm_eps)
+            return select_entries(queries, head_weights, keys.entries, positions,
+                                  entry_ends(keys), **options)
+        keys = compressor(hidden, segment_ids, inv_freq)
         token_index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        selection = select_entries(
-            queries, indexer_head_weights(hidden.astype(dtype), weights_proj), keys.entries,
-            token_index, keys.last_token, top_k=attn.index_topk, chunk_size=attn.query_chunk,
-            query_segment_ids=segment_ids, entry_segment_ids=keys.segment_ids)
-        return selection, keys
-
+        return select_entries(queries, head_weights, keys.entries, token_index, keys.last_token,
+                              query_segment_ids=segment_ids, entry_segment_ids=keys.segment_ids,
+                              **options)

@@ -26,12 +26,19 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from model.config import ModelConfig, RopeScaling
+from model.inference.compressed_cache import (
+    cached_compression,
+    empty_window_cache,
+    entry_visibility,
+    window_keys,
+)
+from model.inference.kv_cache import KVCacheSpec, cache_variables
 from model.layers.common import dtype_of, normal_init
 from model.layers.kv_compressor import Compressor, LightningIndexer
 from model.layers.norm import RMSNorm
 from model.layers.projection import Projection
 from model.layers.rope import rope_frequencies
-from model.ops.compressed_attention import compressed_attention
+from model.ops.compressed_attention import attend_window_and_entries, compressed_attention
 from model.ops.interleaved_rope import rotate_trailing_pairs
 from model.ops.kv_compression import CompressedKV
 from model.ops.sparse_indexer import indexer_kl_loss
@@ -57,10 +64,15 @@ class SharedKVAttention(nn.Module):
 
     aux of a C layer: `indexer_loss`, the KL of the indexer's scores from the main attention's
     probabilities over the selected entries (model.ops.sparse_indexer.indexer_kl_loss), the
-    indexer's only training signal."""
+    indexer's only training signal.
+
+    With `kv_cache` set the layer decodes incrementally (model/inference/compressed_cache.py):
+    `positions` are absolute (-1 marks padding), `segment_ids` is unused, the window ring and
+    the compressed entries live in the mutable `cache` collection, and aux is empty."""
 
     config: ModelConfig
     attention_type: str  # "W", "C" or "H"
+    kv_cache: KVCacheSpec | None = None  # incremental decoding (model/inference/compressed_cache.py)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
@@ -88,25 +100,25 @@ class SharedKVAttention(nn.Module):
                                                                  ("heads",)),
                            (attn.num_heads,), param_dtype)
 
-        aux, selected = {}, None
-        if self.attention_type == "W":
-            compressed = no_entries(batch, attn.head_dim, dtype)
+        aux = {}
+        if self.kv_cache is not None:
+            y = self._cached_attention(x, q, kv, q_latent, positions, sinks, inv_freq)
+        elif self.attention_type == "W":
+            y = compressed_attention(q, kv, no_entries(batch, attn.head_dim, dtype), sinks,
+                                     **self._core_options(segment_ids))
         else:
-            csa = self.attention_type == "C"
-            compressed = Compressor(cfg, attn.head_dim, attn.csa_rate if csa else attn.hca_rate,
-                                    overlap=csa, name="compressor")(x, segment_ids, inv_freq)
-            if csa:
-                selection, _ = LightningIndexer(cfg, name="indexer")(
-                    x, q_latent, positions, segment_ids, inv_freq)
-                selected = jnp.where(selection.valid, selection.indices, -1)
-        core = dict(window=cfg.window, segment_ids=segment_ids, query_chunk=attn.query_chunk)
-        if selected is None:
-            y = compressed_attention(q, kv, compressed, sinks, **core)
-        else:
-            y, entry_probs = compressed_attention(q, kv, compressed, sinks, selected=selected,
-                                                  entry_probs=True, **core)
-            aux["indexer_loss"] = indexer_kl_loss(entry_probs[:, :, None], selection.scores,
-                                                  selection.valid)
+            compressed = self._compressor()(x, segment_ids, inv_freq)
+            if self.attention_type == "H":
+                y = compressed_attention(q, kv, compressed, sinks,
+                                         **self._core_options(segment_ids))
+            else:
+                selection = LightningIndexer(cfg, name="indexer")(x, q_latent, positions,
+                                                                  segment_ids, inv_freq)
+                y, entry_probs = compressed_attention(
+                    q, kv, compressed, sinks, entry_probs=True, **self._core_options(segment_ids),
+                    selected=jnp.where(selection.valid, selection.indices, -1))
+                aux["indexer_loss"] = indexer_kl_loss(entry_probs[:, :, None], selection.scores,
+                                                      selection.valid)
         y = rotate_trailing_pairs(y, -positions, inv_freq)  # §2.3.3: undo the entries' RoPE
 
         groups = attn.o_groups
@@ -117,3 +129,41 @@ class SharedKVAttention(nn.Module):
         out = projection("o_b_proj", (cfg.d_model,), ("o_groups", "o_lora", "embed"),
                          contract=2)(mixed)
         return checkpoint_name(out, "attention_out"), aux
+
+    def _core_options(self, segment_ids) -> dict:
+        return dict(window=self.config.window, segment_ids=segment_ids,
+                    query_chunk=self.config.shared_kv_attention.query_chunk)
+
+    def _compressor(self) -> Compressor:
+        attn = self.config.shared_kv_attention
+        csa = self.attention_type == "C"
+        return Compressor(self.config, attn.head_dim, attn.csa_rate if csa else attn.hca_rate,
+                          overlap=csa, name="compressor")
+
+    def _cached_attention(self, x, q, kv, q_latent, positions, sinks, inv_freq):
+        """Decoding: the chunk (positions [B, T] absolute, -1 = padding) attends over the
+        window ring and the compressed entries of this layer's caches
+        (model/inference/compressed_cache.py), which it extends. -> [B, T, H, c]."""
+        cfg, attn, spec = self.config, self.config.shared_kv_attention, self.kv_cache
+        batch = x.shape[0]
+        cache, store = cache_variables(self, empty_window_cache(batch, spec, cfg.window,
+                                                                attn.head_dim, kv.dtype))
+        keys, window_mask, cache = window_keys(cache, kv, positions, cfg.window)
+        store(cache)
+        if self.attention_type == "W":
+            entries = jnp.zeros((batch, 0, attn.head_dim), kv.dtype)
+            return attend_window_and_entries(q, keys, window_mask, entries,
+                                             jnp.zeros((*positions.shape, 0), bool), sinks)[0]
+        csa = self.attention_type == "C"
+        compressed = cached_compression(
+            self, self._compressor().params(), x, positions, spec,
+            rate=attn.csa_rate if csa else attn.hca_rate, overlap=csa, inv_freq=inv_freq,
+            eps=cfg.norm_eps)
+        selected = None
+        if csa:  # top-k among the cached entries visible to each query, as in training
+            selection = LightningIndexer(cfg, spec, name="indexer")(x, q_latent, positions, None,
+                                                                   inv_freq)
+            selected = jnp.where(selection.valid, selection.indices, -1)
+        return attend_window_and_entries(q, keys, window_mask, compressed.entries,
+                                         entry_visibility(compressed, positions), sinks,
+                                         selected)[0]

@@ -61,8 +61,6 @@ def compressed_attention(q: jax.Array, kv: jax.Array, compressed: CompressedKV, 
     seg_front = jnp.pad(seg_p, ((0, 0), (chunk, 0)), constant_values=-1)
     if selected is not None:
         selected = _chunk_rows(selected, chunk, pad_value=-1)
-    scale = dim ** -0.5
-    sink = sink.astype(jnp.float32)
 
     def one_chunk(n):
         start = n * chunk
@@ -75,35 +73,12 @@ def compressed_attention(q: jax.Array, kv: jax.Array, compressed: CompressedKV, 
         distance = q_pos[:, None] - k_pos[None, :]
         win_mask = ((distance >= 0) & (distance < window))[None] & (
             seg_q[:, :, None] == seg_k[:, None, :])  # [B, C, 2C]
-        win_logits = jnp.einsum("bqhd,bkd->bqhk", q_c, k_win,
-                                preferred_element_type=jnp.float32) * scale
         visible = compressed.visible(jnp.broadcast_to(q_pos, (batch, chunk)), seg_q)  # [B, C, N]
-        if selected is None:
-            comp_keys = compressed.entries  # [B, N, c]
-            comp_mask = visible
-            comp_logits = jnp.einsum("bqhd,bnd->bqhn", q_c, comp_keys,
-                                     preferred_element_type=jnp.float32) * scale
-        else:
+        picks = None
+        if selected is not None:
             picks = jax.lax.dynamic_slice_in_dim(selected, start, chunk, axis=1)  # [B, C, k]
-            safe = jnp.clip(picks, 0, compressed.entries.shape[1] - 1)
-            comp_mask = (picks >= 0) & jnp.take_along_axis(visible, safe, axis=2)
-            comp_keys = jnp.take_along_axis(compressed.entries[:, None], safe[..., None],
-                                            axis=2)  # [B, C, k, c]
-            comp_logits = jnp.einsum("bqhd,bqkd->bqhk", q_c, comp_keys,
-                                     preferred_element_type=jnp.float32) * scale
-        logits = jnp.concatenate([jnp.where(win_mask[:, :, None], win_logits, _NEG),
-                                  jnp.where(comp_mask[:, :, None], comp_logits, _NEG)], axis=-1)
-        # eq. 27: exp(sink_h) joins the denominator; the sink has no value vector.
-        top = jnp.maximum(jnp.max(logits, axis=-1), sink)  # [B, C, H]
-        weights = jnp.exp(logits - top[..., None])
-        denom = jnp.sum(weights, axis=-1) + jnp.exp(sink - top)
-        probs = (weights / denom[..., None]).astype(kv.dtype)
-        win_probs, comp_probs = probs[..., :2 * chunk], probs[..., 2 * chunk:]
-        out = jnp.einsum("bqhk,bkd->bqhd", win_probs, k_win, preferred_element_type=jnp.float32)
-        pattern = "bqhn,bnd->bqhd" if selected is None else "bqhk,bqkd->bqhd"
-        out = out + jnp.einsum(pattern, comp_probs, comp_keys, preferred_element_type=jnp.float32)
-        summed = jax.lax.stop_gradient(jnp.sum(comp_probs.astype(jnp.float32), axis=2))
-        return out.astype(q.dtype), summed
+        return attend_window_and_entries(q_c, k_win, win_mask, compressed.entries, visible, sink,
+                                         picks)
 
     outs, summed = jax.lax.map(jax.checkpoint(one_chunk), jnp.arange(num_chunks))
     outs = jnp.moveaxis(outs, 0, 1).reshape(batch, num_chunks * chunk, heads, dim)[:, :length]
@@ -111,3 +86,44 @@ def compressed_attention(q: jax.Array, kv: jax.Array, compressed: CompressedKV, 
         return outs
     summed = jnp.moveaxis(summed, 0, 1)  # [B, n, C, N or k]
     return outs, summed.reshape(batch, num_chunks * chunk, -1)[:, :length]
+
+
+def attend_window_and_entries(q: jax.Array, window_keys: jax.Array, window_mask: jax.Array,
+                              entries: jax.Array, visible: jax.Array, sink: jax.Array,
+                              selected: jax.Array | None = None):
+    """The shared-KV attention of Q queries over raw window entries and compressed entries,
+    each entry its own value: q [B, Q, H, c]; window_keys [B, K, c] seen where window_mask
+    [B, Q, K]; entries [B, N, c] seen where visible [B, Q, N], all of them (HCA) or only the
+    `selected` [B, Q, k] slots (CSA, -1 = none); sink [H] logits -> (out [B, Q, H, c] in
+    q.dtype, attention probability of each compressed slot summed over heads [B, Q, N or k]
+    float32, without gradient). Used by the training path (per query chunk) and by decoding
+    (over the caches)."""
+    scale = q.shape[-1] ** -0.5
+    sink = sink.astype(jnp.float32)
+    win_logits = jnp.einsum("bqhd,bkd->bqhk", q, window_keys,
+                            preferred_element_type=jnp.float32) * scale
+    if selected is None:
+        comp_keys, comp_mask = entries, visible  # [B, N, c], [B, Q, N]
+        pattern = "bqhn,bnd->bqhd"
+        comp_logits = jnp.einsum("bqhd,bnd->bqhn", q, comp_keys,
+                                 preferred_element_type=jnp.float32) * scale
+    else:
+        safe = jnp.clip(selected, 0, entries.shape[1] - 1)
+        comp_mask = (selected >= 0) & jnp.take_along_axis(visible, safe, axis=2)
+        comp_keys = jnp.take_along_axis(entries[:, None], safe[..., None], axis=2)  # [B, Q, k, c]
+        pattern = "bqhk,bqkd->bqhd"
+        comp_logits = jnp.einsum("bqhd,bqkd->bqhk", q, comp_keys,
+                                 preferred_element_type=jnp.float32) * scale
+    logits = jnp.concatenate([jnp.where(window_mask[:, :, None], win_logits, _NEG),
+                              jnp.where(comp_mask[:, :, None], comp_logits, _NEG)], axis=-1)
+    # eq. 27: exp(sink_h) joins the denominator; the sink has no value vector.
+    top = jnp.maximum(jnp.max(logits, axis=-1), sink)  # [B, Q, H]
+    weights = jnp.exp(logits - top[..., None])
+    denom = jnp.sum(weights, axis=-1) + jnp.exp(sink - top)
+    probs = (weights / denom[..., None]).astype(window_keys.dtype)
+    num_window = window_keys.shape[1]
+    win_probs, comp_probs = probs[..., :num_window], probs[..., num_window:]
+    out = jnp.einsum("bqhk,bkd->bqhd", win_probs, window_keys, preferred_element_type=jnp.float32)
+    out = out + jnp.einsum(pattern, comp_probs, comp_keys, preferred_element_type=jnp.float32)
+    summed = jax.lax.stop_gradient(jnp.sum(comp_probs.astype(jnp.float32), axis=2))
+    return out.astype(q.dtype), summed

@@ -103,6 +103,49 @@ def softmax_pool(values: jax.Array, logits: jax.Array) -> jax.Array:
     return jnp.sum(weights * values.astype(jnp.float32), axis=2)
 
 
+def project_tokens(hidden: jax.Array, params: CompressorParams) -> tuple[jax.Array, jax.Array]:
+    """Per-token projections C = H·W^KV (in hidden.dtype) and gate logits Z = H·W^Z (float32,
+    before the slot bias): [B, T, d] -> ([B, T, F], [B, T, F]), F = c (HCA) or 2c (CSA)."""
+    kv = hidden @ params.kv_proj.astype(hidden.dtype)
+    gate = (hidden @ params.gate_proj.astype(hidden.dtype)).astype(jnp.float32)
+    return kv, gate
+
+
+def pool_blocks(values: jax.Array, gates: jax.Array, previous: tuple | None,
+                first_position: jax.Array, params: CompressorParams, *, inv_freq: jax.Array,
+                eps: float) -> jax.Array:
+    """One entry per block from its tokens' projections: values/gates [B, N, m, F] (`project_tokens`
+    of the block's m tokens); `previous` (CSA only): (values, gates, has_prev [B, N]) of the
+    block before, whose first c channels join the pooling (none for a document's first block);
+    first_position [B, N]: of the block's first token (the entry's RoPE position)
+    -> [B, N, c] float32: pooled (eqs. 11-12 / 22-23), RMS-normalised, scaled by kv_norm, rotated."""
+    width = params.kv_norm.shape[0]
+    bias = params.position_bias.astype(jnp.float32)
+    logits = gates + bias
+    if previous is not None:
+        prev_values, prev_gates, has_prev = previous
+        has_prev = has_prev[:, :, None, None]
+        values = jnp.concatenate(
+            [jnp.where(has_prev, prev_values[..., :width], 0), values[..., width:]], axis=2)
+        logits = jnp.concatenate(
+            [jnp.where(has_prev, prev_gates[..., :width] + bias[:, :width], _NEG),
+             logits[..., width:]], axis=2)
+    pooled = softmax_pool(values, logits)  # [B, N, c] float32
+    normed = pooled * jax.lax.rsqrt(jnp.mean(pooled * pooled, -1, keepdims=True) + eps)
+    normed = normed * params.kv_norm.astype(jnp.float32)
+    return rotate_trailing_pairs(normed, first_position, inv_freq)
+
+
+def check_params(params: CompressorParams, rate: int, overlap: bool) -> None:
+    """One-line error when the compressor's parameters do not fit rate / overlap."""
+    width = params.kv_norm.shape[0]
+    expected = (rate, 2 * width if overlap else width)
+    if params.position_bias.shape != expected or params.kv_proj.shape[-1] != expected[1]:
+        raise ValueError(f"compress_kv: position_bias {params.position_bias.shape} / kv_proj "
+                         f"{params.kv_proj.shape} do not fit rate={rate}, c={width}, "
+                         f"overlap={overlap}")
+
+
 def compress_kv(hidden: jax.Array, params: CompressorParams, *, rate: int, overlap: bool,
                 inv_freq: jax.Array, segment_ids: jax.Array | None = None,
                 eps: float = 1e-6) -> CompressedKV:
@@ -113,34 +156,20 @@ def compress_kv(hidden: jax.Array, params: CompressorParams, *, rate: int, overl
     document per row); eps: of the entry RMSNorm.
     """
     batch, length, _ = hidden.shape
-    width = params.kv_norm.shape[0]
-    expected = (rate, 2 * width if overlap else width)
-    if params.position_bias.shape != expected or params.kv_proj.shape[-1] != expected[1]:
-        raise ValueError(f"compress_kv: position_bias {params.position_bias.shape} / kv_proj "
-                         f"{params.kv_proj.shape} do not fit rate={rate}, c={width}, "
-                         f"overlap={overlap}")
+    check_params(params, rate, overlap)
     if segment_ids is None:
         segment_ids = jnp.zeros((batch, length), jnp.int32)
-    kv = hidden @ params.kv_proj.astype(hidden.dtype)  # [B, T, c or 2c]
-    gate = (hidden @ params.gate_proj.astype(hidden.dtype)).astype(jnp.float32)
+    kv, gate = project_tokens(hidden, params)  # [B, T, c or 2c]
     first = block_starts(segment_ids, rate)  # [B, N]
-    bias = params.position_bias.astype(jnp.float32)
-    values = _gather_blocks(kv, first, rate)  # [B, N, m, c or 2c]
-    logits = _gather_blocks(gate, first, rate) + bias
     first_in_row = jnp.minimum(first, length - 1)  # empty slots read the last token, then zeroed
     block_offset = jnp.take_along_axis(document_offsets(segment_ids), first_in_row, axis=1)
-    if overlap:
-        prev_values = _gather_blocks(kv, first - rate, rate)[..., :width]
-        prev_logits = _gather_blocks(gate, first - rate, rate)[..., :width] + bias[:, :width]
-        has_prev = (block_offset >= rate)[:, :, None, None]  # boundary block: no previous block
-        values = jnp.concatenate(
-            [jnp.where(has_prev, prev_values, 0), values[..., width:]], axis=2)
-        logits = jnp.concatenate(
-            [jnp.where(has_prev, prev_logits, _NEG), logits[..., width:]], axis=2)
-    pooled = softmax_pool(values, logits)  # [B, N, c] float32
-    normed = pooled * jax.lax.rsqrt(jnp.mean(pooled * pooled, -1, keepdims=True) + eps)
-    normed = normed * params.kv_norm.astype(jnp.float32)
-    entries = rotate_trailing_pairs(normed, block_offset, inv_freq).astype(hidden.dtype)
+    previous = None
+    if overlap:  # a document's first block ("boundary block") has no previous block
+        previous = (_gather_blocks(kv, first - rate, rate), _gather_blocks(gate, first - rate, rate),
+                    block_offset >= rate)
+    entries = pool_blocks(_gather_blocks(kv, first, rate), _gather_blocks(gate, first, rate),
+                          previous, block_offset, params, inv_freq=inv_freq,
+                          eps=eps).astype(hidden.dtype)
     empty = first >= length
     entries = jnp.where(empty[..., None], 0, entries)
     last_token = jnp.where(empty, length, first + rate - 1).astype(jnp.int32)

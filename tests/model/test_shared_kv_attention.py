@@ -138,8 +138,3 @@ def test_csa_layer_reports_indexer_loss_and_trains_indexer_only_through_it():
     assert from_indexer["indexer"] > 0
     assert all(v == 0.0 for k, v in from_indexer.items() if k != "indexer")
 
-
-def test_kv_cache_decoding_is_refused_in_one_line():
-    from model.inference.decode import Decoder
-    with pytest.raises(ValueError, match="not implemented for DeepSeek-V4 attention layers"):
-        Decoder(tiny_config("WH"), {}, max_len=16)
