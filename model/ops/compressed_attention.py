@@ -16,6 +16,8 @@ are rematerialised in the backward pass, so live memory is one chunk's scores.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -23,6 +25,7 @@ from model.ops.kv_compression import CompressedKV
 
 _NEG = -1e30  # finite "-inf": a fully masked row yields zeros (sink only), gradients stay finite
 QUERY_CHUNK = 128  # default query rows per chunk (raised to the window when W is larger)
+SELECTED_ROWS = 16  # CSA queries per block within a chunk (`_selected_in_row_blocks`)
 
 
 def _chunk_rows(x: jax.Array, chunk: int, pad_value=0) -> jax.Array:
@@ -74,11 +77,12 @@ def compressed_attention(q: jax.Array, kv: jax.Array, compressed: CompressedKV, 
         win_mask = ((distance >= 0) & (distance < window))[None] & (
             seg_q[:, :, None] == seg_k[:, None, :])  # [B, C, 2C]
         visible = compressed.visible(jnp.broadcast_to(q_pos, (batch, chunk)), seg_q)  # [B, C, N]
-        picks = None
-        if selected is not None:
-            picks = jax.lax.dynamic_slice_in_dim(selected, start, chunk, axis=1)  # [B, C, k]
-        return attend_window_and_entries(q_c, k_win, win_mask, compressed.entries, visible, sink,
-                                         picks)
+        if selected is None:
+            return attend_window_and_entries(q_c, k_win, win_mask, compressed.entries, visible,
+                                             sink)
+        picks = jax.lax.dynamic_slice_in_dim(selected, start, chunk, axis=1)  # [B, C, k]
+        return _selected_in_row_blocks(q_c, k_win, win_mask, compressed.entries, visible, sink,
+                                       picks)
 
     outs, summed = jax.lax.map(jax.checkpoint(one_chunk), jnp.arange(num_chunks))
     outs = jnp.moveaxis(outs, 0, 1).reshape(batch, num_chunks * chunk, heads, dim)[:, :length]
@@ -86,6 +90,27 @@ def compressed_attention(q: jax.Array, kv: jax.Array, compressed: CompressedKV, 
         return outs
     summed = jnp.moveaxis(summed, 0, 1)  # [B, n, C, N or k]
     return outs, summed.reshape(batch, num_chunks * chunk, -1)[:, :length]
+
+
+def _selected_in_row_blocks(q, window_keys, window_mask, entries, visible, sink, selected):
+    """`attend_window_and_entries` of a CSA query chunk, SELECTED_ROWS queries at a time (a
+    divisor of the chunk), rematerialised: the per-query gathered entries [rows, k, c] stay in
+    cache instead of [C, k, c] streaming through memory (fwd+bwd of a 128-query chunk with
+    k = 512, c = 128, H = 8 on XLA:CPU: 2.5x faster in blocks of 8-16)."""
+    rows = math.gcd(q.shape[1], SELECTED_ROWS)
+
+    def block(i):
+        def part(x):
+            return jax.lax.dynamic_slice_in_dim(x, i * rows, rows, axis=1)
+        return attend_window_and_entries(part(q), window_keys, part(window_mask), entries,
+                                         part(visible), sink, part(selected))
+
+    outs, summed = jax.lax.map(jax.checkpoint(block), jnp.arange(q.shape[1] // rows))
+
+    def merged(x):  # [n, B, rows, ...] -> [B, n·rows, ...]
+        return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+
+    return merged(outs), merged(summed)
 
 
 def attend_window_and_entries(q: jax.Array, window_keys: jax.Array, window_mask: jax.Array,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from compression_references import reference_attention, reference_compress
 
+import model.ops.compressed_attention as compressed_attention_module
 from model.ops.compressed_attention import compressed_attention
 from model.ops.interleaved_rope import rotate_trailing_pairs
 from model.ops.kv_compression import CompressorParams, compress_kv
@@ -55,14 +56,17 @@ def test_hca_attention_matches_loop_reference(chunk):
     np.testing.assert_allclose(out, want, atol=1e-5)
 
 
-def test_selected_entries_match_loop_reference():
+@pytest.mark.parametrize("chunk, rows", [(4, 16), (16, 4)], ids=["chunks", "row_blocks"])
+def test_selected_entries_match_loop_reference(chunk, rows, monkeypatch):
     """Per-query picks with -1 (none), and picks of not-yet-visible or other-document entries
-    (ignored)."""
+    (ignored); a chunk's queries in one block, or in blocks of `rows`."""
+    monkeypatch.setattr(compressed_attention_module, "SELECTED_ROWS", rows)
     case = make_case(1, 2, 16, 2, [[7, 9], [16]])
     rng = np.random.default_rng(2)
     selected = np.stack([np.stack([rng.permutation(8)[:3] for _ in range(16)]) for _ in range(2)])
     selected[:, ::3, 1] = -1
-    out, entries = run(*case, rate=2, window=2, selected=jnp.asarray(selected), query_chunk=4)
+    out, entries = run(*case, rate=2, window=2, selected=jnp.asarray(selected),
+                       query_chunk=chunk)
     params, hidden, segments, q, kv, sink = case
     want = reference_attention(q, kv, entries, sink, 2, segments, selected)
     np.testing.assert_allclose(out, want, atol=1e-5)
