@@ -107,18 +107,24 @@ def visible_entries(
     return visible
 
 
-def _select_chunk(queries, head_weights, keys, visible, top_k: int) -> Selection:
-    """Masked scores and top-k for one query chunk. [B, C, ...] -> Selection of [B, C, k]."""
+def _choose_in_chunk(queries, head_weights, keys, visible, top_k: int):
+    """Top-k of one query chunk's masked scores -> (indices [B, C, k] int32, 0 where not valid;
+    valid [B, C, k]). Fewer visible entries than k leave invalid slots."""
     scores = jnp.where(visible, index_scores(queries, head_weights, keys), -jnp.inf)
-    picked_scores, indices = jax.lax.top_k(scores, min(top_k, scores.shape[-1]))
+    _, indices = jax.lax.top_k(scores, min(top_k, scores.shape[-1]))
     valid = jnp.take_along_axis(visible, indices, axis=-1)
-    missing = top_k - indices.shape[-1]  # fewer entries than k: pad with invalid slots
-    pad = ((0, 0), (0, 0), (0, missing))
-    indices = jnp.pad(jnp.where(valid, indices, 0), pad)
-    picked_scores = jnp.pad(
-        jnp.where(valid, picked_scores, -jnp.inf), pad, constant_values=-jnp.inf
-    )
-    return Selection(indices.astype(jnp.int32), jnp.pad(valid, pad), picked_scores)
+    pad = ((0, 0), (0, 0), (0, top_k - indices.shape[-1]))
+    return jnp.pad(jnp.where(valid, indices, 0), pad).astype(jnp.int32), jnp.pad(valid, pad)
+
+
+def _chosen_scores(queries, head_weights, keys, indices, valid) -> jax.Array:
+    """Eq. 16 at the chosen entries only: [B, C, k] float32, -inf where not valid."""
+    chosen = jnp.take_along_axis(keys[:, None], indices[..., None], axis=2)  # [B, C, k, c]
+    logits = jnp.einsum("bqkc,bqhc->bqkh", chosen.astype(jnp.float32),
+                        queries.astype(jnp.float32))
+    scaled = jax.nn.relu(logits) * queries.shape[-1] ** -0.5
+    scores = jnp.einsum("bqkh,bqh->bqk", scaled, head_weights.astype(jnp.float32))
+    return jnp.where(valid, scores, -jnp.inf)
 
 
 def select_entries(
@@ -133,9 +139,11 @@ def select_entries(
     query_segment_ids: jax.Array | None = None,
     entry_segment_ids: jax.Array | None = None,
 ) -> Selection:
-    """Top-k compressed entries per query (eqs. 16-17), computed `chunk_size` queries at a time
-    and recomputed in the backward (peak score memory [B, chunk_size, H, S] instead of
-    [B, T, H, S], in the forward and the backward).
+    """Top-k compressed entries per query (eqs. 16-17), `chunk_size` queries at a time (peak
+    score memory [B, chunk_size, H, S] instead of [B, T, H, S]). The choice is discrete, so
+    the chunks' [chunk_size, S] scores and top-k run without gradient; the chosen entries'
+    scores are then recomputed from their gathered keys, and only that O(T·k) part is
+    differentiated (rematerialised per chunk).
 
     queries: [B, T, H, c]; head_weights: [B, T, H]; keys: [B, S, c]; query_positions: [B, T];
     entry_end_positions: [B, S]; segment ids: [B, T] / [B, S] or None (one document per row).
@@ -152,26 +160,31 @@ def select_entries(
         x = x.reshape(batch, num_chunks, chunk_size, *x.shape[2:])
         return jnp.moveaxis(x, 1, 0)
 
-    per_chunk = (queries, head_weights, query_positions)
-    if query_segment_ids is not None:
-        per_chunk += (query_segment_ids,)
+    where = (query_positions,) if query_segment_ids is None else (query_positions,
+                                                                    query_segment_ids)
 
-    def one_chunk(xs):
-        q, w, pos, *seg = xs
+    def choose(xs):
+        q, w, pos, *seg = jax.lax.stop_gradient(xs)
         visible = visible_entries(
             pos, entry_end_positions, seg[0] if seg else None, entry_segment_ids
         )
-        return _select_chunk(q, w, keys, visible, top_k)
+        return _choose_in_chunk(q, w, jax.lax.stop_gradient(keys), visible, top_k)
 
+    def score(xs):
+        q, w, indices, valid = xs
+        return _chosen_scores(q, w, keys, indices, valid)
+
+    q_chunks, w_chunks = chunked(queries), chunked(head_weights)
+    indices, valid = jax.lax.map(choose, (q_chunks, w_chunks, *map(chunked, where)))
     # Rematerialised per chunk (as the core attention's chunks): the backward keeps only the
-    # [B, T, k] selection, not every chunk's [chunk, H, S] scores, so memory stays O(T·k).
-    out = jax.lax.map(jax.checkpoint(one_chunk), tuple(chunked(x) for x in per_chunk))
+    # [B, T, k] selection, not every chunk's [chunk, k, c] gathered keys.
+    scores = jax.lax.map(jax.checkpoint(score), (q_chunks, w_chunks, indices, valid))
 
     def unchunked(x):
         """[num_chunks, B, chunk_size, k] -> [B, T, k]."""
         return jnp.moveaxis(x, 0, 1).reshape(batch, padded, top_k)[:, :length]
 
-    return Selection(*(unchunked(x) for x in out))
+    return Selection(unchunked(indices), unchunked(valid), unchunked(scores))
 
 
 def indexer_kl_loss(main_probs: jax.Array, scores: jax.Array, support: jax.Array) -> jax.Array:

@@ -9,14 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.ops.sparse_indexer import (
-    csa_entry_end_positions,
-    index_scores,
-    indexer_head_weights,
-    indexer_kl_loss,
-    indexer_queries,
-    select_entries,
-)
+from model.ops.sparse_indexer import (csa_entry_end_positions, index_scores, indexer_head_weights,
+                                     indexer_kl_loss, indexer_queries, select_entries)
 
 RATIO = 4  # CSA compression rate m
 
@@ -170,6 +164,33 @@ def test_selection_is_causal_and_matches_reference(top_k):
     # the block that ends at t itself is admitted (upstream's (t + 1) // m rule)
     assert bool(np.asarray(selection.valid)[0, RATIO - 1].any())
     assert not np.asarray(selection.valid)[:, : RATIO - 1].any()
+
+
+def test_gradients_of_the_chosen_scores_match_loop_reference():
+    """d/d(q, w, K) of Σ probe·I over the chosen entries (the selection itself has none):
+    dI/dw = ReLU(q·K)/√c, dI/dq = w·[q·K > 0]·K/√c, dI/dK = w·[q·K > 0]·q/√c."""
+    rng = np.random.default_rng(7)
+    q, w, k = _random_inputs(rng, length=13)
+    probe = rng.normal(size=(*q.shape[:2], 2))
+    positions = jnp.tile(jnp.arange(q.shape[1], dtype=jnp.int32), (q.shape[0], 1))
+    ends = csa_entry_end_positions(q.shape[0], k.shape[1], RATIO)
+
+    def loss(*args):
+        selection = select_entries(*args, positions, ends, top_k=2, chunk_size=4)
+        return jnp.sum(jnp.where(selection.valid, selection.scores * probe, 0.0)), selection
+
+    (_, selection), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+        jnp.asarray(q), jnp.asarray(w), jnp.asarray(k))
+    want = [np.zeros(q.shape), np.zeros(w.shape), np.zeros(k.shape)]
+    for b, t, j in zip(*np.nonzero(np.asarray(selection.valid))):
+        s, scale = int(selection.indices[b, t, j]), probe[b, t, j] / np.sqrt(q.shape[-1])
+        for h in range(q.shape[2]):
+            dot = float(np.dot(q[b, t, h].astype(np.float64), k[b, s]))
+            want[1][b, t, h] += scale * max(dot, 0.0)
+            want[0][b, t, h] += scale * w[b, t, h] * k[b, s] * (dot > 0)
+            want[2][b, s] += scale * w[b, t, h] * q[b, t, h] * (dot > 0)
+    for got, expected in zip(grads, want):
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_packed_documents_never_select_other_documents():

@@ -57,6 +57,12 @@ def test_shipped_sweeps_load():
     assert names["gate"] == ["gate=headwise", "gate=sink", "gate=none"]
     assert names["optimizer"] == ["optimizer=muon", "optimizer=adamw"]
     assert names["balance"] == ["loss-free", "ep-group-loss", "both", "neither"]
+    assert names["deepseek_v4"] == ["V4", "no-mHC", "window-only", "no-hash"]
+    v4 = load_sweep(root / "configs" / "sweeps" / "deepseek_v4.yaml")
+    models = {r.name: v4.run_config(r).model for r in v4.runs}
+    assert (models["V4"].layout, models["window-only"].layout) == ("WWCHCH", "W" * 6)
+    assert (models["V4"].hyper_connections.hc_mult, models["no-mHC"].hyper_connections.hc_mult,
+            models["V4"].moe.hash_layers, models["no-hash"].moe.hash_layers) == (4, 1, 1, 0)
     layout = load_sweep(root / "configs" / "sweeps" / "layout.yaml")
     layouts = {r.name: layout.run_config(r).model for r in layout.runs}
     assert layouts["FFFF"].layout == "F" * 9
