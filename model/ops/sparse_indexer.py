@@ -160,8 +160,8 @@ def select_entries(
         x = x.reshape(batch, num_chunks, chunk_size, *x.shape[2:])
         return jnp.moveaxis(x, 1, 0)
 
-    where = (query_positions,) if query_segment_ids is None else (query_positions,
-                                                                    query_segment_ids)
+    placement = (query_positions,) if query_segment_ids is None else (query_positions,
+                                                                        query_segment_ids)
 
     def choose(xs):
         q, w, pos, *seg = jax.lax.stop_gradient(xs)
@@ -175,7 +175,7 @@ def select_entries(
         return _chosen_scores(q, w, keys, indices, valid)
 
     q_chunks, w_chunks = chunked(queries), chunked(head_weights)
-    indices, valid = jax.lax.map(choose, (q_chunks, w_chunks, *map(chunked, where)))
+    indices, valid = jax.lax.map(choose, (q_chunks, w_chunks, *map(chunked, placement)))
     # Rematerialised per chunk (as the core attention's chunks): the backward keeps only the
     # [B, T, k] selection, not every chunk's [chunk, k, c] gathered keys.
     scores = jax.lax.map(jax.checkpoint(score), (q_chunks, w_chunks, indices, valid))
