@@ -15,6 +15,7 @@ A layer whose compiled scratch exceeds --max-scratch-gib is reported, not run.
 """
 
 import argparse
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -38,15 +39,16 @@ DENSE_WIDTH = [
     "full_attention.partial_rotary_factor=0.25", "gate=sink", "attention_impl=xla",
 ]
 LAYERS = ("C", "H", "W", "dense")
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def layer_step(kind: str, length: int):
     """(compiled fwd+bwd of the layer on [1, length, 512], its arguments)."""
     if kind == "dense":
-        cfg = load_config("configs/tiny.yaml", DENSE_WIDTH)
+        cfg = load_config(CONFIGS / "tiny.yaml", DENSE_WIDTH)
         module = Attention(cfg, "F")
     else:
-        cfg = load_config("configs/tiny_deepseek_v4.yaml", V4_WIDTH)
+        cfg = load_config(CONFIGS / "tiny_deepseek_v4.yaml", V4_WIDTH)
         module = SharedKVAttention(cfg, kind)
     x = jax.random.normal(jax.random.key(length), (1, length, cfg.d_model), jnp.float32)
     positions = jnp.arange(length, dtype=jnp.int32)[None]
