@@ -41,7 +41,8 @@ Breakdown (FLOPs; backbone unless named `mtp`):
   head, without mHC. `total` includes it; set mtp.num_heads=0 for the backbone alone.
 
 `kv_cache_bytes` at context N, in the compute dtype (bfloat16 = 2 bytes, float32 = 4):
-- F/S: K and V of num_kv_heads * head_dim values per entry; F layers hold N entries, S min(N, W);
+- F/S: K and V of num_kv_heads * (head_dim + v_head_dim) values per entry; F layers hold N
+  entries, S min(N, W);
 - W/C/H: one shared K=V entry of c values per token in the window, min(N, W), plus ⌊N/m⌋
   compressed entries of c values (C, H) and ⌊N/m⌋ indexer keys of c^I values (C). The
   compressors' rows of blocks still being filled (at most 2m tokens, a size fixed in N) are
@@ -88,12 +89,13 @@ def compressed_pairs(context: int, rate: int, topk: int | None = None) -> int:
 
 
 def attention_projection_flops(cfg: ModelConfig, attention_type: str) -> int:
-    """Per token of an F/S layer: q [d, H*hd], k and v [d, KV*hd], o [H*hd, d], gate g [d, H]
-    if head-wise."""
-    heads, d = cfg.attention_config(attention_type).num_heads, cfg.d_model
-    weights = 2 * d * heads * cfg.head_dim + 2 * d * cfg.num_kv_heads * cfg.head_dim
-    if cfg.gate == "headwise":
-        weights += d * heads
+    """Per token of an F/S layer: q [d, H*hd], k [d, KV*hd], v [d, KV*dv], o [H*dv, d], gate
+    g [d, H] if head-wise."""
+    geo, d = cfg.attention_geometry(attention_type), cfg.d_model
+    weights = d * (geo.num_heads * (geo.head_dim + geo.v_head_dim)
+                   + geo.num_kv_heads * (geo.head_dim + geo.v_head_dim))
+    if geo.gate == "headwise":
+        weights += d * geo.num_heads
     return 2 * weights
 
 
@@ -101,9 +103,9 @@ def attention_score_flops(cfg: ModelConfig, attention_type: str, pairs: int) -> 
     """QK^T and PV over `pairs` visible (query, key) pairs, for every query head (GQA and the
     shared K=V entry share keys between heads, not the products)."""
     if attention_type in "FS":
-        heads, head_dim = cfg.attention_config(attention_type).num_heads, cfg.head_dim
-    else:
-        heads, head_dim = cfg.shared_kv_attention.num_heads, cfg.shared_kv_attention.head_dim
+        geo = cfg.attention_geometry(attention_type)
+        return 2 * geo.num_heads * (geo.head_dim + geo.v_head_dim) * pairs
+    heads, head_dim = cfg.shared_kv_attention.num_heads, cfg.shared_kv_attention.head_dim
     return 2 * 2 * heads * head_dim * pairs
 
 
@@ -250,7 +252,8 @@ def kv_cache_bytes(cfg: ModelConfig, context: int, storage: str = "compute_dtype
         window = _window(cfg, attention_type)
         entries = context if window is None else min(context, window)
         if attention_type in "FS":
-            total += entries * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+            geo = cfg.attention_geometry(attention_type)
+            total += entries * geo.num_kv_heads * (geo.head_dim + geo.v_head_dim) * itemsize
             continue
         compression = _compression(cfg, attention_type)
         blocks = 0 if compression is None else context // compression[0]

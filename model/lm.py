@@ -76,8 +76,9 @@ def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
         aux["sequence_balance_loss"] = (
             jnp.mean(jnp.stack([per_layer[i]["sequence_balance_loss"] for i in learned]))
             if learned else jnp.zeros((), jnp.float32))
-    if cfg.gate == "headwise" and any("gate_mean" in layer for layer in per_layer):
-        # None for the layers without a head-wise gate (DeepSeek-V4's W / C / H)
+    if any("gate_mean" in layer for layer in per_layer):
+        # None for the layers without a head-wise gate (DeepSeek-V4's W / C / H, or a type
+        # whose own `gate` is another)
         aux["attention_gate_mean"] = tuple(layer.get("gate_mean") for layer in per_layer)
     csa = [layer["indexer_loss"] for layer in per_layer if "indexer_loss" in layer]
     if csa:

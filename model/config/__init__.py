@@ -23,6 +23,7 @@ from model.config.core import (
 )
 from model.config.attention_config import (
     ROPE_SCALING_TYPES,
+    AttentionGeometry,
     AttentionTypeConfig,
     RopeScaling,
     SharedKVAttentionConfig,
@@ -51,7 +52,7 @@ __all__ = [
     "config_to_dict",
     "parse_override", "read_yaml", "yaml_load",
     "DTYPES", "EP_COLLECTIVES", "GATE_TYPES", "GQA_KINDS", "REMAT_POLICIES",
-    "ROPE_SCALING_TYPES", "ROUTER_ACTIVATIONS", "SHARED_KV_KINDS", "AttentionTypeConfig",
+    "ROPE_SCALING_TYPES", "ROUTER_ACTIVATIONS", "SHARED_KV_KINDS", "AttentionGeometry", "AttentionTypeConfig",
     "HyperConnectionConfig", "ModelConfig", "MoEConfig", "MTPConfig", "RopeScaling",
     "SharedKVAttentionConfig", "config_from_dict", "expand_layout", "load_config", "model_values",
 ]

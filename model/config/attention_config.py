@@ -17,6 +17,9 @@ from model.config.core import (
 )
 
 ROPE_SCALING_TYPES = ("none", "yarn", "llama3")
+# Step 3.5's head-wise gate (A.1, eq. 5), a learnable per-head sink logit (MiMo-V2-Flash eqs.
+# 1-4), or neither.
+GATE_TYPES = ("headwise", "sink", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,33 +53,67 @@ class RopeScaling(Config):
 
 @dataclasses.dataclass(frozen=True)
 class AttentionTypeConfig(Config):
-    """Per-attention-type settings (report Table 6: 64 query heads full / 96 SWA). Their fit
-    to the shared head geometry (head_dim, num_kv_heads) is checked by `ModelConfig`."""
+    """Per-attention-type settings of the GQA layers F and S (report Table 6: 64 query heads
+    full / 96 SWA). The geometry fields left at None take the model's values (`num_kv_heads`,
+    `head_dim`, `v_head_dim`, `gate`), so Step 3.5 presets name them once; MiMo-V2-Flash sets them per type
+    (4 KV heads full / 8 SWA, Q/K heads of 192 dims with 128-dim values, the sink on SWA layers
+    only). `ModelConfig.attention_geometry` resolves them and checks their fit."""
 
     num_heads: int = 64
     rope_theta: float = 10_000.0
+    # RoPE rotates the leading int(partial_rotary_factor * head_dim) dims, as the releases
+    # compute it (MiMo-V2-Flash: int(0.334 * 192) = 64).
     partial_rotary_factor: float = 1.0
     rope_scaling: RopeScaling = RopeScaling()
+    num_kv_heads: int | None = None
+    head_dim: int | None = None  # of queries and keys
+    v_head_dim: int | None = None  # None: the model's, else this type's query/key head dim
+    gate: str | None = None  # headwise / sink / none; None: the model's `gate`
 
     def validate(self) -> None:
         check_int("num_heads", self.num_heads, 1)
         check_positive("rope_theta", self.rope_theta)
         check_fraction("partial_rotary_factor", self.partial_rotary_factor)
+        for name in ("num_kv_heads", "head_dim", "v_head_dim"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        if self.gate is not None:
+            check_choice("gate", self.gate, GATE_TYPES)
 
-    def check_head_geometry(self, head_dim: int, num_kv_heads: int) -> None:
-        """GQA needs whole groups of query heads; rotate-half RoPE an even number of dims."""
-        if self.num_heads % num_kv_heads:
-            raise ConfigError("num_heads", f"{self.num_heads} query heads are not divisible by "
-                              f"num_kv_heads={num_kv_heads} (GQA needs whole groups)")
-        rotary_dims = self.partial_rotary_factor * head_dim
-        if rotary_dims != int(rotary_dims) or int(rotary_dims) % 2:
-            raise ConfigError(
-                "partial_rotary_factor", f"{self.partial_rotary_factor} * head_dim={head_dim} "
-                "must be an even whole number of rotary dims")
 
-    def rotary_dims(self, head_dim: int) -> int:
-        """Leading dims of each head that RoPE rotates (Step 3.5 Flash: 64 full / 128 SWA)."""
-        return int(self.partial_rotary_factor * head_dim)
+@dataclasses.dataclass(frozen=True)
+class AttentionGeometry:
+    """One GQA layer type's resolved shape (`ModelConfig.attention_geometry`)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # queries and keys
+    v_head_dim: int
+    rotary_dims: int  # leading dims of each query/key head that RoPE rotates
+    gate: str  # headwise / sink / none
+    rope_theta: float
+    rope_scaling: RopeScaling
+
+
+def resolve_geometry(type_cfg: AttentionTypeConfig, num_kv_heads: int, head_dim: int,
+                     v_head_dim: int | None, gate: str) -> AttentionGeometry:
+    """`type_cfg` with its unset fields taken from the model's; raises `ConfigError` where GQA
+    needs whole groups of query heads or rotate-half RoPE an even number of dims."""
+    kv_heads = type_cfg.num_kv_heads or num_kv_heads
+    qk_dim = type_cfg.head_dim or head_dim
+    if type_cfg.num_heads % kv_heads:
+        raise ConfigError("num_heads", f"{type_cfg.num_heads} query heads are not divisible by "
+                          f"num_kv_heads={kv_heads} (GQA needs whole groups)")
+    rotary_dims = int(type_cfg.partial_rotary_factor * qk_dim)
+    if rotary_dims % 2:
+        raise ConfigError("partial_rotary_factor", f"{type_cfg.partial_rotary_factor} * "
+                          f"head_dim={qk_dim} gives {rotary_dims} rotary dims; rotate-half RoPE "
+                          "needs an even number")
+    return AttentionGeometry(
+        num_heads=type_cfg.num_heads, num_kv_heads=kv_heads, head_dim=qk_dim,
+        v_head_dim=type_cfg.v_head_dim or v_head_dim or qk_dim, rotary_dims=rotary_dims,
+        gate=type_cfg.gate or gate, rope_theta=type_cfg.rope_theta,
+        rope_scaling=type_cfg.rope_scaling)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,11 +20,16 @@ from model.config.core import (
     check_positive,
     read_yaml,
 )
-from model.config.attention_config import AttentionTypeConfig, SharedKVAttentionConfig
+from model.config.attention_config import (
+    GATE_TYPES,
+    AttentionGeometry,
+    AttentionTypeConfig,
+    SharedKVAttentionConfig,
+    resolve_geometry,
+)
 from model.ops.swiglu import GATE_CLAMPS
 from model.ops.tables import ATTENTION, MOE
 
-GATE_TYPES = ("headwise", "sink", "none")
 ROUTER_ACTIVATIONS = ("sigmoid", "softmax", "sqrt_softplus")  # sqrt_softplus: DeepSeek-V4
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "save_attention_out", "save_ffn_out")
@@ -99,6 +104,11 @@ class MoEConfig(Config):
     renormalize: bool = True
     routed_scaling_factor: float = 3.0
     num_ep_groups: int = 8  # G of the EP-group balance loss (eq. 1)
+    # DeepSeek-V3's group-limited routing (as MiMo-V2-Flash's release configures it): experts
+    # form `num_groups` contiguous groups, a group scores the sum of its two best biased scores,
+    # and the top-k is taken within the best `topk_groups` groups. 1 / 1: no limit.
+    num_groups: int = 1
+    topk_groups: int = 1
     # The first `hash_layers` MoE layers choose experts by token id (DeepSeek-V4 report 2.1;
     # model/layers/hash_routing.py) and have no loss-free bias.
     hash_layers: int = 0
@@ -125,6 +135,17 @@ class MoEConfig(Config):
                               f"num_experts={self.num_experts}")
         check_int("block_size", self.block_size, 1)
         check_int("hash_layers", self.hash_layers, 0)
+        check_int("num_groups", self.num_groups, 1)
+        check_int("topk_groups", self.topk_groups, 1)
+        if self.num_experts % self.num_groups:
+            raise ConfigError("num_groups", f"{self.num_groups} does not divide "
+                              f"num_experts={self.num_experts}")
+        if self.topk_groups > self.num_groups:
+            raise ConfigError("topk_groups", f"{self.topk_groups} exceeds num_groups="
+                              f"{self.num_groups}")
+        if self.num_groups > 1 and self.top_k > self.topk_groups * self.num_experts // self.num_groups:
+            raise ConfigError("top_k", f"{self.top_k} exceeds the {self.topk_groups} groups of "
+                              f"{self.num_experts // self.num_groups} experts it may choose from")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +173,9 @@ class ModelConfig(Config):
     num_layers: int = 45
     layout: str = "F+SSSF*11"  # one char per layer after expansion; layer i%4==0 is full
     window: int = 512
-    head_dim: int = 128
+    head_dim: int = 128  # of queries and keys
     num_kv_heads: int = 8
+    v_head_dim: int | None = None  # None: head_dim (MiMo-V2-Flash: 128 against 192)
     full_attention: AttentionTypeConfig = AttentionTypeConfig(
         num_heads=64, rope_theta=5_000_000.0, partial_rotary_factor=0.5
     )
@@ -165,6 +187,8 @@ class ModelConfig(Config):
     hyper_connections: HyperConnectionConfig = HyperConnectionConfig()
     gate: str = "headwise"
     qk_norm: bool = True
+    # Values are multiplied by this before attention (MiMo-V2-Flash's release: 0.707).
+    value_scale: float = 1.0
     num_dense_layers: int = 3
     moe_layers: tuple[int, ...] | None = None  # explicit MoE layer indices override the above
     dense_hidden: int = 11_264
@@ -228,16 +252,20 @@ class ModelConfig(Config):
         if len(self.layout) != self.num_layers:
             raise ConfigError("layout", f"expands to {len(self.layout)} layers ({self.layout!r}) "
                               f"but num_layers={self.num_layers}")
+        check_choice("gate", self.gate, GATE_TYPES)
         for name in ("full_attention", "swa_attention"):
             try:
-                getattr(self, name).check_head_geometry(self.head_dim, self.num_kv_heads)
+                resolve_geometry(getattr(self, name), self.num_kv_heads, self.head_dim,
+                                 self.v_head_dim, self.gate)
             except ConfigError as err:
                 raise err.within(name) from None
+        check_positive("value_scale", self.value_scale)
+        if self.v_head_dim is not None:
+            check_int("v_head_dim", self.v_head_dim, 1)
         if self.swa_attention.rope_scaling.type != "none":
             raise ConfigError("swa_attention.rope_scaling", "context-extension scaling applies "
                               "to full-attention layers only (docs/architecture.md); set it under "
                               "full_attention")
-        check_choice("gate", self.gate, GATE_TYPES)
         check_choice("swiglu_gate_clamp", self.swiglu_gate_clamp, GATE_CLAMPS)
         check_int("num_dense_layers", self.num_dense_layers, 0)
         if self.num_dense_layers > self.num_layers:
@@ -271,6 +299,12 @@ class ModelConfig(Config):
     def attention_config(self, attention_type: str) -> AttentionTypeConfig:
         """The GQA settings of layer character F or S (W / C / H: `shared_kv_attention`)."""
         return self.full_attention if attention_type == "F" else self.swa_attention
+
+    def attention_geometry(self, attention_type: str) -> AttentionGeometry:
+        """Heads, head dims, RoPE and gate of GQA layer character F or S, per-type settings
+        resolved against the model's `num_kv_heads`, `head_dim` and `gate`."""
+        return resolve_geometry(self.attention_config(attention_type), self.num_kv_heads,
+                                self.head_dim, self.v_head_dim, self.gate)
 
     def is_hash_layer(self, layer: int) -> bool:
         """An MoE layer among the first `moe.hash_layers` ones: routed by token id."""

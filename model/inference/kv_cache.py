@@ -39,13 +39,16 @@ class KVCacheSpec(NamedTuple):
 
 class LayerCache(NamedTuple):
     key: jax.Array  # [B, S, K, D]
-    value: jax.Array  # [B, S, K, D]
+    value: jax.Array  # [B, S, K, Dv]
     position: jax.Array  # [B, S] int32, -1 = empty
 
 
-def empty_layer_cache(batch: int, slots: int, num_kv: int, head_dim: int, dtype) -> LayerCache:
-    zeros = jnp.zeros((batch, slots, num_kv, head_dim), dtype)
-    return LayerCache(zeros, zeros, jnp.full((batch, slots), -1, jnp.int32))
+def empty_layer_cache(batch: int, slots: int, num_kv: int, head_dim: int, dtype, *,
+                      v_head_dim: int | None = None) -> LayerCache:
+    """Empty slots for keys of `head_dim` and values of `v_head_dim` (default: `head_dim`)."""
+    keys = jnp.zeros((batch, slots, num_kv, head_dim), dtype)
+    values = jnp.zeros((batch, slots, num_kv, v_head_dim or head_dim), dtype)
+    return LayerCache(keys, values, jnp.full((batch, slots), -1, jnp.int32))
 
 
 def chunk_bounds(positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -76,9 +79,9 @@ def causal_mask(key_pos: jax.Array, positions: jax.Array, window: int | None) ->
 
 def attend_and_update(q, k, v, positions, cache: LayerCache, *, window: int | None,
                       sink: jax.Array | None) -> tuple[jax.Array, LayerCache]:
-    """q: [B, T, H, D], k/v: [B, T, K, D] (RoPE applied), positions: [B, T] absolute, -1 for
-    padding; valid tokens of a row must be consecutive positions. Returns the attention output
-    [B, T, H, D] and the cache with the chunk written in."""
+    """q: [B, T, H, D], k: [B, T, K, D] (RoPE applied), v: [B, T, K, Dv], positions: [B, T]
+    absolute, -1 for padding; valid tokens of a row must be consecutive positions. Returns the
+    attention output [B, T, H, Dv] and the cache with the chunk written in."""
     start, end = chunk_bounds(positions)
     mask = causal_mask(chunk_key_positions(cache.position, positions, start), positions, window)
     keys = jnp.concatenate([cache.key, k.astype(cache.key.dtype)], axis=1)

@@ -133,12 +133,30 @@ def _moe_from_hf(hf: Mapping) -> MoEConfig:
         num_ep_groups=math.gcd(MoEConfig.num_ep_groups, num_experts))
 
 
+def _refuse_per_type_geometry(cfg: ModelConfig) -> None:
+    """The Step 3.5 format has one KV-head count, one head dim for queries, keys and values,
+    one gate and no value scale or expert groups (MiMo-V2-Flash's `mimo_v2_flash` has them)."""
+    for name in ("full_attention", "swa_attention"):
+        type_cfg = getattr(cfg, name)
+        for field in ("num_kv_heads", "head_dim", "v_head_dim", "gate"):
+            if getattr(type_cfg, field) is not None:
+                raise CheckpointFormatError(
+                    f"{name}.{field}: per-type attention geometry has no Step 3.5 checkpoint "
+                    f"equivalent; set the model-level field or export as mimo_v2_flash")
+    for field, value, plain in (("value_scale", cfg.value_scale, 1.0),
+                                ("v_head_dim", cfg.v_head_dim or cfg.head_dim, cfg.head_dim),
+                                ("moe.topk_groups", cfg.moe.topk_groups, cfg.moe.num_groups)):
+        if value != plain:
+            raise CheckpointFormatError(f"{field}: {value} has no Step 3.5 checkpoint equivalent")
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
     """config.json of `cfg` (per-layer lists include the MTP layers, which are SWA blocks with
     a dense, unclamped FFN: model/layers/mtp.py)."""
     if cfg.gate == "sink":
         raise CheckpointFormatError("gate: 'sink' has no Step 3.5 checkpoint equivalent; "
                                     "export models with gate 'headwise' or 'none'")
+    _refuse_per_type_geometry(cfg)
     if any(kind not in _HF_LAYER_TYPES for kind in cfg.layout):
         raise CheckpointFormatError(f"layout: {cfg.layout!r} has DeepSeek-V4 layers (W/C/H), "
                                     "which a Step 3.5 checkpoint cannot hold (model_type "

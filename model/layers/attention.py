@@ -3,6 +3,9 @@
 Report 2.2 and A.1: full layers use 64 query heads, SWA layers 96 ("+Head"), 8 KV heads.
 Head-wise gate (eq. 5): g_i = sigmoid(w_gate · x_i) per head, multiplied into the head's output
 before o_proj; eq. 6 shows it equals an input-dependent sink mass exp(-g_i) Z_i.
+MiMo-V2-Flash: per-type geometry (KV heads, Q/K head dim, a smaller V head dim), the learnable
+per-head sink bias (its eqs. 1-4) on SWA layers, values scaled by `value_scale`
+(`ModelConfig.attention_geometry`).
 """
 
 import flax.linen as nn
@@ -21,6 +24,7 @@ from model.layers.common import dtype_of
 from model.layers.norm import RMSNorm
 from model.layers.projection import Projection
 from model.layers.rope import apply_rope
+from model.ops.attention_cores import with_values_padded
 from model.ops.tables import ATTENTION
 from model.parallel.mesh import mesh_size, shard_attention_core
 
@@ -39,28 +43,29 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, positions, segment_ids):
         cfg = self.config
-        type_cfg = cfg.attention_config(self.attention_type)
-        heads, kv_heads, head_dim = type_cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        geo = cfg.attention_geometry(self.attention_type)
+        heads, kv_heads = geo.num_heads, geo.num_kv_heads
         dtype, param_dtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
 
         def projection(name, features, axes, contract=1):
             return Projection(tuple(features), axes, contract, cfg.init_std, dtype, param_dtype,
                               name=name)
 
-        q = projection("q_proj", (heads, head_dim), ("embed", "heads", "head_dim"))(x)
-        k = projection("k_proj", (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"))(x)
-        v = projection("v_proj", (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"))(x)
+        q = projection("q_proj", (heads, geo.head_dim), ("embed", "heads", "head_dim"))(x)
+        k = projection("k_proj", (kv_heads, geo.head_dim), ("embed", "kv_heads", "head_dim"))(x)
+        v = projection("v_proj", (kv_heads, geo.v_head_dim), ("embed", "kv_heads", "head_dim"))(x)
+        if cfg.value_scale != 1.0:
+            v = v * jnp.asarray(cfg.value_scale, v.dtype)
         if cfg.qk_norm:
             norm = dict(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, axis_name="head_dim")
             q = RMSNorm(name="q_norm", **norm)(q)
             k = RMSNorm(name="k_norm", **norm)(k)
         # RoPE scaling applies to full layers only (config validation enforces it for SWA).
-        rotary_dims = type_cfg.rotary_dims(head_dim)
-        q = apply_rope(q, positions, rotary_dims, type_cfg.rope_theta, type_cfg.rope_scaling)
-        k = apply_rope(k, positions, rotary_dims, type_cfg.rope_theta, type_cfg.rope_scaling)
+        q = apply_rope(q, positions, geo.rotary_dims, geo.rope_theta, geo.rope_scaling)
+        k = apply_rope(k, positions, geo.rotary_dims, geo.rope_theta, geo.rope_scaling)
 
         sink = None
-        if cfg.gate == "sink":
+        if geo.gate == "sink":
             sink = self.param(
                 "sink", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("heads",)),
                 (heads,), param_dtype,
@@ -72,10 +77,12 @@ class Attention(nn.Module):
             core = ATTENTION.resolve(cfg.attention_impl)
             if cfg.attention_impl == "pallas" and mesh_size() > 1:
                 core = shard_attention_core(core)  # XLA does not partition a pallas_call
-            y = core(q, k, v, window=window, segment_ids=segment_ids, sink=sink)  # [B, T, H, D]
+            if cfg.attention_impl != "xla" and geo.v_head_dim != geo.head_dim:
+                core = with_values_padded(core)
+            y = core(q, k, v, window=window, segment_ids=segment_ids, sink=sink)  # [B, T, H, Dv]
 
         aux = {}
-        if cfg.gate == "headwise":
+        if geo.gate == "headwise":
             gate_logits = projection("g_proj", (heads,), ("embed", "heads"))(x)
             gate = jax.nn.sigmoid(gate_logits.astype(jnp.float32))  # [B, T, H], eq. 5
             y = (y.astype(jnp.float32) * gate[..., None]).astype(dtype)
@@ -88,7 +95,7 @@ class Attention(nn.Module):
         batch, _, kv_heads, head_dim = k.shape
         cache, store = cache_variables(self, empty_layer_cache(
             batch, self.kv_cache.slots(window), kv_heads, head_dim,
-            dtype_of(self.config.compute_dtype)))
+            dtype_of(self.config.compute_dtype), v_head_dim=v.shape[-1]))
         y, updated = attend_and_update(q, k, v, positions, cache, window=window, sink=sink)
         store(updated)
         return y

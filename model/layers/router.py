@@ -53,10 +53,24 @@ def combine_weights(scores: jax.Array, indices: jax.Array, cfg: MoEConfig) -> ja
     return weights * cfg.routed_scaling_factor
 
 
+def limit_to_groups(selection: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:
+    """DeepSeek-V3's group-limited routing: the E experts form `num_groups` contiguous groups;
+    a group scores the sum of its two highest selection scores, and experts outside the best
+    `topk_groups` groups drop to -inf. [N, E] -> [N, E]."""
+    tokens, num_experts = selection.shape
+    grouped = selection.reshape(tokens, num_groups, num_experts // num_groups)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0], axis=-1)
+    _, best = jax.lax.top_k(group_scores, topk_groups)  # [N, topk_groups]
+    keep = jnp.zeros((tokens, num_groups), bool).at[jnp.arange(tokens)[:, None], best].set(True)
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(tokens, num_experts)
+
+
 def route(logits: jax.Array, bias: jax.Array | None, cfg: MoEConfig) -> Routing:
     """logits: [N, E] float32; bias: [E] or None."""
     scores, probs = affinity_scores(logits, cfg.router_activation)
     selection = scores if bias is None else scores + jax.lax.stop_gradient(bias)
+    if cfg.topk_groups < cfg.num_groups:
+        selection = limit_to_groups(selection, cfg.num_groups, cfg.topk_groups)
     _, indices = jax.lax.top_k(selection, cfg.top_k)
     indices = indices.astype(jnp.int32)
     return Routing(indices, combine_weights(scores, indices, cfg), probs)

@@ -3,6 +3,8 @@
 
 All cores take q: [B, T, H, D], k/v: [B, T, K, D] with H = K * G (GQA: the G query heads of a
 group share one KV head, never materialised as repeats) and return [B, T, H, D] in q.dtype.
+`xla` also takes values of another head dim Dv (MiMo-V2-Flash: D = 192, Dv = 128) and returns
+[B, T, H, Dv]; the kernels of the others get them through `with_values_padded`.
 
 Masking (docs/architecture.md, "Exact semantics"): query i sees key j iff j <= i,
 i - j < window (window=None: full causal) and segment_ids[i] == segment_ids[j] (packed
@@ -55,9 +57,9 @@ def _visible(q_idx, k_idx, window: int | None):
 
 
 def masked_attention(q, k, v, mask, sink):
-    """Attention with an explicit visibility mask. q: [..., T, H, D]; k/v: [..., S, K, D];
-    mask: bool [..., T, S], leading axes of size 1 broadcast (query t sees key s); sink: [H] or
-    None -> [..., T, H, D] in q.dtype.
+    """Attention with an explicit visibility mask. q: [..., T, H, D]; k: [..., S, K, D];
+    v: [..., S, K, Dv]; mask: bool [..., T, S], leading axes of size 1 broadcast (query t sees
+    key s); sink: [H] or None -> [..., T, H, Dv] in q.dtype.
 
     Lays the heads out as `grouped_attention` blocks: one block per leading index and KV head,
     holding that KV head's G query heads as G·T rows. Only [T, D]-sized arrays are transposed.
@@ -79,8 +81,9 @@ def masked_attention(q, k, v, mask, sink):
 
     out = grouped_attention(blocks(q_rows, groups * length), blocks(k_rows, k.shape[-3]),
                             blocks(v_rows, v.shape[-3]), blocks(mask, length), sink)
-    out = out.reshape(*lead, num_kv, groups, length, head_dim)
-    return jnp.moveaxis(out, -2, -4).reshape(q.shape)
+    v_head_dim = v.shape[-1]
+    out = out.reshape(*lead, num_kv, groups, length, v_head_dim)
+    return jnp.moveaxis(out, -2, -4).reshape(*lead, length, num_heads, v_head_dim)
 
 
 def dense_attention(q, k, v, *, window, segment_ids, sink):
@@ -138,13 +141,26 @@ def local_attention(q, k, v, *, window, segment_ids, sink):
         mask = mask & (q_seg[..., :, None] == k_seg[..., None, :])
     out = masked_attention(chunked(q, 0), with_previous_chunk(k), with_previous_chunk(v), mask,
                            sink)
-    return out.reshape(batch, num_chunks * chunk, num_heads, head_dim)[:, :length]
+    return out.reshape(batch, num_chunks * chunk, num_heads, v.shape[-1])[:, :length]
 
 
 def xla_attention(q, k, v, *, window, segment_ids, sink):
     if window is None:
         return dense_attention(q, k, v, window=None, segment_ids=segment_ids, sink=sink)
     return local_attention(q, k, v, window=window, segment_ids=segment_ids, sink=sink)
+
+
+def with_values_padded(core: AttentionCore) -> AttentionCore:
+    """`core` for values narrower than the queries and keys, for kernels that need one head dim
+    (`jax.nn.dot_product_attention`, the Pallas kernel): values are zero-padded to D and the
+    output's padding columns, exactly zero, are dropped. v: [B, T, K, Dv] -> [B, T, H, Dv]."""
+
+    def padded(q, k, v, **kwargs):
+        v_head_dim = v.shape[-1]
+        widths = [(0, 0)] * (v.ndim - 1) + [(0, q.shape[-1] - v_head_dim)]
+        return core(q, k, jnp.pad(v, widths), **kwargs)[..., :v_head_dim]
+
+    return padded
 
 
 def _dot_product_attention(q, k, v, mask, window, return_residual=False):

@@ -28,7 +28,8 @@ _SCORES_PER_STEP = 1 << 18  # scores per `lax.map` step (1 MiB of float32), at l
 
 @jax.custom_vjp
 def grouped_attention(q, k, v, mask, sink):
-    """q: [L, G·T, D] (row g·T + t: query head g of the block at position t); k/v: [L, S, D];
+    """q: [L, G·T, D] (row g·T + t: query head g of the block at position t); k: [L, S, D];
+    v: [L, S, Dv] (-> [L, G·T, Dv]);
     mask: [L, T, S] bool (query t sees key s); sink: [L, G] float32 or None (exp(sink) is added
     to the softmax denominator of head g) -> [L, G·T, D] in q.dtype. Softmax in float32; a
     fully masked row gives zeros and NaN-free gradients."""

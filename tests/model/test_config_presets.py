@@ -56,8 +56,8 @@ def test_step35_preset_matches_the_report():
     assert cfg.layout == "F" + "SSSF" * 11
     assert cfg.window == 512 and cfg.num_kv_heads == 8 and cfg.head_dim == 128
     assert cfg.full_attention.num_heads == 64 and cfg.swa_attention.num_heads == 96
-    assert cfg.full_attention.rotary_dims(cfg.head_dim) == 64
-    assert cfg.swa_attention.rotary_dims(cfg.head_dim) == 128
+    assert cfg.attention_geometry("F").rotary_dims == 64
+    assert cfg.attention_geometry("S").rotary_dims == 128
     assert cfg.swa_attention.rope_scaling.type == "none"
     assert [i for i in range(45) if not cfg.is_moe_layer(i)] == [0, 1, 2]
     assert cfg.num_moe_layers == 42

@@ -63,7 +63,7 @@ def _expect_error(field: str, fn, *args, **kwargs) -> str:
         ("full_attention.partial_rotary_factor=1.5", "full_attention.partial_rotary_factor"),
         ("full_attention.partial_rotary_factor=-0.25", "full_attention.partial_rotary_factor"),
         ("swa_attention.partial_rotary_factor=2.0", "swa_attention.partial_rotary_factor"),
-        # 0.3 * head_dim 32 = 9.6 rotary dims: not whole
+        # int(0.3 * head_dim 32) = 9 rotary dims: odd
         ("full_attention.partial_rotary_factor=0.3", "full_attention.partial_rotary_factor"),
         # 0.5 * head_dim 18 = 9 rotary dims: odd (rotate-half needs pairs)
         ("head_dim=18", "full_attention.partial_rotary_factor"),

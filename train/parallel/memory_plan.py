@@ -182,12 +182,12 @@ def _gqa_attention_bytes(cfg: ModelConfig, attention_type: str, seq_len: int,
                          tensor: int) -> tuple[float, float]:
     """(M, O) per token of the attention sublayer of an F or S layer, input norm included."""
     c = DTYPE_BYTES[cfg.compute_dtype]
-    d, hd, kv = cfg.d_model, cfg.head_dim, cfg.num_kv_heads
-    heads = cfg.attention_config(attention_type).num_heads
+    geo, d = cfg.attention_geometry(attention_type), cfg.d_model
+    heads, kv, hd, dv = geo.num_heads, geo.num_kv_heads, geo.head_dim, geo.v_head_dim
     h = tensor_split(heads, tensor) / heads  # share of the heads on this device
-    gate = heads if cfg.gate == "headwise" else 0
-    matmul = c * ((heads * hd + 2 * kv * hd + gate) * h + d)
-    other = c * (2 * d + 2 * heads * hd * h)
+    gate = heads if geo.gate == "headwise" else 0
+    matmul = c * ((heads * hd + kv * (hd + dv) + gate) * h + d)
+    other = c * (2 * d + heads * (hd + dv) * h)
     if cfg.attention_impl == "xla":
         chunk = max(cfg.window, MIN_ATTENTION_CHUNK)
         keys = 2 * chunk if attention_type == "S" and chunk < seq_len else seq_len
