@@ -7,11 +7,14 @@
     save_hf_checkpoint(cfg, variables, "exported/", dtype="bfloat16")
 
 Supported families, picked by config.json's `model_type` on import and by the model's layers on
-export (W/C/H layers: DeepSeek-V4, else Step 3.5):
+export (W/C/H layers: DeepSeek-V4; a sink or per-type GQA geometry: MiMo-V2-Flash; else
+Step 3.5):
 - Step 3.5 Flash (`model_type: step3p5`, model/interop/step3p5.py), the published format;
 - DeepSeek-V4 (`model_type: deepseek_v4`, model/interop/deepseek_v4.py), as transformers'
   DeepseekV4ForCausalLM saves and loads it (save_pretrained's default tensor names; no MTP
-  layers, as transformers builds none; the FP8/FP4 releases are refused).
+  layers, as transformers builds none; the FP8/FP4 releases are refused);
+- MiMo-V2-Flash (`model_type: mimo_v2_flash`, model/interop/mimo_v2_flash.py), as transformers'
+  MiMoV2FlashForCausalLM saves and loads it (no MTP layers; the FP8 release is refused).
 Config keys that do not change the network (token ids, max_position_embeddings, torch_dtype,
 ...) are ignored on import.
 """
@@ -41,8 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      parser_class=ArgumentParser)
     imports = commands.add_parser(
         "import", help="Hugging Face checkpoint -> stepjax model directory",
-        description="Converts a Hugging Face Step 3.5 or DeepSeek-V4 directory (config.json + "
-                    "safetensors) into a stepjax model directory (model/interop/model_dir.py).")
+        description="Converts a Hugging Face Step 3.5, DeepSeek-V4 or MiMo-V2-Flash directory "
+                    "(config.json + safetensors) into a stepjax model directory "
+                    "(model/interop/model_dir.py).")
     imports.add_argument("source", metavar="HF_DIR")
     imports.add_argument("--out", required=True, metavar="MODEL_DIR", help="new or empty")
     imports.add_argument("--param-dtype", choices=DTYPES, default=None,
@@ -51,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "export", help="stepjax model directory or training workdir -> Hugging Face checkpoint",
         description="Writes a Hugging Face directory from a stepjax model directory or a "
                     "`python -m train` workdir (its latest checkpoint): DeepSeek-V4 for a model "
-                    "with W/C/H layers, else Step 3.5.")
+                    "with W/C/H layers, MiMo-V2-Flash for one with a sink or per-type "
+                    "attention geometry, else Step 3.5.")
     exports.add_argument("source", metavar="DIR")
     exports.add_argument("--out", required=True, metavar="HF_DIR", help="new or empty")
     exports.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,

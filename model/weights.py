@@ -43,7 +43,7 @@ def load_model(path: str | Path, mesh: jax.sharding.Mesh | None = None) -> tuple
         return _load_workdir(path, mesh)
     problem = "does not exist" if not path.exists() else "is not a model directory"
     raise ValueError(f"{path} {problem}: expected a stepjax model directory ({MODEL_CONFIG}), a "
-                     "Hugging Face Step 3.5 checkpoint (config.json + *.safetensors) or a "
+                     "Hugging Face checkpoint (config.json + *.safetensors) or a "
                      "`python -m train` workdir (checkpoints/)")
 
 

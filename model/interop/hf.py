@@ -4,9 +4,9 @@
     save_hf_checkpoint(cfg, variables, "exported/", dtype="bfloat16")
 
 config.json's `model_type` picks the family (`FAMILIES`): its module translates the config and
-names every tensor (model/interop/step3p5.py, model/interop/deepseek_v4.py); the safetensors
-reading and writing is shared (model/interop/safetensors_io.py). Adding a family means adding
-its module and one entry here.
+names every tensor (model/interop/step3p5.py, model/interop/deepseek_v4.py,
+model/interop/mimo_v2_flash.py); the safetensors reading and writing is shared
+(model/interop/safetensors_io.py). Adding a family means adding its module and one entry here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import DTYPES, SHARED_KV_KINDS, ModelConfig
-from model.interop import deepseek_v4, step3p5
+from model.interop import deepseek_v4, mimo_v2_flash, step3p5
 from model.interop.model_dir import fresh_directory, variable_shardings
 from model.interop.safetensors_io import (
     CheckpointFormatError,
@@ -52,6 +52,9 @@ FAMILIES = {
                                step3p5.tensor_table),
     deepseek_v4.MODEL_TYPE: Family(deepseek_v4.config_from_hf, deepseek_v4.config_to_hf,
                                    deepseek_v4.tensor_table, deepseek_v4.IGNORED_TENSORS),
+    mimo_v2_flash.MODEL_TYPE: Family(mimo_v2_flash.config_from_hf, mimo_v2_flash.config_to_hf,
+                                     mimo_v2_flash.tensor_table,
+                                     mimo_v2_flash.IGNORED_TENSORS),
 }
 
 
@@ -63,9 +66,13 @@ def checkpoint_family(model_type: Any) -> Family:
 
 
 def model_type_of(config: ModelConfig) -> str:
-    """The family a config exports to: DeepSeek-V4 when it has W/C/H layers, else Step 3.5."""
+    """The family a config exports to: DeepSeek-V4 when it has W/C/H layers; MiMo-V2-Flash when
+    its GQA layers use what only that format holds (a sink, per-type geometry, values narrower
+    than keys or scaled, group-limited routing); else Step 3.5."""
     if any(kind in SHARED_KV_KINDS for kind in config.layout):
         return deepseek_v4.MODEL_TYPE
+    if mimo_v2_flash.uses_mimo_attention(config):
+        return mimo_v2_flash.MODEL_TYPE
     return step3p5.MODEL_TYPE
 
 
@@ -175,7 +182,8 @@ def save_hf_checkpoint(config: ModelConfig, variables: dict, path: str | Path, *
     `model_type` (default: `model_type_of(config)`), materialising one shard on the host at a
     time. `dtype`: tensor dtype in the files (default: each variable's); the `balance`
     collection (router biases, hash tables) and the tensors the family fixes (DeepSeek-V4's
-    float32 norms and mHC, int64 tables) keep their dtype, as the reference keeps them.
+    float32 norms and mHC, int64 tables; MiMo-V2-Flash's float32 router) keep their dtype, as
+    the reference keeps them.
     `path` must be new or empty.
     """
     if dtype is not None and dtype not in DTYPES:

@@ -68,7 +68,8 @@ class Experts:
 @dataclasses.dataclass(frozen=True)
 class Offset:
     """A stepjax norm weight w, applied as (1 + w) (model/layers/norm.py) <-> a checkpoint
-    weight applied as `weight * x` (DeepSeek-V4's RMSNorm): weight = 1 + w, in float32."""
+    weight applied as `weight * x` (DeepSeek-V4's and MiMo-V2-Flash's RMSNorm): weight = 1 + w,
+    in float32."""
 
     def hf_shape(self, shape: tuple) -> tuple:
         return tuple(shape)
