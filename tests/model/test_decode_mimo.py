@@ -14,7 +14,7 @@ import numpy as np
 from train_helpers import REPO
 
 from model.config import load_config
-from model.inference.decode import Decoder
+from model.inference.decode import Decoder, cache_bytes
 from model.inference.kv_cache import KVCacheSpec
 from model.lm import CausalLM, init_variables
 
@@ -209,3 +209,17 @@ def test_greedy_speculative_equals_greedy():
     speculative = decoder().generate(PROMPTS, NEW_TOKENS, speculative=True)
     assert speculative.tokens == plain.tokens
     assert 1.0 <= speculative.mean_accepted <= 1.0 + DRAFT
+
+
+def test_cache_bytes_follow_the_per_type_geometry():
+    """float32 keys of 24 dims and values of 16 per KV head, plus an int32 position per slot:
+    the 2 full layers (1 KV head) grow by one entry per position; the 4 SWA layers and the 2
+    MTP heads' SWA blocks (2 KV heads) keep rings of window + draft = 10 slots."""
+    def sizes_at(max_len):
+        decoder = Decoder(CFG, VARIABLES, max_len=max_len, draft=DRAFT)
+        return cache_bytes(CFG, jax.eval_shape(lambda v: decoder._init_cache(v, 1), VARIABLES))
+
+    small, large = sizes_at(16), sizes_at(48)
+    assert large["full"] - small["full"] == 32 * 2 * (1 * (24 + 16) * 4 + 4)
+    assert small["swa"] == large["swa"] == (4 + 2) * 10 * (2 * (24 + 16) * 4 + 4)
+    assert small["compressed"] == small["indexer"] == 0
