@@ -97,25 +97,25 @@ def decoder():
     return Decoder(CFG, VARIABLES, max_len=MAX_LEN, draft=DRAFT, prefill_chunk=CHUNK)
 
 
-def chunk_of(tokens, spans):
-    """Tokens, positions [B, CHUNK] of positions start..start+n-1 per row for spans
+def chunk_of(tokens, spans, width=CHUNK):
+    """Tokens, positions [B, width] of positions start..start+n-1 per row for spans
     [(start, n)]; -1 elsewhere (padding)."""
-    chunk = np.zeros((len(spans), CHUNK), np.int32)
-    positions = np.full((len(spans), CHUNK), -1, np.int32)
+    chunk = np.zeros((len(spans), width), np.int32)
+    positions = np.full((len(spans), width), -1, np.int32)
     for b, (start, n) in enumerate(spans):
         chunk[b, :n] = tokens[b, start:start + n]
         positions[b, :n] = np.arange(start, start + n)
     return chunk, positions
 
 
-def run_chunk(cache, tokens, spans):
+def run_chunk(cache, tokens, spans, width=CHUNK):
     """One chunk through the backbone and both MTP heads (head h reads the tokens h further
-    on). -> (cache, main logits [B, CHUNK, V], MTP logits per head, positions)."""
-    chunk, positions = chunk_of(tokens, spans)
+    on). -> (cache, main logits [B, width, V], MTP logits per head, positions)."""
+    chunk, positions = chunk_of(tokens, spans, width)
     logits, h, cache = _backbone(cache, chunk, positions)
     mtp_logits = []
     for head in range(1, CFG.mtp.num_heads + 1):
-        shifted, _ = chunk_of(np.pad(tokens[:, head:], ((0, 0), (0, head))), spans)
+        shifted, _ = chunk_of(np.pad(tokens[:, head:], ((0, 0), (0, head))), spans, width)
         head_logits, h, cache = _mtp(cache, head, h, shifted, positions)
         mtp_logits.append(np.asarray(head_logits))
     return cache, np.asarray(logits), mtp_logits, positions
@@ -155,6 +155,20 @@ def test_incremental_logits_equal_full_forward():
         checked += assert_all_match(got, got_mtp, positions, logits, mtp_logits)
         done = [start + n for start, n in spans]
     assert done == lengths and checked == sum(lengths)
+
+
+def test_prefill_chunk_wider_than_the_ring():
+    """A first chunk of 16 tokens (row 1: all its 13) is wider than the SWA rings (10 slots):
+    only its last 10 positions stay in the rings, and the one-token steps after it still see
+    their whole window."""
+    logits, mtp_logits, tokens = full_forward(SEQUENCES)
+    cache = decoder().init_cache(2)
+    cache, got, got_mtp, positions = run_chunk(cache, tokens, [(0, 16), (0, 13)], width=16)
+    checked = assert_all_match(got, got_mtp, positions, logits, mtp_logits)
+    for start in range(16, len(SEQUENCES[0])):
+        cache, got, got_mtp, positions = run_chunk(cache, tokens, [(start, 1), (0, 0)])
+        checked += assert_all_match(got, got_mtp, positions, logits, mtp_logits)
+    assert checked == len(SEQUENCES[0]) + len(SEQUENCES[1])
 
 
 def test_rolled_back_drafts_leave_no_trace():
