@@ -34,13 +34,14 @@ def visible_keys(i, length, window, segment_row):
 
 
 def reference_attention(q, k, v, window=None, segment_ids=None, sink=None):
-    """q [B,T,H,D], k/v [B,T,K,D] -> [B,T,H,D] float64; loops over batch and query."""
+    """q [B,T,H,D], k [B,T,K,D], v [B,T,K,Dv] -> [B,T,H,Dv] float64; loops over batch and
+    query."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     batch, length, heads, dim = q.shape
     groups = heads // k.shape[2]
     k = np.repeat(k, groups, axis=2)  # head h -> KV head h // groups
     v = np.repeat(v, groups, axis=2)
-    out = np.zeros_like(q)
+    out = np.zeros((batch, length, heads, v.shape[-1]))
     for b in range(batch):
         seg_row = None if segment_ids is None else np.asarray(segment_ids)[b]
         for i in range(length):

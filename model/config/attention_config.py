@@ -102,7 +102,10 @@ def resolve_geometry(type_cfg: AttentionTypeConfig, num_kv_heads: int, head_dim:
     kv_heads = type_cfg.num_kv_heads or num_kv_heads
     qk_dim = type_cfg.head_dim or head_dim
     if type_cfg.num_heads % kv_heads:
-        raise ConfigError("num_heads", f"{type_cfg.num_heads} query heads are not divisible by "
+        # Name the type's own num_kv_heads when it set one, else its num_heads (the model's
+        # num_kv_heads serves every type).
+        raise ConfigError("num_kv_heads" if type_cfg.num_kv_heads else "num_heads",
+                          f"{type_cfg.num_heads} query heads are not divisible by "
                           f"num_kv_heads={kv_heads} (GQA needs whole groups)")
     rotary_dims = int(type_cfg.partial_rotary_factor * qk_dim)
     if rotary_dims % 2:

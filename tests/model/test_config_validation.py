@@ -216,3 +216,50 @@ def test_exponent_notation_numbers_are_accepted():
     cfg = load_config(TINY, overrides=["norm_eps=1e-6", "full_attention.rope_theta=5e6"])
     assert cfg.norm_eps == 1e-6
     assert cfg.full_attention.rope_theta == 5e6
+
+
+TINY_MIMO = TINY.parent / "tiny_mimo.yaml"
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        # MiMo-V2-Flash's per-type geometry (tiny_mimo: 8 heads per type, 1 KV head full / 2
+        # SWA, Q/K head 48, V head 32, partial_rotary_factor 0.334) and group-limited routing.
+        ("swa_attention.num_kv_heads=3", "swa_attention.num_kv_heads"),  # 8 % 3
+        ("swa_attention.num_heads=5", "swa_attention.num_kv_heads"),  # 5 % its own 2
+        ("num_kv_heads=3", "full_attention.num_heads"),  # the model's, used by F only
+        ("full_attention.num_kv_heads=0", "full_attention.num_kv_heads"),
+        ("swa_attention.num_kv_heads=two", "swa_attention.num_kv_heads"),
+        ("swa_attention.head_dim=40", "swa_attention.partial_rotary_factor"),  # int(13.36) odd
+        ("head_dim=47", "full_attention.partial_rotary_factor"),  # int(15.7): odd
+        ("full_attention.head_dim=0", "full_attention.head_dim"),
+        ("swa_attention.head_dim=1.5", "swa_attention.head_dim"),
+        ("swa_attention.v_head_dim=0", "swa_attention.v_head_dim"),
+        ("v_head_dim=0", "v_head_dim"),
+        ("v_head_dim=wide", "v_head_dim"),
+        ("swa_attention.gate=sinks", "swa_attention.gate"),
+        ("full_attention.gate=7", "full_attention.gate"),
+        ("gate=sinks", "gate"),
+        ("value_scale=0", "value_scale"),
+        ("value_scale=-0.7", "value_scale"),
+        ("value_scale=big", "value_scale"),
+        ("moe.num_groups=3", "moe.num_groups"),  # 16 experts
+        ("moe.num_groups=0", "moe.num_groups"),
+        ("moe.topk_groups=5", "moe.topk_groups"),  # num_groups 1
+        ("moe.topk_groups=0", "moe.topk_groups"),
+        ("moe.num_groups=8", "moe.top_k"),  # top-4 within 1 group of 2 experts
+    ],
+)
+def test_invalid_mimo_geometry_and_groups_name_the_field(override, field):
+    _expect_error(field, load_config, TINY_MIMO, overrides=[override])
+
+
+def test_mimo_geometry_resolves_per_type():
+    cfg = load_config(TINY_MIMO, overrides=["moe.num_groups=4", "moe.topk_groups=2"])
+    full, swa = cfg.attention_geometry("F"), cfg.attention_geometry("S")
+    assert (full.num_heads, full.num_kv_heads, full.head_dim, full.v_head_dim) == (8, 1, 48, 32)
+    assert (swa.num_heads, swa.num_kv_heads, swa.head_dim, swa.v_head_dim) == (8, 2, 48, 32)
+    assert full.rotary_dims == swa.rotary_dims == 16  # int(0.334 * 48)
+    assert (full.gate, swa.gate) == ("none", "sink")
+    assert (cfg.moe.num_groups, cfg.moe.topk_groups) == (4, 2)
