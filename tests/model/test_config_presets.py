@@ -1,6 +1,6 @@
 """Tests of the YAML presets in configs/ and configs/ablation/: each loads and round-trips
-through dicts, JSON and YAML text, and the Step 3.5 Flash, MiMo-V2-Flash and ablation presets match their reports.
-Pure Python: no JAX compilation."""
+through dicts, JSON and YAML text, and the Step 3.5 Flash, MiMo-V2-Flash and ablation presets
+match their reports. Pure Python: no JAX compilation."""
 
 from __future__ import annotations
 
