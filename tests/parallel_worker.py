@@ -7,7 +7,8 @@ single-device dispatch. Prints one JSON object; the test asserts on it.
 MESH: comma-separated axis=size, e.g. `pipeline=2,data=4` (loss and gradients), prefixed with
 `step:` to also run the whole train step with the Muon update (slower to compile); the word
 `ep_skew` runs the skewed expert-parallel dispatch check instead, `v4:MESH` the loss and
-gradients of a tiny DeepSeek-V4 model (W/C/H layers, mHC, hash routing) on MESH.
+gradients of a tiny DeepSeek-V4 model (W/C/H layers, mHC, hash routing) on MESH, `mimo:MESH`
+those of a tiny MiMo-V2-Flash model (per-type KV heads and head dims, sinks on SWA layers only).
 """
 
 import functools
@@ -22,7 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
-from train_helpers import small_run, small_v4_run, synthetic_batch  # noqa: E402
+from train_helpers import small_mimo_run, small_run, small_v4_run, synthetic_batch  # noqa: E402
 
 from model.layers.moe import routed_experts  # noqa: E402
 from model.ops.moe_dispatch import ExpertWeights
@@ -70,9 +71,14 @@ def initial_state():
     return jax.jit(lambda: create_state(training.model, training.optimizer, run.train.seed))()
 
 
-def v4_loss_and_grads(mesh_sizes: dict, devices) -> tuple[float, list]:
-    """Loss and gradients of a tiny DeepSeek-V4 model on a mesh of `mesh_sizes`."""
-    run = small_v4_run("train.batch_size=16", "train.seq_len=16", "model.moe.num_ep_groups=2")
+FAMILY_RUNS = {"v4": small_v4_run, "mimo": small_mimo_run}
+
+
+def family_loss_and_grads(family: str, mesh_sizes: dict, devices) -> tuple[float, list]:
+    """Loss and gradients of a tiny DeepSeek-V4 or MiMo-V2-Flash model on a mesh of
+    `mesh_sizes`."""
+    run = FAMILY_RUNS[family]("train.batch_size=16", "train.seq_len=16",
+                              "model.moe.num_ep_groups=2")
     training = build_training(run)
     mesh = make_mesh(MeshConfig(**{"data": 1, **mesh_sizes}), devices)
     abstract = abstract_state(training, run.train.seed)
@@ -237,13 +243,14 @@ def main(args: list[str]) -> None:
     if args == ["ep_skew"]:
         print(json.dumps({**ep_skew(), **pallas_on_mesh()}))
         return
-    if args[0].startswith("v4:"):
-        want_loss, want_grads = v4_loss_and_grads({"data": 1}, jax.devices()[:1])
+    family = args[0].split(":")[0]
+    if family in FAMILY_RUNS:
+        want_loss, want_grads = family_loss_and_grads(family, {"data": 1}, jax.devices()[:1])
         results = {}
         for text in args:
-            mesh = text.removeprefix("v4:")
+            mesh = text.removeprefix(f"{family}:")
             sizes = {k: int(v) for k, v in (item.split("=") for item in mesh.split(","))}
-            loss, grads = v4_loss_and_grads(sizes, jax.devices())
+            loss, grads = family_loss_and_grads(family, sizes, jax.devices())
             results[mesh] = {"loss_error": abs(loss - want_loss) / abs(want_loss),
                              "grad_error": relative_error(grads, want_grads)}
         print(json.dumps(results))

@@ -53,6 +53,24 @@ def small_v4_run(*overrides, vocab: int = 64):
     return load_run_config(TINY_V4, [*SMALL_V4, f"model.vocab_size={vocab}", *overrides])
 
 
+TINY_MIMO = REPO / "configs" / "tiny_mimo.yaml"
+# Every feature of tiny_mimo.yaml (a full first layer with a dense FFN, then 5:1 SWA/full; 1 KV
+# head full / 2 SWA, Q/K heads of 12 with 8-dim values, 4 rotary dims, sink on SWA only, value
+# scale, no QK norm, MoE without a shared expert, an MTP head on an SWA block) at test sizes.
+SMALL_MIMO = [
+    "model.d_model=32", "model.num_layers=6", "model.layout=F+SSSSF", "model.window=9",
+    "model.head_dim=12", "model.v_head_dim=8", "model.full_attention.num_heads=4",
+    "model.swa_attention.num_heads=4", "model.dense_hidden=64", "model.moe.num_experts=4",
+    "model.moe.top_k=2", "model.moe.expert_hidden=16", "model.moe.num_ep_groups=1",
+    "train.seq_len=32", "train.batch_size=4", "train.warmup_steps=2", "train.progress=false",
+    "train.peak_flops=1e9",
+]
+
+
+def small_mimo_run(*overrides, vocab: int = 64):
+    return load_run_config(TINY_MIMO, [*SMALL_MIMO, f"model.vocab_size={vocab}", *overrides])
+
+
 def synthetic_batch(num_micro: int, micro: int, length: int, vocab: int, seed: int = 0) -> dict:
     """[num_micro, micro, length] batch of two packed documents per row (first 3 tokens meta)."""
     rng = np.random.default_rng(seed)

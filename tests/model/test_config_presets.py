@@ -1,6 +1,6 @@
 """Tests of the YAML presets in configs/ and configs/ablation/: each loads and round-trips
-through dicts, JSON and YAML text, and the Step 3.5 Flash and ablation presets match the report.
-Pure Python: no JAX compilation."""
+through dicts, JSON and YAML text, and the Step 3.5 Flash, MiMo-V2-Flash and ablation presets
+match their reports. Pure Python: no JAX compilation."""
 
 from __future__ import annotations
 
@@ -137,3 +137,70 @@ def test_deepseek_v4_flash_preset_matches_hugging_face():
     assert cfg.swiglu_gate_clamp == "before_silu" and cfg.norm_eps == hf.rms_norm_eps
     assert (cfg.mtp.num_heads, cfg.mtp.attention_type) == (hf.num_nextn_predict_layers, "W")
     assert cfg.tie_embeddings == hf.tie_word_embeddings
+
+
+MIMO = REPO / "configs" / "mimo_v2_flash.yaml"
+
+
+def test_mimo_v2_flash_preset_matches_the_report():
+    """MiMo-V2-Flash report, model configuration: 48 layers = 39 SWA + 9 GA, the first layer GA
+    with a dense FFN (16384), then 8 hybrid blocks of 5 SWA + 1 GA read as layers 1-4 SWA, 5 GA,
+    (5 SWA, GA) x 7; d 4096; 64 query heads on both types, 8 KV heads SWA / 4 GA; Q/K heads of
+    192 with 128-dim values, RoPE on the first 64 dims, θ 1e4 SWA / 5e6 GA after the 256k
+    extension; window 128 previous tokens (+ the query); sink on SWA; 256 experts top-8 of
+    2048, no shared expert; init std 0.006; 3 MTP blocks on SWA with a dense FFN."""
+    cfg = load_config(MIMO)
+    assert (cfg.num_layers, cfg.d_model, cfg.vocab_size) == (48, 4096, 152576)
+    full = [i for i in range(48) if cfg.attention_type(i) == "F"]
+    assert full == [0, 5, 11, 17, 23, 29, 35, 41, 47]
+    assert set(cfg.layout) == {"F", "S"} and cfg.layout.count("S") == 39
+    # the layout's hybrid blocks: after layer 0, every block is five SWA layers and one GA
+    assert "SSSSF" == cfg.layout[1:6] and cfg.layout[6:] == "SSSSSF" * 7
+    geometry = {t: cfg.attention_geometry(t) for t in "FS"}
+    for t, kv_heads, theta, gate in (("F", 4, 5e6, "none"), ("S", 8, 1e4, "sink")):
+        g = geometry[t]
+        assert (g.num_heads, g.num_kv_heads, g.head_dim, g.v_head_dim) == (64, kv_heads, 192, 128)
+        assert (g.rotary_dims, g.rope_theta, g.gate) == (64, theta, gate)
+        assert g.rope_scaling.type == "none"
+    assert cfg.window == 128 + 1 and not cfg.qk_norm
+    assert cfg.value_scale == pytest.approx((4096 / (64 * 128)) ** 0.5, abs=1e-3)
+    assert [i for i in range(48) if not cfg.is_moe_layer(i)] == [0] and cfg.dense_hidden == 16384
+    moe = cfg.moe
+    assert (moe.num_experts, moe.top_k, moe.expert_hidden, moe.num_shared_experts) == (
+        256, 8, 2048, 0)
+    assert (moe.router_activation, moe.router_bias, moe.renormalize) == ("sigmoid", True, True)
+    assert (moe.routed_scaling_factor, moe.num_groups, moe.topk_groups) == (1.0, 1, 1)
+    assert (cfg.mtp.num_heads, cfg.mtp.attention_type, cfg.mtp.share_output_head) == (3, "S", True)
+    assert cfg.init_std == 0.006 and cfg.norm_eps == 1e-5 and not cfg.tie_embeddings
+
+
+@pytest.mark.parity
+def test_mimo_v2_flash_preset_matches_hugging_face():
+    """Against transformers' MiMoV2FlashConfig defaults (the release's config) and the layer
+    construction of its MiMoV2FlashAttention: SWA layers double the KV heads and alone have
+    sinks."""
+    from transformers import MiMoV2FlashConfig
+
+    hf = MiMoV2FlashConfig()
+    cfg = load_config(MIMO)
+    assert (cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.dense_hidden) == (
+        hf.vocab_size, hf.hidden_size, hf.num_hidden_layers, hf.intermediate_size)
+    kinds = {"full_attention": "F", "sliding_attention": "S"}
+    assert cfg.layout == "".join(kinds[t] for t in hf.layer_types)
+    assert [cfg.is_moe_layer(i) for i in range(48)] == [t == "sparse" for t in hf.mlp_layer_types]
+    assert cfg.window == hf.sliding_window
+    for t, hf_type in (("F", "full_attention"), ("S", "sliding_attention")):
+        g, rope = cfg.attention_geometry(t), hf.rope_parameters[hf_type]
+        kv_heads = hf.num_key_value_heads * (2 if t == "S" else 1)
+        assert (g.num_heads, g.num_kv_heads, g.head_dim, g.v_head_dim) == (
+            hf.num_attention_heads, kv_heads, hf.head_dim, hf.v_head_dim)
+        assert g.rope_theta == rope["rope_theta"]
+        assert g.rotary_dims == int(hf.head_dim * rope["partial_rotary_factor"])
+        assert (g.gate == "sink") == (t == "S")
+    assert cfg.value_scale == hf.attention_value_scale
+    moe = cfg.moe
+    assert (moe.num_experts, moe.top_k, moe.expert_hidden) == (
+        hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size)
+    assert (moe.routed_scaling_factor, moe.num_groups, moe.topk_groups, moe.renormalize) == (
+        hf.routed_scaling_factor, hf.n_group, hf.topk_group, hf.norm_topk_prob)
+    assert cfg.norm_eps == hf.rms_norm_eps and cfg.tie_embeddings == hf.tie_word_embeddings

@@ -13,6 +13,8 @@ from model.flops import BREAKDOWN, forward_flops, kv_cache_bytes, main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
+TINY_MIMO = str(ROOT / "configs" / "tiny_mimo.yaml")
+MIMO = str(ROOT / "configs" / "mimo_v2_flash.yaml")
 ABLATION = ROOT / "configs" / "ablation"
 
 
@@ -26,7 +28,7 @@ def brute_force(cfg, context: int, mode: str) -> Counter:
     """Walks every token position through every layer, adding 2*m*n per [m, n] weight it meets
     and 2*hd FLOPs per (head, visible key) for each of QK^T and PV."""
     assert cfg.moe_layers is None
-    d, hd, kv, moe = cfg.d_model, cfg.head_dim, cfg.num_kv_heads, cfg.moe
+    d, moe = cfg.d_model, cfg.moe
     flops = Counter()
 
     def matmuls(key, *shapes):
@@ -34,14 +36,18 @@ def brute_force(cfg, context: int, mode: str) -> Counter:
             flops[key] += 2 * m * n
 
     def attention(query, attention_type, projections_key, scores_key):
-        h = (cfg.full_attention if attention_type == "F" else cfg.swa_attention).num_heads
-        matmuls(projections_key, (d, h * hd), (d, kv * hd), (d, kv * hd), (h * hd, d))
-        if cfg.gate == "headwise":
+        # per-type fields where set (MiMo-V2-Flash), else the model's
+        typed = cfg.full_attention if attention_type == "F" else cfg.swa_attention
+        h = typed.num_heads
+        hd, kv = typed.head_dim or cfg.head_dim, typed.num_kv_heads or cfg.num_kv_heads
+        vd = typed.v_head_dim or cfg.v_head_dim or hd
+        matmuls(projections_key, (d, h * hd), (d, kv * hd), (d, kv * vd), (h * vd, d))
+        if (typed.gate or cfg.gate) == "headwise":
             matmuls(projections_key, (d, h))
         window = cfg.window if attention_type == "S" else None
         for _ in range(h):
             for _ in range(visible_keys(query, window)):
-                flops[scores_key] += 2 * hd + 2 * hd  # q.k, then p * v
+                flops[scores_key] += 2 * hd + 2 * vd  # q.k, then p * v
 
     def swiglu(key, hidden):
         matmuls(key, (d, hidden), (d, hidden), (hidden, d))
@@ -67,10 +73,12 @@ def brute_force(cfg, context: int, mode: str) -> Counter:
     return flops
 
 
-@pytest.mark.parametrize("overrides", [[], ["gate=none", "swa_attention.num_heads=8"]])
+@pytest.mark.parametrize("preset, overrides", [(TINY, []),
+                                               (TINY, ["gate=none", "swa_attention.num_heads=8"]),
+                                               (TINY_MIMO, [])])
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
-def test_matches_brute_force(mode, overrides):
-    cfg = load_config(TINY, overrides)
+def test_matches_brute_force(mode, preset, overrides):
+    cfg = load_config(preset, overrides)
     w = cfg.window
     for context in (1, 5, w - 1, w, w + 1, 2 * w + 7):
         result = forward_flops(cfg, context, mode)
@@ -115,6 +123,29 @@ def test_swa_kv_cache_stops_growing_at_the_window():
         swa_only, 100 * w)
     full_only = load_config(TINY, ["layout=F*9", "mtp.num_heads=0"])
     assert kv_cache_bytes(full_only, 2 * w) == 2 * kv_cache_bytes(full_only, w)
+
+
+def test_mimo_v2_flash_kv_bytes_by_hand():
+    """Per token in bfloat16: a full layer keeps 4 KV heads x (192 + 128) values = 2,560 B for
+    every position; an SWA layer (39 + the 3 MTP blocks) 8 x (192 + 128) values = 5,120 B for
+    min(N, 129) positions."""
+    cfg = load_config(MIMO)
+    assert cfg.compute_dtype == "bfloat16"
+    full, swa = 4 * (192 + 128) * 2, 8 * (192 + 128) * 2
+    assert (full, swa) == (2560, 5120)
+    for n in (1, 128, 129, 130, 32768, 262144):
+        assert kv_cache_bytes(cfg, n) == 9 * n * full + (39 + 3) * min(n, 129) * swa, n
+    # far past the window, the full layers' share: (9 x 2,560) / (9 x 2,560 + 42 x 129 x 5,120 / N)
+    assert kv_cache_bytes(cfg, 1 << 20) == 9 * 2560 * (1 << 20) + 42 * 129 * 5120
+
+
+def test_mimo_v2_flash_decode_attention_by_hand():
+    """One decode token at context N: QK^T and PV of 64 heads over (192 + 128) dims, N keys on
+    the 9 full layers and 129 on the 39 SWA layers and the 3 MTP blocks."""
+    cfg = load_config(MIMO)
+    n = 32768
+    scores = forward_flops(cfg, n, "decode")["breakdown"]["attention_scores"]
+    assert scores == 2 * 64 * (192 + 128) * (9 * n + 39 * 129)
 
 
 def test_layout_trend_follows_table8():

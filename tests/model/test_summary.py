@@ -13,18 +13,24 @@ from model.summary import count_params, main
 ROOT = Path(__file__).resolve().parents[2]
 STEP35 = str(ROOT / "configs" / "step35_flash.yaml")
 TINY = str(ROOT / "configs" / "tiny.yaml")
+TINY_MIMO = str(ROOT / "configs" / "tiny_mimo.yaml")
+MIMO = str(ROOT / "configs" / "mimo_v2_flash.yaml")
 
 
 def hand_count(cfg) -> dict:
     """Counts from the config fields alone, layer by layer (explicit weight shapes)."""
     assert cfg.moe_layers is None  # MoE layers are then exactly those after the dense ones
-    d, hd, kv, moe = cfg.d_model, cfg.head_dim, cfg.num_kv_heads, cfg.moe
+    d, moe = cfg.d_model, cfg.moe
 
     def block(attention_type: str, is_moe: bool) -> tuple[int, int]:
         """(total, active) of one decoder block."""
-        h = (cfg.full_attention if attention_type == "F" else cfg.swa_attention).num_heads
-        n = d * h * hd + d * kv * hd + d * kv * hd + h * hd * d  # q, k, v, o
-        n += {"headwise": d * h, "sink": h, "none": 0}[cfg.gate]
+        # per-type fields where set (MiMo-V2-Flash), else the model's
+        typed = cfg.full_attention if attention_type == "F" else cfg.swa_attention
+        h = typed.num_heads
+        hd, kv = typed.head_dim or cfg.head_dim, typed.num_kv_heads or cfg.num_kv_heads
+        vd = typed.v_head_dim or cfg.v_head_dim or hd
+        n = d * h * hd + d * kv * hd + d * kv * vd + h * vd * d  # q, k, v, o
+        n += {"headwise": d * h, "sink": h, "none": 0}[typed.gate or cfg.gate]
         n += 2 * hd if cfg.qk_norm else 0  # q_norm, k_norm
         n += 2 * d  # input_layernorm, post_attention_layernorm
         if not is_moe:
@@ -74,6 +80,35 @@ def test_tiny_matches_hand_count(overrides):
     assert breakdown["other"]["total"] == 0
     assert sum(g["total"] for g in breakdown.values()) == counts["with_mtp"]["total"]
     assert sum(g["active"] for g in breakdown.values()) == counts["with_mtp"]["active"]
+
+
+@pytest.mark.parametrize("overrides", [[], ["scan_layers=false", "mtp.share_output_head=true"]])
+def test_tiny_mimo_matches_hand_count(overrides):
+    """Per-type KV heads (1 full / 2 SWA), values narrower than keys, the sink on SWA only."""
+    cfg = load_config(TINY_MIMO, overrides)
+    counts = count_params(cfg)
+    assert {k: v for k, v in counts.items() if k != "breakdown"} == hand_count(cfg)
+    assert counts["breakdown"]["other"]["total"] == 0
+
+
+def test_mimo_v2_flash_matches_the_report():
+    """MiMo-V2-Flash report: 309B total / 15B active (the backbone with embeddings and output
+    head, without MTP, as DeepSeek-V3 counts), 0.33B per MTP block."""
+    cfg = load_config(MIMO)
+    counts = count_params(cfg)
+    assert {k: v for k, v in counts.items() if k != "breakdown"} == hand_count(cfg)
+    assert [round(counts[k] / 1e9) for k in ("total", "active")] == [309, 15]
+    assert counts["total"] == pytest.approx(309e9, rel=0.002)
+    assert counts["active"] == pytest.approx(15e9, rel=0.035)
+    # One MTP block by hand: eh_proj [2d, d]; SWA attention q [d, 64*192], k [d, 8*192],
+    # v [d, 8*128], o [64*128, d] and 64 sink logits; the dense FFN 3 x [d, 16384]; enorm,
+    # hnorm, the block's two norms and its final norm; no output head of its own.
+    d = 4096
+    block = (2 * d * d + d * 64 * 192 + d * 8 * 192 + d * 8 * 128 + 64 * 128 * d + 64
+             + 3 * d * 16384 + 5 * d)
+    assert counts["mtp"] == 3 * block and round(block / 1e9, 2) == 0.33
+    # Routed experts dominate: 47 MoE layers x 256 experts x 3 x [4096, 2048].
+    assert counts["breakdown"]["moe_routed"]["total"] == 47 * 256 * 3 * d * 2048
 
 
 def test_scan_on_and_off_agree():

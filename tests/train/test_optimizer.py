@@ -24,11 +24,12 @@ from train.optim.optimizer import applied_updates, build_optimizer, param_labels
 from train.optim.schedules import learning_rate_schedule
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+TINY_MIMO = TINY.with_name("tiny_mimo.yaml")
 is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
 
 
-def _boxed_shapes(overrides=()):
-    cfg = load_config(TINY, list(overrides))
+def _boxed_shapes(overrides=(), path=TINY):
+    cfg = load_config(path, list(overrides))
     return abstract_variables(cfg)
 
 
@@ -42,6 +43,13 @@ def tiny_sink():
 @pytest.fixture(scope="module")
 def tiny_headwise():
     boxed = _boxed_shapes()
+    return param_axes(boxed), nn.meta.unbox(boxed)["params"]
+
+
+@pytest.fixture(scope="module")
+def tiny_mimo():
+    """MiMo-V2-Flash's per-type geometry: sinks on SWA layers only, narrower values."""
+    boxed = _boxed_shapes(path=TINY_MIMO)
     return param_axes(boxed), nn.meta.unbox(boxed)["params"]
 
 
@@ -59,7 +67,7 @@ def _expected_label(path: str) -> str:
     return "muon"
 
 
-@pytest.mark.parametrize("fixture", ["tiny_sink", "tiny_headwise"])
+@pytest.mark.parametrize("fixture", ["tiny_sink", "tiny_headwise", "tiny_mimo"])
 def test_labels_on_the_tiny_model(fixture, request):
     axes, _ = request.getfixturevalue(fixture)
     labels = _by_path(param_labels(axes))
@@ -69,7 +77,10 @@ def test_labels_on_the_tiny_model(fixture, request):
     assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
             "router", "eh_proj"} <= kinds
     assert ("g_proj" in kinds) == (fixture == "tiny_headwise")
-    assert any(path.endswith("sink") for path in labels) == (fixture == "tiny_sink")
+    sinks = [path for path in labels if path.endswith("sink")]
+    assert bool(sinks) == (fixture in ("tiny_sink", "tiny_mimo"))
+    if fixture == "tiny_mimo":  # F+SSSSF scans as segments F, SSSS, F; the MTP block is S
+        assert sinks == ["layers/segment_1/block_0/self_attn/sink", "mtp_0/block/self_attn/sink"]
 
 
 def test_freeze_router_and_adamw_only_labels(tiny_sink):

@@ -20,6 +20,7 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 STEP35 = str(ROOT / "configs" / "step35_flash.yaml")
 TINY_V4 = str(ROOT / "configs" / "tiny_deepseek_v4.yaml")
 V4_FLASH = str(ROOT / "configs" / "deepseek_v4_flash.yaml")
+MIMO = str(ROOT / "configs" / "mimo_v2_flash.yaml")
 # tiny.yaml as one scanned segment of 8 identical F-MoE layers, so mesh.pipeline=2 fits it.
 PIPELINABLE = ["model.num_layers=8", "model.layout=F*8", "model.num_dense_layers=0",
                "model.swiglu_limits=0", "model.swiglu_limits_shared=0"]
@@ -72,6 +73,27 @@ def test_step35_preset_counts_and_expert_sharding(capsys):
     router = 42 * 4096 * 288 * 4
     assert saved == routed * 7 // 8 + router * 7 // 8
     assert one["per_device_bytes"]["params"] == count * 4
+
+
+def test_mimo_v2_flash_counts_and_expert_sharding(capsys):
+    """MiMo-V2-Flash from its report's numbers: 9 full layers (4 KV heads) and 39 SWA layers (8
+    KV heads, 64 sink logits), all 64 query heads of 192 with 128-dim values; layer 0 dense
+    (16384), 47 MoE layers of 256 experts of 2048; untied 152576-token embeddings and head;
+    3 MTP blocks (eh_proj, an SWA block with the dense FFN, 3 norms) sharing the head."""
+    d, vocab = 4096, 152576
+
+    def attention(kv_heads: int, sink: bool) -> int:
+        return d * 64 * 192 + d * kv_heads * (192 + 128) + 64 * 128 * d + 64 * sink + 2 * d
+
+    layers = (9 * attention(4, False) + 39 * attention(8, True) + 3 * d * 16384
+              + 47 * (d * 256 + 256 * 3 * d * 2048) + d)
+    mtp = 3 * (2 * d * d + attention(8, True) + 3 * d * 16384 + 3 * d)
+    one = plan(capsys, "--config", MIMO, "--mesh", "data=1")
+    eight = plan(capsys, "--config", MIMO, "--mesh", "data=1,expert=8")
+    assert one["num_params"] == eight["num_params"] == layers + 2 * vocab * d + mtp
+    routed = 47 * 256 * 3 * d * 2048 * 4  # float32
+    assert one["params_by_group_bytes"]["moe_routed"] == routed
+    assert eight["params_by_group_bytes"]["moe_routed"] == routed // 8
 
 
 def test_fsdp_halves_embed_sharded_matrices(capsys):
