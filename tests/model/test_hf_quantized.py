@@ -27,11 +27,14 @@ from hf_step3p5_checkpoint import (
     random_tensors,
     write_hf_dir,
 )
+from safetensors.numpy import save_file
 
 import model.interop.hf as hf
 import model.interop.quantized as quantized
+from model.hf import main
 from model.interop.safetensors_io import CheckpointFormatError
 from model.lm import CausalLM
+from model.weights import load_model
 
 BLOCK = (16, 12)  # partial last blocks along both axes of the test's [.., 16|24|32|48|64] weights
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
@@ -137,12 +140,30 @@ def deepseek_v4_case(rng):
 CASES = {"step3p5": step3p5_case, "mimo_v2_flash": mimo_case, "deepseek_v4": deepseek_v4_case}
 
 
+def write_scales_apart(path, tensors: dict, config: dict):
+    """A checkpoint whose scales all sit in the last of three shards, after their weights'."""
+    path.mkdir(parents=True)
+    scales = {n for n in tensors if n.endswith(("_scale_inv", ".activation_scale"))}
+    first = {n for n in set(tensors) - scales if n < "model.layers.3"}
+    files = {"model-00001-of-00003.safetensors": first,
+             "model-00002-of-00003.safetensors": set(tensors) - scales - first,
+             "model-00003-of-00003.safetensors": scales}
+    for file, names in files.items():
+        save_file({n: tensors[n] for n in sorted(names)}, path / file, metadata={"format": "pt"})
+    weight_map = {n: file for file, names in files.items() for n in names}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def release(request, tmp_path_factory):
-    """(family, quantized directory, unquantized directory of its values, stored tensors)."""
+    """(family, quantized directory, unquantized directory of its values, stored tensors); the
+    Step 3.5 checkpoint keeps its scales in a shard of their own."""
     config, quant, stored, plain = CASES[request.param](np.random.default_rng(0))
     root = tmp_path_factory.mktemp(request.param)
-    return (request.param, write_hf_dir(root / "fp8", stored, {**config, **quant}),
+    write = write_scales_apart if request.param == "step3p5" else write_hf_dir
+    return (request.param, write(root / "fp8", stored, {**config, **quant}),
             write_hf_dir(root / "plain", plain, config), stored)
 
 
@@ -158,9 +179,12 @@ def test_a_quantized_release_imports_as_its_dequantized_values(release):
         np.testing.assert_array_equal(forward(variables), forward(want))
 
 
-def test_the_requested_param_dtype_rounds_the_dequantized_values(release):
+def test_the_cli_import_dequantizes_into_the_param_dtype(release, tmp_path):
+    """`python -m model.hf import --param-dtype bfloat16`: float32 values rounded once."""
     _, quantized_dir, plain_dir, _ = release
-    _, variables = hf.load_hf_checkpoint(quantized_dir, param_dtype="bfloat16", progress=False)
+    assert main(["import", str(quantized_dir), "--out", str(tmp_path / "model"),
+                 "--param-dtype", "bfloat16"]) == 0
+    _, variables = load_model(tmp_path / "model")
     _, want = hf.load_hf_checkpoint(plain_dir, param_dtype="bfloat16", progress=False)
     assert_same_variables(want, variables)
 
@@ -247,9 +271,13 @@ def test_bad_quantized_tensors_are_named_before_any_data_is_read(
     ({"modules_to_convert": ["embed_tokens"]}, "quantization_config.modules_to_convert: "),
     ({"bits": 4}, "quantization_config.bits: unknown key"),
 ])
-def test_unknown_quantization_layouts_are_refused_by_key(change, message, tmp_path):
+def test_unknown_quantization_layouts_are_refused_by_key(change, message, tmp_path, capsys):
     config = {**HF_CONFIG, "quantization_config": fp8_config(**change)}
     path = write_hf_dir(tmp_path / "hf", random_tensors(), config)
     with pytest.raises(CheckpointFormatError) as err:
         hf.load_hf_checkpoint(path, progress=False)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert main(["import", str(path), "--out", str(tmp_path / "model")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+    assert not (tmp_path / "model").exists()
