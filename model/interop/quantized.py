@@ -77,7 +77,7 @@ def scheme_of(hf: Mapping[str, Any]) -> Scheme | None:
                                         f"{sorted({*_VALUES, *_FREE_KEYS})})")
     if "quant_method" not in config:
         raise CheckpointFormatError("quantization_config.quant_method: missing")
-    block = config.get("weight_block_size")
+    block = config.get("weight_block_size", [128, 128])  # transformers' default
     if (not isinstance(block, (list, tuple)) or len(block) != 2
             or not all(isinstance(b, int) and b > 0 for b in block)):
         raise CheckpointFormatError(f"quantization_config.weight_block_size: {block!r} is not "

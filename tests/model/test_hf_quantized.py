@@ -232,6 +232,8 @@ EXPERT = "model.layers.2.ffn.experts.1.w1"
                                            (64, 32), ml_dtypes.bfloat16)}),
      "model.layers.0.mlp.gate_proj.weight_scale_inv: a scale, but "
      "model.layers.0.mlp.gate_proj.weight is not a quantized tensor (BF16)"),
+    ("step3p5", lambda t, c: c["quantization_config"].pop("weight_block_size"),  # 128 x 128
+     "_scale_inv: expected [1, 1], found "),  # blocks of 128 x 128 cover the whole tensor
     ("step3p5", lambda t, c: c.pop("quantization_config"),
      ".weight: dtype F8_E4M3 is not supported without a quantization_config in config.json"),
     ("deepseek_v4", lambda t, c: t.update({f"{EXPERT}.scale": np.ones((16, 2), np.uint8)}),
