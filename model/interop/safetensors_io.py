@@ -135,11 +135,14 @@ def read_headers(path: Path, files: dict[str, list[str]]) -> dict[str, TensorInf
             if name not in header:
                 raise CheckpointFormatError(f"{name}: listed under {file} in {INDEX} but "
                                             "not stored there")
-            entry = header[name]
-            begin, end = entry["data_offsets"]
-            table[name] = TensorInfo(file, entry["dtype"], tuple(entry["shape"]),
-                                     (start + begin, start + end))
+            table[name] = _info(file, start, header[name])
     return table
+
+
+def _info(file: str, start: int, entry: Mapping[str, Any]) -> TensorInfo:
+    """TensorInfo of a header entry of `file`, whose data starts at byte `start`."""
+    begin, end = entry["data_offsets"]
+    return TensorInfo(file, entry["dtype"], tuple(entry["shape"]), (start + begin, start + end))
 
 
 def check_tensors(path: Path, headers: Mapping[str, TensorInfo],
@@ -158,8 +161,7 @@ def check_tensors(path: Path, headers: Mapping[str, TensorInfo],
         allowed = INT_DTYPES if name in integer else FLOAT_DTYPES
         if tensor.dtype not in allowed:
             raise CheckpointFormatError(
-                f"{name}: dtype {tensor.dtype} is not supported (expected {'/'.join(allowed)}; "
-                "quantized tensors need config.json's quantization_config)")
+                f"{name}: dtype {tensor.dtype} is not supported (expected {'/'.join(allowed)})")
         found, want = list(tensor.shape), list(expected[name])
         if found != want:
             raise CheckpointFormatError(f"{name}: expected {want}, found {found}")
@@ -175,19 +177,16 @@ def read_tensor(path: Path, tensor: TensorInfo) -> np.ndarray:
 def read_tensors(path: Path, files: dict[str, list[str]], *,
                  progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) of every tensor, one shard open at a time through safetensors' lazy
-    (memory-mapped) reader: only the tensor being yielded is materialised."""
+    (memory-mapped) reader, or from its bytes for the float8 dtypes that reader lacks
+    (`read_tensor`): only the tensor being yielded is materialised."""
     for file, names in tqdm(files.items(), desc="import", unit="shard", disable=not progress,
                             file=sys.stderr):
         with open_shard(path / file) as f:
             start, header = _header(path / file)
             for name in names:
-                entry = header[name]
-                if entry["dtype"] in FLOAT_DTYPES or entry["dtype"] in INT_DTYPES:
-                    yield name, f.get_tensor(name)
-                    continue
-                begin, end = entry["data_offsets"]
-                yield name, read_tensor(path, TensorInfo(
-                    file, entry["dtype"], tuple(entry["shape"]), (start + begin, start + end)))
+                tensor = _info(file, start, header[name])
+                numpy_reads = tensor.dtype in FLOAT_DTYPES or tensor.dtype in INT_DTYPES
+                yield name, f.get_tensor(name) if numpy_reads else read_tensor(path, tensor)
 
 
 def shard_plan(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:
