@@ -158,18 +158,24 @@ def write_scales_apart(path, tensors: dict, config: dict):
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def release(request, tmp_path_factory):
-    """(family, quantized directory, unquantized directory of its values, stored tensors); the
-    Step 3.5 checkpoint keeps its scales in a shard of their own."""
+    """(family, quantized directory, unquantized directory of its values); the Step 3.5
+    checkpoint keeps its scales in a shard of their own."""
     config, quant, stored, plain = CASES[request.param](np.random.default_rng(0))
     root = tmp_path_factory.mktemp(request.param)
     write = write_scales_apart if request.param == "step3p5" else write_hf_dir
     return (request.param, write(root / "fp8", stored, {**config, **quant}),
-            write_hf_dir(root / "plain", plain, config), stored)
+            write_hf_dir(root / "plain", plain, config))
 
 
-def test_a_quantized_release_imports_as_its_dequantized_values(release):
-    family, quantized_dir, plain_dir, _ = release
-    config, variables = hf.load_hf_checkpoint(quantized_dir, progress=False)
+@pytest.fixture(scope="module")
+def imported(release):
+    """(ModelConfig, variables) of the quantized directory, as `load_hf_checkpoint` gives them."""
+    return hf.load_hf_checkpoint(release[1], progress=False)
+
+
+def test_a_quantized_release_imports_as_its_dequantized_values(release, imported):
+    family, _, plain_dir = release
+    config, variables = imported
     want_config, want = hf.load_hf_checkpoint(plain_dir, progress=False)
     assert config == want_config
     assert_same_variables(want, variables)
@@ -181,7 +187,7 @@ def test_a_quantized_release_imports_as_its_dequantized_values(release):
 
 def test_the_cli_import_dequantizes_into_the_param_dtype(release, tmp_path):
     """`python -m model.hf import --param-dtype bfloat16`: float32 values rounded once."""
-    _, quantized_dir, plain_dir, _ = release
+    _, quantized_dir, plain_dir = release
     assert main(["import", str(quantized_dir), "--out", str(tmp_path / "model"),
                  "--param-dtype", "bfloat16"]) == 0
     _, variables = load_model(tmp_path / "model")
@@ -189,9 +195,8 @@ def test_the_cli_import_dequantizes_into_the_param_dtype(release, tmp_path):
     assert_same_variables(want, variables)
 
 
-def test_exports_of_a_quantized_import_are_unquantized(release, tmp_path):
-    _, quantized_dir, _, _ = release
-    config, variables = hf.load_hf_checkpoint(quantized_dir, progress=False)
+def test_exports_of_a_quantized_import_are_unquantized(imported, tmp_path):
+    config, variables = imported
     hf.save_hf_checkpoint(config, variables, tmp_path / "out", progress=False)
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" not in written
