@@ -12,9 +12,12 @@ Step 3.5):
 - Step 3.5 Flash (`model_type: step3p5`, model/interop/step3p5.py), the published format;
 - DeepSeek-V4 (`model_type: deepseek_v4`, model/interop/deepseek_v4.py), as transformers'
   DeepseekV4ForCausalLM saves and loads it (save_pretrained's default tensor names; no MTP
-  layers, as transformers builds none; the FP8/FP4 releases are refused);
+  layers, as transformers builds none);
 - MiMo-V2-Flash (`model_type: mimo_v2_flash`, model/interop/mimo_v2_flash.py), as transformers'
-  MiMoV2FlashForCausalLM saves and loads it (no MTP layers; the FP8 release is refused).
+  MiMoV2FlashForCausalLM saves and loads it (no MTP layers).
+Quantized checkpoints in the layouts transformers' FP8 loader reads (FP8 block-wise weights,
+DeepSeek-V4's MXFP4 experts: model/interop/quantized.py) are dequantized on import into the
+parameter dtype; other quantization layouts are refused by key. Export writes no quantization.
 Config keys that do not change the network (token ids, max_position_embeddings, torch_dtype,
 ...) are ignored on import.
 """
@@ -46,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "import", help="Hugging Face checkpoint -> stepjax model directory",
         description="Converts a Hugging Face Step 3.5, DeepSeek-V4 or MiMo-V2-Flash directory "
                     "(config.json + safetensors) into a stepjax model directory "
-                    "(model/interop/model_dir.py).")
+                    "(model/interop/model_dir.py); FP8 / MXFP4 releases are dequantized "
+                    "into --param-dtype.")
     imports.add_argument("source", metavar="HF_DIR")
     imports.add_argument("--out", required=True, metavar="MODEL_DIR", help="new or empty")
     imports.add_argument("--param-dtype", choices=DTYPES, default=None,

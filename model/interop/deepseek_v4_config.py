@@ -43,7 +43,6 @@ _REQUIRED_VALUES = {
     "mlp_bias": (False,),
     "n_shared_experts": (1,),  # DeepseekV4MLP builds one shared expert whatever the count
     "norm_topk_prob": (True,),  # DeepseekV4TopKRouter / HashRouter always renormalise
-    "quantization_config": (None,),  # the FP8 / FP4 releases
 }
 # Pre-5.24 keys that DeepseekV4Config folds into the ones stepjax reads.
 _LEGACY_KEYS = {"compress_ratios": "layer_types", "compress_rate_csa": "compress_rates",

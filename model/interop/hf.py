@@ -6,7 +6,8 @@
 config.json's `model_type` picks the family (`FAMILIES`): its module translates the config and
 names every tensor (model/interop/step3p5.py, model/interop/deepseek_v4.py,
 model/interop/mimo_v2_flash.py); the safetensors reading and writing is shared
-(model/interop/safetensors_io.py). Adding a family means adding its module and one entry here.
+(model/interop/safetensors_io.py), and so is the dequantization of FP8 / MXFP4 releases
+(model/interop/quantized.py). Adding a family means adding its module and one entry here.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import DTYPES, SHARED_KV_KINDS, ModelConfig
-from model.interop import deepseek_v4, mimo_v2_flash, step3p5
+from model.interop import deepseek_v4, mimo_v2_flash, quantized, step3p5
 from model.interop.model_dir import fresh_directory, variable_shardings
 from model.interop.safetensors_io import (
     CheckpointFormatError,
     check_tensors,
+    read_headers,
     read_json,
     read_tensors,
     shard_names,
@@ -89,24 +91,31 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
     one device or in the training shardings of `mesh`. Every tensor goes to its devices as it
     is read (`safetensors_io.read_tensors`): a layer of a scanned (stacked) variable is written
     into its slot of a buffer that already lives in the variable's sharding, so host memory
-    never holds more than one tensor beyond the open shard.
+    never holds more than one tensor beyond the open shard. A quantized release (FP8 block-wise,
+    MXFP4 experts: `quantized.py`) is dequantized tensor by tensor as it streams, through
+    float32 to `param_dtype`.
     """
     path = Path(path)
     hf_config = read_json(path / "config.json")
     family = checkpoint_family(hf_config.get("model_type"))
+    scheme = quantized.scheme_of(hf_config)
     config = family.config_from_hf(hf_config)
     if param_dtype is not None:
         config = config.replace(param_dtype=param_dtype)
     abstract = nn.meta.unbox(abstract_variables(config))
     entries = {e.name: e for e in family.tensor_table(config, abstract)}
     files = _without_ignored(shard_names(path), family.ignored_tensors)
-    check_tensors(path, files, {name: e.hf_shape for name, e in entries.items()},
+    stored = read_headers(path, files)
+    headers, plan = quantized.plan(scheme, stored)
+    check_tensors(path, headers, {name: e.hf_shape for name, e in entries.items()},
                   integer={name for name, e in entries.items()
                            if np.issubdtype(lookup(abstract[e.collection], e.path).dtype,
                                             np.integer)})
     shardings = variable_shardings(config, mesh)
     variables: dict = {}
-    for name, array in read_tensors(path, files, progress=progress):
+    tensors = {file: [n for n in names if n in headers] for file, names in files.items()}
+    stream = read_tensors(path, tensors, progress=progress)
+    for name, array in quantized.dequantize(stream, path, stored, plan):
         entry = entries[name]
         leaf = lookup(abstract[entry.collection], entry.path)
         sharding = lookup(shardings[entry.collection], entry.path)

@@ -44,7 +44,6 @@ _REQUIRED_VALUES = {
     "attention_projection_layout": ("split",),  # separate q/k/v_proj tensors
     "add_full_attention_sink_bias": (False,),
     "add_swa_attention_sink_bias": (True,),  # transformers builds the sink on SWA layers
-    "quantization_config": (None,),  # the FP8 release
 }
 # transformers' defaults where config.json gives neither its key nor the release's.
 _DEFAULT_ROPE = {"full_attention": 5_000_000.0, "sliding_attention": 10_000.0}

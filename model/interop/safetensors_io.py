@@ -13,8 +13,9 @@ import os
 import struct
 import sys
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, NamedTuple, Sequence
 
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -24,6 +25,19 @@ INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 INT_DTYPES = {"I64": "int64", "I32": "int32"}  # lookup tables (DeepSeek-V4's tid2eid)
+# Quantized releases' dtypes (model/interop/quantized.py), read from the header's byte offsets:
+# safetensors' numpy reader has no float8 types (numpy itself has none), ml_dtypes does.
+RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+              "I8": np.int8, "U8": np.uint8, "F32": np.dtype("<f4")}
+
+
+class TensorInfo(NamedTuple):
+    """One stored tensor as its shard's header describes it (no data read)."""
+
+    file: str
+    dtype: str  # safetensors' code: "BF16", "F8_E4M3", ...
+    shape: tuple[int, ...]
+    span: tuple[int, int]  # its bytes, as offsets from the start of the file
 
 
 class CheckpointFormatError(ValueError):
@@ -58,18 +72,31 @@ def open_shard(file: Path) -> Iterator[Any]:
         raise CheckpointFormatError(f"{file}: unreadable ({' '.join(str(err).split())})") from None
 
 
-def _declared_size(file: Path) -> int | None:
-    """Size of `file` by its header: the 8-byte header length, the JSON header, then the data up
-    to the largest end offset. None: no readable header."""
+def _header(file: Path) -> tuple[int, dict] | None:
+    """(where the data starts, the JSON header) of a safetensors file: an 8-byte little-endian
+    header length, then the header. None: no readable header."""
     with open(file, "rb") as f:
         prefix = f.read(8)
         header_size = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
         header = f.read(header_size) if 0 <= header_size <= file.stat().st_size else b""
     try:
-        ends = [entry["data_offsets"][1] for name, entry in json.loads(header).items()
+        table = json.loads(header)
+    except ValueError:
+        return None
+    return (8 + header_size, table) if isinstance(table, dict) else None
+
+
+def _declared_size(file: Path) -> int | None:
+    """Size of `file` by its header: up to the largest end offset of its data. None: no
+    readable header."""
+    found = _header(file)
+    if found is None:
+        return None
+    try:
+        ends = [entry["data_offsets"][1] for name, entry in found[1].items()
                 if name != "__metadata__"]
-        return 8 + header_size + max(ends, default=0)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return found[0] + max(ends, default=0)
+    except (TypeError, KeyError, IndexError, AttributeError):
         return None
 
 
@@ -94,48 +121,72 @@ def _listing(names: Sequence[str]) -> str:
     return f"{shown}, ... ({len(names)} in total)" if len(names) > 4 else shown
 
 
-def check_tensors(path: Path, files: dict[str, list[str]],
-                  expected: Mapping[str, Sequence[int]], integer: Collection[str] = ()) -> None:
-    """Names, dtypes and shapes of every tensor against `expected` ({name: stored shape}), from
-    the shard headers only (no data read), so a mismatch is reported before anything is loaded.
-    Tensors named in `integer` hold integers (INT_DTYPES), the others floats."""
-    stored = [name for names in files.values() for name in names]
-    unknown = [name for name in stored if name not in expected]
-    if unknown:
-        raise CheckpointFormatError(f"{path}: unknown tensor (no stepjax variable): "
-                                    f"{_listing(unknown)}")
-    missing = sorted(set(expected) - set(stored))
-    if missing:
-        raise CheckpointFormatError(f"{path}: missing tensor: {_listing(missing)}")
+def read_headers(path: Path, files: dict[str, list[str]]) -> dict[str, TensorInfo]:
+    """{name: TensorInfo} of every tensor listed in `files`, from the shard headers only (no
+    data read); a shard that is absent, cut short or lacks a tensor listed for it is named."""
+    table = {}
     for file, names in files.items():
         if not (path / file).is_file():
             raise CheckpointFormatError(f"{path / file}: shard listed in {INDEX} not found")
-        with open_shard(path / file) as f:
-            present = set(f.keys())
-            for name in names:
-                if name not in present:
-                    raise CheckpointFormatError(f"{name}: listed under {file} in {INDEX} but "
-                                                "not stored there")
-                tensor = f.get_slice(name)
-                allowed = INT_DTYPES if name in integer else FLOAT_DTYPES
-                if tensor.get_dtype() not in allowed:
-                    raise CheckpointFormatError(
-                        f"{name}: dtype {tensor.get_dtype()} is not supported (expected "
-                        f"{'/'.join(allowed)}; quantized checkpoints are not)")
-                found, want = list(tensor.get_shape()), list(expected[name])
-                if found != want:
-                    raise CheckpointFormatError(f"{name}: expected {want}, found {found}")
+        with open_shard(path / file):  # completeness checks
+            pass
+        start, header = _header(path / file)
+        for name in names:
+            if name not in header:
+                raise CheckpointFormatError(f"{name}: listed under {file} in {INDEX} but "
+                                            "not stored there")
+            table[name] = _info(file, start, header[name])
+    return table
+
+
+def _info(file: str, start: int, entry: Mapping[str, Any]) -> TensorInfo:
+    """TensorInfo of a header entry of `file`, whose data starts at byte `start`."""
+    begin, end = entry["data_offsets"]
+    return TensorInfo(file, entry["dtype"], tuple(entry["shape"]), (start + begin, start + end))
+
+
+def check_tensors(path: Path, headers: Mapping[str, TensorInfo],
+                  expected: Mapping[str, Sequence[int]], integer: Collection[str] = ()) -> None:
+    """Names, dtypes and shapes of every tensor (`read_headers`) against `expected` ({name:
+    stored shape}), so a mismatch is reported before anything is loaded. Tensors named in
+    `integer` hold integers (INT_DTYPES), the others floats."""
+    unknown = [name for name in headers if name not in expected]
+    if unknown:
+        raise CheckpointFormatError(f"{path}: unknown tensor (no stepjax variable): "
+                                    f"{_listing(unknown)}")
+    missing = sorted(set(expected) - set(headers))
+    if missing:
+        raise CheckpointFormatError(f"{path}: missing tensor: {_listing(missing)}")
+    for name, tensor in headers.items():
+        allowed = INT_DTYPES if name in integer else FLOAT_DTYPES
+        if tensor.dtype not in allowed:
+            raise CheckpointFormatError(
+                f"{name}: dtype {tensor.dtype} is not supported (expected {'/'.join(allowed)})")
+        found, want = list(tensor.shape), list(expected[name])
+        if found != want:
+            raise CheckpointFormatError(f"{name}: expected {want}, found {found}")
+
+
+def read_tensor(path: Path, tensor: TensorInfo) -> np.ndarray:
+    """The data of one tensor of a RAW_DTYPES dtype, from its bytes in the file."""
+    begin, end = tensor.span
+    data = np.fromfile(path / tensor.file, np.uint8, end - begin, offset=begin)
+    return data.view(RAW_DTYPES[tensor.dtype]).reshape(tensor.shape)
 
 
 def read_tensors(path: Path, files: dict[str, list[str]], *,
                  progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) of every tensor, one shard open at a time through safetensors' lazy
-    (memory-mapped) reader: only the tensor being yielded is materialised."""
+    (memory-mapped) reader, or from its bytes for the float8 dtypes that reader lacks
+    (`read_tensor`): only the tensor being yielded is materialised."""
     for file, names in tqdm(files.items(), desc="import", unit="shard", disable=not progress,
                             file=sys.stderr):
         with open_shard(path / file) as f:
+            start, header = _header(path / file)
             for name in names:
-                yield name, f.get_tensor(name)
+                tensor = _info(file, start, header[name])
+                numpy_reads = tensor.dtype in FLOAT_DTYPES or tensor.dtype in INT_DTYPES
+                yield name, f.get_tensor(name) if numpy_reads else read_tensor(path, tensor)
 
 
 def shard_plan(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:

@@ -52,7 +52,6 @@ _REQUIRED_VALUES = {
     "hidden_act": ("silu",),
     "zero_centered": (True,),  # norms applied as (1 + w)
     "sink": (False, None),  # attention-sink tensors, absent from the released model
-    "quantization_config": (None,),  # the FP8 / Int4 releases
 }
 
 

@@ -46,7 +46,6 @@ def test_config_json_maps_to_the_model_config_and_back():
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type"),
     ({"yarn_only_types": None}, "yarn_only_types"),
     ({"sink": True}, "sink"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ({"moe_layers_enum": "1,2,9"}, "moe_layers_enum"),
     ({"attention_other_setting": {"num_attention_heads": 6, "num_attention_groups": 4}},
      "attention_other_setting.num_attention_groups"),

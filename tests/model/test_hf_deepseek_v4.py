@@ -115,7 +115,6 @@ def test_the_flat_rope_form_is_nested_as_transformers_does():
     ({"num_key_value_heads": 2}, "num_key_value_heads"),
     ({"n_shared_experts": 2}, "n_shared_experts"),
     ({"norm_topk_prob": False}, "norm_topk_prob"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ({"num_hash_layers": 1}, "num_hash_layers"),
     ({"hc_mult": 1}, "hc_mult"),
     ({"swiglu_limit": 0.0}, "swiglu_limit"),

@@ -140,7 +140,6 @@ def test_absent_layer_lists_and_rope_take_transformers_defaults():
     ({"attention_projection_layout": "fused_qkv"}, "attention_projection_layout"),
     ({"add_full_attention_sink_bias": True}, "add_full_attention_sink_bias"),
     ({"add_swa_attention_sink_bias": False}, "add_swa_attention_sink_bias"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ({"swa_num_key_value_heads": KV}, "swa_num_key_value_heads"),
     ({"swa_head_dim": 2 * HEAD_DIM}, "swa_head_dim"),
     ({"swa_v_head_dim": HEAD_DIM}, "swa_v_head_dim"),
