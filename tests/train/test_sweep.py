@@ -54,7 +54,8 @@ def test_shipped_sweeps_load():
     names = {path.stem: [r.name for r in load_sweep(path).runs]
              for path in sorted((root / "configs" / "sweeps").glob("*.yaml"))}
     assert names["layout"] == ["FFFF", "S1F1", "S3F1", "S3F1+Head"]
-    assert names["gate"] == ["gate=headwise", "gate=sink", "gate=none"]
+    assert names["gate"] == ["gate=headwise", "gate=sink", "gate=none", "5to1,W=129,swa_sink",
+                             "5to1,W=129,gate=headwise", "5to1,W=129,gate=none"]
     assert names["optimizer"] == ["optimizer=muon", "optimizer=adamw"]
     assert names["balance"] == ["loss-free", "ep-group-loss", "both", "neither"]
     assert names["deepseek_v4"] == ["V4", "no-mHC", "window-only", "no-hash"]
@@ -69,6 +70,20 @@ def test_shipped_sweeps_load():
     assert layouts["S3F1"].layout == layouts["S3F1+Head"].layout == "FSSSFSSSF"
     assert (layouts["S3F1"].swa_attention.num_heads,
             layouts["S3F1+Head"].swa_attention.num_heads) == (4, 6)
+    # Gate vs MiMo's sink: the S3F1 runs keep the tiny model's layout and window; the 5:1 runs
+    # take MiMo's first nine layers and W = 128 + 1, the sink on sliding-window layers only.
+    gate = load_sweep(root / "configs" / "sweeps" / "gate.yaml")
+    gates = {r.name: gate.run_config(r).model for r in gate.runs}
+    assert {(m.layout, m.window) for n, m in gates.items() if n.startswith("gate=")} == {
+        ("FSSSFSSSF", 32)}
+    assert {(m.layout, m.window) for n, m in gates.items() if n.startswith("5to1")} == {
+        ("FSSSSFSSS", 129)}
+    resolved = {n: (m.attention_geometry("S").gate, m.attention_geometry("F").gate)
+                for n, m in gates.items()}
+    assert resolved == {"gate=headwise": ("headwise", "headwise"), "gate=sink": ("sink", "sink"),
+                        "gate=none": ("none", "none"), "5to1,W=129,swa_sink": ("sink", "none"),
+                        "5to1,W=129,gate=headwise": ("headwise", "headwise"),
+                        "5to1,W=129,gate=none": ("none", "none")}
 
 
 @pytest.mark.parametrize("values, needle", [
