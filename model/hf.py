@@ -12,7 +12,8 @@ Step 3.5):
 - Step 3.5 Flash (`model_type: step3p5`, model/interop/step3p5.py), the published format;
 - DeepSeek-V4 (`model_type: deepseek_v4`, model/interop/deepseek_v4.py), as transformers'
   DeepseekV4ForCausalLM saves and loads it (save_pretrained's default tensor names; no MTP
-  layers, as transformers builds none);
+  layers, as transformers builds none); imports also read the release's own tensor names and
+  config keys, as transformers' from_pretrained reads them; exports write save_pretrained's;
 - MiMo-V2-Flash (`model_type: mimo_v2_flash`, model/interop/mimo_v2_flash.py), as transformers'
   MiMoV2FlashForCausalLM saves and loads it (no MTP layers).
 Quantized checkpoints in the layouts transformers' FP8 loader reads (FP8 block-wise weights,

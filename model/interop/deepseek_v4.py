@@ -25,9 +25,18 @@ written here (`DeepseekV4ForCausalLM.from_pretrained` loads it).
   checkpoint dtype (transformers' `_keep_in_fp32_modules_strict`); exports write them so.
 transformers does not instantiate the multi-token-prediction layers: it drops `mtp.*` tensors
 on load and writes none, so imports skip them too and stepjax's `mtp.num_heads` is 0 both ways.
+
+DeepSeek-V4's own release names the same tensors without transformers' `model.` prefix
+(`release_name`): `embed.weight`, `layers.{i}.attn.wq_a.weight`, ..., `norm.weight`,
+`hc_head_fn` / `_base` / `_scale`, `head.weight`; transformers' conversion table renames them
+on load, and everything below the prefix is already the reference's naming, as above. Imports
+read either layout (`hf.load_hf_checkpoint` picks the one the files use); exports write
+transformers' (what `save_pretrained` writes).
 """
 
 from __future__ import annotations
+
+import re
 
 from model.config import ModelConfig
 from model.interop.deepseek_v4_config import MODEL_TYPE, config_from_hf, config_to_hf
@@ -44,12 +53,28 @@ from model.interop.tensor_names import (
     layer_slots,
 )
 
-__all__ = ["MODEL_TYPE", "IGNORED_TENSORS", "config_from_hf", "config_to_hf", "tensor_table"]
+__all__ = ["MODEL_TYPE", "IGNORED_TENSORS", "config_from_hf", "config_to_hf", "release_name",
+           "tensor_table"]
 
 IGNORED_TENSORS = r"(^|\.)mtp\."  # transformers' _keys_to_ignore_on_load_unexpected
 
 
 # ---- the tensor-name table ---------------------------------------------------------------------
+
+# The release's name of a table name (the first pattern that matches): its top-level tensors
+# are the reference's module attributes `embed`, `hc_head_fn`, ..., its layers `layers.{i}`.
+RELEASE_NAMES = ((r"^model\.embed_tokens\.", "embed."), (r"^model\.hc_head\.hc_", "hc_head_"),
+                 (r"^model\.", ""))
+
+
+def release_name(name: str) -> str:
+    """The name DeepSeek-V4's release gives tensor `name` of the table."""
+    for pattern, replacement in RELEASE_NAMES:
+        renamed, found = re.subn(pattern, replacement, name)
+        if found:
+            return renamed
+    return name
+
 
 F32 = "float32"
 TOP_RULES = (

@@ -1,6 +1,7 @@
 """config.json <-> ModelConfig for the DeepSeek-V4 checkpoint family (`model_type:
 deepseek_v4`, model/interop/deepseek_v4.py), as transformers' (>= 5.24) `DeepseekV4Config`
-reads and saves it.
+reads and saves it; the release's own keys (`compress_ratios`, `num_hash_layers`, ...) are
+first folded into those as transformers folds them (model/interop/deepseek_v4_release_keys.py).
 
 Every layer is MoE with one shared expert of the routed experts' width; `layer_types` gives the
 W/C/H layout, `mlp_layer_types` the hash-routed layers (a prefix), `rope_parameters` the
@@ -25,6 +26,7 @@ from model.config import (
     SharedKVAttentionConfig,
 )
 from model.interop.config_json import check_family, required
+from model.interop.deepseek_v4_release_keys import fold_release_keys
 from model.interop.safetensors_io import CheckpointFormatError
 
 MODEL_TYPE = "deepseek_v4"
@@ -44,11 +46,10 @@ _REQUIRED_VALUES = {
     "n_shared_experts": (1,),  # DeepseekV4MLP builds one shared expert whatever the count
     "norm_topk_prob": (True,),  # DeepseekV4TopKRouter / HashRouter always renormalise
 }
-# Pre-5.24 keys that DeepseekV4Config folds into the ones stepjax reads.
-_LEGACY_KEYS = {"compress_ratios": "layer_types", "compress_rate_csa": "compress_rates",
-                "compress_rate_hca": "compress_rates", "num_hash_layers": "mlp_layer_types"}
+# (mscale / mscale_all_dim only enter YaRN's attention factor, which must be 1 here)
 _YARN_KEYS = {"rope_type", "rope_theta", "partial_rotary_factor", "factor",
-              "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"}
+              "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+              "mscale", "mscale_all_dim"}
 
 
 # ---- config.json -> ModelConfig ----------------------------------------------------------------
@@ -59,10 +60,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     (dtypes, kernels, scan, remat, ...) at their defaults. Every layer is an MoE layer; the
     hash-routed ones (`mlp_layer_types` "hash_moe") must come first."""
     check_family(hf, MODEL_TYPE, _REQUIRED_VALUES)
-    for key, modern in _LEGACY_KEYS.items():
-        if key in hf:
-            raise CheckpointFormatError(f"{key}: a legacy key; give {modern} instead (as "
-                                        "transformers >= 5.24 saves it)")
+    hf = fold_release_keys(hf)
     num_layers = required(hf, "num_hidden_layers")
     hc_mult = required(hf, "hc_mult")
     if hc_mult < 2:

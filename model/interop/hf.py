@@ -7,7 +7,9 @@ config.json's `model_type` picks the family (`FAMILIES`): its module translates 
 names every tensor (model/interop/step3p5.py, model/interop/deepseek_v4.py,
 model/interop/mimo_v2_flash.py); the safetensors reading and writing is shared
 (model/interop/safetensors_io.py), and so is the dequantization of FP8 / MXFP4 releases
-(model/interop/quantized.py). Adding a family means adding its module and one entry here.
+(model/interop/quantized.py). A family may give each tensor a second name (DeepSeek-V4's
+release): an import uses the names the files hold. Adding a family means adding its module and
+one entry here.
 """
 
 from __future__ import annotations
@@ -47,13 +49,16 @@ class Family(NamedTuple):
     config_to_hf: Callable[[ModelConfig], dict]
     tensor_table: Callable[[ModelConfig, dict], list[Entry]]
     ignored_tensors: str | None = None  # regex of stored tensors an import skips
+    # another name of each table name, read where the files use it (DeepSeek-V4's release)
+    alternative_name: Callable[[str], str] | None = None
 
 
 FAMILIES = {
     step3p5.MODEL_TYPE: Family(step3p5.config_from_hf, step3p5.config_to_hf,
                                step3p5.tensor_table),
     deepseek_v4.MODEL_TYPE: Family(deepseek_v4.config_from_hf, deepseek_v4.config_to_hf,
-                                   deepseek_v4.tensor_table, deepseek_v4.IGNORED_TENSORS),
+                                   deepseek_v4.tensor_table, deepseek_v4.IGNORED_TENSORS,
+                                   deepseek_v4.release_name),
     mimo_v2_flash.MODEL_TYPE: Family(mimo_v2_flash.config_from_hf, mimo_v2_flash.config_to_hf,
                                      mimo_v2_flash.tensor_table,
                                      mimo_v2_flash.IGNORED_TENSORS),
@@ -93,7 +98,8 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
     into its slot of a buffer that already lives in the variable's sharding, so host memory
     never holds more than one tensor beyond the open shard. A quantized release (FP8 block-wise,
     MXFP4 experts: `quantized.py`) is dequantized tensor by tensor as it streams, through
-    float32 to `param_dtype`.
+    float32 to `param_dtype`. DeepSeek-V4's own release layout (its tensor names and config
+    keys) is read as well as transformers' (model/interop/deepseek_v4.py).
     """
     path = Path(path)
     hf_config = read_json(path / "config.json")
@@ -103,9 +109,10 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
     if param_dtype is not None:
         config = config.replace(param_dtype=param_dtype)
     abstract = nn.meta.unbox(abstract_variables(config))
-    entries = {e.name: e for e in family.tensor_table(config, abstract)}
     files = _without_ignored(shard_names(path), family.ignored_tensors)
     stored = read_headers(path, files)
+    entries = _named_as_stored(family.tensor_table(config, abstract), stored,
+                               family.alternative_name)
     headers, plan = quantized.plan(scheme, stored)
     check_tensors(path, headers, {name: e.hf_shape for name, e in entries.items()},
                   integer={name for name, e in entries.items()
@@ -130,6 +137,19 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
         _insert(variables, entry, _write_slice(stacked, _place(value, slice_sharding),
                                                np.asarray(entry.index, np.int32)))
     return config, variables
+
+
+def _named_as_stored(table: list[Entry], stored: Mapping[str, Any],
+                     alternative: Callable[[str], str] | None) -> dict[str, Entry]:
+    """{name: entry} under the table's names, or under the family's alternative names when the
+    files hold more of those (so the checks name what is missing in the files' own layout)."""
+    entries = {e.name: e for e in table}
+    if alternative is None:
+        return entries
+    renamed = {alternative(name): e for name, e in entries.items()}
+    if sum(n in stored for n in renamed) > sum(n in stored for n in entries):
+        return renamed
+    return entries
 
 
 def _without_ignored(files: dict[str, list[str]], pattern: str | None) -> dict[str, list[str]]:

@@ -115,7 +115,7 @@ def test_the_flat_rope_form_is_nested_as_transformers_does():
     ({"num_key_value_heads": 2}, "num_key_value_heads"),
     ({"n_shared_experts": 2}, "n_shared_experts"),
     ({"norm_topk_prob": False}, "norm_topk_prob"),
-    ({"num_hash_layers": 1}, "num_hash_layers"),
+    ({"num_hash_layers": 2}, "num_hash_layers"),  # the release's key, disagreeing
     ({"hc_mult": 1}, "hc_mult"),
     ({"swiglu_limit": 0.0}, "swiglu_limit"),
     ({"scoring_func": "softmax"}, "scoring_func"),

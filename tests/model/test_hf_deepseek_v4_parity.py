@@ -160,3 +160,52 @@ def test_an_exported_model_loads_into_transformers_with_our_logits(tmp_path, lay
     ids = tokens(seed=7)
     want = our_logits(config, variables, ids)
     assert relative_error(torch_logits(model.float().eval(), ids), want) < RTOL
+
+
+# ---- the release's own layout -> stepjax -------------------------------------------------------
+
+
+def release_config(saved: dict) -> dict:
+    """save_pretrained's config.json of the WCHC model below in the release's keys: per-layer
+    compress ratios (0 / 4 / 128, plus the MTP layer's), the HCA rate 8 as the scalar override,
+    the hash layers as a count, the rope dims as a width, YaRN as a flat `rope_scaling`."""
+    modern = ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters",
+              "partial_rotary_factor", "qk_rope_head_dim")
+    return {**{k: v for k, v in saved.items() if k not in modern},
+            "compress_ratios": [0, 4, 128, 4, 0], "compress_rate_hca": 8, "num_hash_layers": 1,
+            "num_nextn_predict_layers": 1, "qk_rope_head_dim": 8,
+            "rope_scaling": {"type": "yarn", **{k: v for k, v in YARN.items()
+                                                if k != "rope_type"}}}
+
+
+@pytest.mark.parity
+@pytest.mark.slow
+def test_the_release_layout_imports_with_transformers_logits(tmp_path):
+    """A saved transformers model rewritten in the release's names and keys loads into
+    transformers (its conversion table, its legacy keys) with nothing missing or left over and
+    the same logits, and into stepjax with the same variables as save_pretrained's layout."""
+    import json
+
+    import test_hf_deepseek_v4_release as release
+    from safetensors.numpy import load_file
+    from transformers import DeepseekV4ForCausalLM
+
+    model = hf_model("WCHC", 4, 8, 2, 1, YARN, seed=11)
+    model.save_pretrained(tmp_path / "hf")
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    tensors = release.release_names(load_file(tmp_path / "hf" / "model.safetensors"))
+    assert "layers.1.attn.compressor.wkv.weight" in tensors and "embed.weight" in tensors
+    path = release.write_release_dir(tmp_path / "release", tensors, release_config(saved))
+
+    loaded, info = DeepseekV4ForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not any(info.values()), info
+    ids = tokens(seed=5)
+    want = torch_logits(model, ids)
+    np.testing.assert_array_equal(torch_logits(loaded.float().eval(), ids), want)
+    config, variables = load_hf_checkpoint(path, progress=False)
+    saved_config, saved_variables = load_hf_checkpoint(tmp_path / "hf", progress=False)
+    assert config == saved_config and (config.layout, config.shared_kv_attention.hca_rate) == (
+        "WCHC", 8)
+    got = our_logits(config, variables, ids)
+    np.testing.assert_array_equal(got, our_logits(saved_config, saved_variables, ids))
+    assert relative_error(got, want) < RTOL
