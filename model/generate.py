@@ -4,7 +4,8 @@
 Generates a continuation of TEXT with KV-cache decoding (model/inference/decode.py).
 - `--workdir`: a `python -m train` workdir (latest checkpoint, the run's tokenizer) or a
   stepjax model directory from `python -m model.hf import` (give `--tokenizer`).
-- `--hf`: a Hugging Face Step 3.5 directory (weights, tokenizer.json, chat template).
+- `--hf`: a Hugging Face directory of any family (`step3p5`, `deepseek_v4`, `mimo_v2_flash`:
+  weights, tokenizer.json, chat template).
 - `--speculative`: MTP speculative decoding with `--draft` drafted tokens per step (default:
   every MTP head); greedy output is identical to plain greedy decoding.
 - `--chat`: wrap TEXT as a user message in the chat template (add_generation_prompt).
@@ -106,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--workdir", metavar="DIR",
                         help="training workdir or stepjax model directory")
-    source.add_argument("--hf", metavar="HF_DIR", help="Hugging Face Step 3.5 directory")
+    source.add_argument("--hf", metavar="HF_DIR", help="Hugging Face directory (step3p5, deepseek_v4 or mimo_v2_flash)")
     parser.add_argument("--prompt", required=True, metavar="TEXT")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="tokenizer.json or a directory with tokenizer(_config).json")
