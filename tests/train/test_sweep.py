@@ -101,14 +101,20 @@ def test_families_sweep_matches_active_parameters():
     root = Path(__file__).resolve().parents[2]
     sweep = load_sweep(root / "configs" / "sweeps" / "families.yaml")
     configs = {r.name: sweep.run_config(r) for r in sweep.runs}
-    assert list(configs) == ["step35", "mimo", "deepseek_v4", "step35+mHC", "mimo+mHC"]
+    assert list(configs) == ["step35", "mimo", "deepseek_v4", "step35+mHC", "mimo+mHC",
+                             "mimo+gate"]
     active = {n: count_params(c.model)["active_excl_embeddings"] for n, c in configs.items()}
     assert active["step35"] == 1_696_704
     assert all(abs(a / active["step35"] - 1) < 0.015 for a in active.values()), active
     models = {n: c.model for n, c in configs.items()}
     assert {n: (m.layout, m.hyper_connections.hc_mult) for n, m in models.items()} == {
         "step35": ("FSSSFSSSF", 1), "mimo": ("FSSSSFSSS", 1), "deepseek_v4": ("WWCHCH", 4),
-        "step35+mHC": ("FSSSFSSSF", 4), "mimo+mHC": ("FSSSSFSSS", 4)}
+        "step35+mHC": ("FSSSFSSSF", 4), "mimo+mHC": ("FSSSSFSSS", 4),
+        "mimo+gate": ("FSSSSFSSS", 1)}
+    gates = {n: (m.attention_geometry("S").gate, m.attention_geometry("F").gate)
+             for n, m in models.items() if n.startswith("mimo")}
+    assert gates == {"mimo": ("sink", "none"), "mimo+mHC": ("sink", "none"),
+                     "mimo+gate": ("headwise", "headwise")}
     assert len({(c.train.steps, c.train.batch_size, c.train.seq_len, c.train.data.source,
                  c.train.seed, c.trained_mtp_heads()) for c in configs.values()}) == 1
 
