@@ -1,8 +1,8 @@
 """The sweep file format (the keys are shown in `python -m train.sweep --help`, `sweep.py`): a
 sweep's runs, each a set of overrides of the sweep's base run config (or of a named run's own
-`base`, to compare model families that start from different presets), and its loader. With both
-`grid` and `runs`, every named run is crossed with every grid point. The runner and command line are
-`sweep.py`, the report `sweep_report.py`.
+`base`, to compare model families that start from different presets), and its loader. With
+both `grid` and `runs`, every named run is crossed with every grid point. The runner and command
+line are `sweep.py`, the report `sweep_report.py`.
 """
 
 from __future__ import annotations

@@ -115,7 +115,8 @@ def markdown_table(results: list[dict], extra: Sequence[str] = ()) -> str:
 
 def write_markdown(results: list[dict], path: Path, sweep: Sweep) -> None:
     common = [*sweep.overrides, *sweep.command_line]
-    parts = [f"# Sweep results\n\nBase config `{sweep.base}`"
+    own = " (runs with their own base: see Runs)" if any(r.base for r in sweep.runs) else ""
+    parts = [f"# Sweep results\n\nBase config `{sweep.base}`{own}"
              + (f", overrides for every run: `{' '.join(common)}`" if common else "") + ".\n"]
     if sweep.description:
         parts.append(sweep.description.strip() + "\n")
