@@ -29,7 +29,8 @@ rl: $(STAMP)
 	$(PY) -m train --config configs/sft_arith.yaml --workdir $(SFT_DIR)
 	$(PY) -m rl --config configs/rl_arith.yaml --workdir $(RL_DIR) --init-from $(SFT_DIR) $(ARGS)
 
-# Ablation sweep (README, "Experiments"): SWEEP=layout|gate|optimizer|balance|deepseek_v4; re-running skips
+# Ablation sweep (README, "Experiments"):
+# SWEEP=layout|gate|optimizer|balance|deepseek_v4|families; re-running skips
 # finished runs and resumes unfinished ones. ARGS override every run, e.g.
 # ARGS="train.seed=1" SWEEP_DIR=runs/sweep_layout_seed1.
 SWEEP ?= layout

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from train_helpers import SMALL_LOOP, TINY
+from train_helpers import SMALL_LOOP, TINY, TINY_V4
 
 import train.experiments.sweep as sweep_module
+from model.flops import kv_cache_bytes
 from model.summary import count_params
 from train.experiments.sweep import main, run_sweep
 from train.experiments.sweep_file import load_sweep
-from train.experiments.sweep_report import markdown_table
+from train.experiments.sweep_report import KV_CONTEXT, markdown_table
 from train.loop import TrainingError, TrainSummary
 from train.telemetry.metrics import read_metrics
 from train.telemetry.mfu import train_flops_per_token
@@ -86,6 +87,53 @@ def test_shipped_sweeps_load():
                         "5to1,W=129,gate=none": ("none", "none")}
 
 
+def test_a_named_run_may_start_from_its_own_base(tmp_path):
+    """Families with different presets in one sweep: a run's `base` replaces the sweep's, the
+    sweep-wide and command-line overrides still apply, and a grid keeps each run's base."""
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "presets" / "v4.yaml").write_text(TINY_V4.read_text())
+    path = write_sweep(tmp_path, overrides=["train.steps=3", "train.warmup_steps=1"],
+                       grid={"train.seed": [0, 1]},
+                       runs=[{"name": "step35"},  # relative to the sweep file's directory:
+                             {"name": "v4", "base": "presets/v4.yaml",
+                              "overrides": ["model.moe.expert_hidden=80"]}])
+    sweep = load_sweep(path, ["train.lr=0.001"])
+    assert [(r.name, r.base) for r in sweep.runs] == [
+        ("step35,seed=0", None), ("step35,seed=1", None),
+        ("v4,seed=0", tmp_path / "presets" / "v4.yaml"),
+        ("v4,seed=1", tmp_path / "presets" / "v4.yaml")]
+    step35, v4 = sweep.run_config(sweep.runs[1]), sweep.run_config(sweep.runs[3])
+    assert (step35.model.layout, v4.model.layout) == ("FSSSFSSSF", "WWCHCH")
+    assert (v4.model.moe.expert_hidden, v4.train.steps, v4.train.lr, v4.train.seed) == (
+        80, 3, 0.001, 1)
+    with pytest.raises(ValueError, match=r"sweep runs\[0\] base: nope.yaml not found"):
+        load_sweep(write_sweep(tmp_path, runs=[{"name": "a", "base": "nope.yaml"}]))
+
+
+def test_families_sweep_matches_active_parameters():
+    """configs/sweeps/families.yaml: each family from its own preset, active parameters without
+    embeddings and output head within 1.5% of the Step 3.5 run's (the README states them)."""
+    root = Path(__file__).resolve().parents[2]
+    sweep = load_sweep(root / "configs" / "sweeps" / "families.yaml")
+    configs = {r.name: sweep.run_config(r) for r in sweep.runs}
+    assert list(configs) == ["step35", "mimo", "deepseek_v4", "step35+mHC", "mimo+mHC",
+                             "mimo+gate"]
+    active = {n: count_params(c.model)["active_excl_embeddings"] for n, c in configs.items()}
+    assert active["step35"] == 1_696_704
+    assert all(abs(a / active["step35"] - 1) < 0.015 for a in active.values()), active
+    models = {n: c.model for n, c in configs.items()}
+    assert {n: (m.layout, m.hyper_connections.hc_mult) for n, m in models.items()} == {
+        "step35": ("FSSSFSSSF", 1), "mimo": ("FSSSSFSSS", 1), "deepseek_v4": ("WWCHCH", 4),
+        "step35+mHC": ("FSSSFSSSF", 4), "mimo+mHC": ("FSSSSFSSS", 4),
+        "mimo+gate": ("FSSSSFSSS", 1)}
+    gates = {n: (m.attention_geometry("S").gate, m.attention_geometry("F").gate)
+             for n, m in models.items() if n.startswith("mimo")}
+    assert gates == {"mimo": ("sink", "none"), "mimo+mHC": ("sink", "none"),
+                     "mimo+gate": ("headwise", "headwise")}
+    assert len({(c.train.steps, c.train.batch_size, c.train.seq_len, c.train.data.source,
+                 c.train.seed, c.trained_mtp_heads()) for c in configs.values()}) == 1
+
+
 @pytest.mark.parametrize("values, needle", [
     ({"grid": {"train.lr": [1e-3]}, "extra": 1}, "unknown key(s) ['extra']"),
     ({}, "needs a 'grid' and/or a 'runs' list"),
@@ -127,6 +175,10 @@ def test_two_run_sweep_reports_and_a_rerun_does_no_new_work(tmp_path, monkeypatc
         assert row["status"] == "finished" and int(row["steps"]) == 3
         assert int(row["tokens"]) == 3 * 4 * 16
         assert int(row["params_total"]) == count_params(config.model)["total"]
+        assert int(row["params_active_excl_embeddings"]) == count_params(
+            config.model)["active_excl_embeddings"]
+        assert int(row["kv_cache_bytes_32k"]) == kv_cache_bytes(config.model, KV_CONTEXT)
+        assert row["base"] == str(TINY)
         assert math.isclose(float(row["train_flops"]), 3 * 4 * 16 * train_flops_per_token(
             config.model, 16, config.trained_mtp_heads()))
         assert math.isfinite(float(row["moe/load_max_over_mean"]))
@@ -150,11 +202,11 @@ def test_two_run_sweep_reports_and_a_rerun_does_no_new_work(tmp_path, monkeypatc
 def test_markdown_table_keeps_small_metrics_readable():
     row = {"name": "r", "heldout_loss": 4.86621, "train_loss": None, "steps": 3, "tokens": 192,
            "params_total": 5_000_000, "params_active": 2_500_000, "train_flops": 1.5e9,
-           "tokens_per_sec": 1234.6, "train_seconds": 61.0, "update_rms/muon": 0.000123,
-           "moe/load_max_over_mean": 2.5}
+           "kv_cache_bytes_32k": 50_479_104, "tokens_per_sec": 1234.6, "train_seconds": 61.0,
+           "update_rms/muon": 0.000123, "moe/load_max_over_mean": 2.5}
     line = markdown_table([row], ["update_rms/muon", "moe/load_max_over_mean"]).splitlines()[2]
     assert line.startswith("| r | 4.8662 | – | 3 |")
-    assert line.endswith("| 1235 | 1 min 01 s | 0.000123 | 2.5 |")
+    assert line.endswith("| 1.5e+09 | 50.48 MB | 1235 | 1 min 01 s | 0.000123 | 2.5 |")
 
 
 def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch, capsys):

@@ -10,6 +10,7 @@ Sweep file (YAML):
     grid: {train.lr: [1e-3, 3e-3]}      # cartesian product of the listed values
     runs:                               # named runs with their own overrides
       - {name: S3F1, overrides: ["model.layout=F+SSSF*2"]}
+      - {name: MiMo, base: configs/tiny_mimo.yaml}  # optional: the run's own base
     metrics: [moe/load_max_over_mean]   # optional: more columns (last logged value)
     description: ...                    # optional: printed above the results table
 
@@ -84,7 +85,8 @@ def _run_locked(sweep: Sweep, workdir: Path, only: Sequence[str],
     (workdir / "sweep.json").write_text(json.dumps({
         "base": str(sweep.base), "overrides": list(sweep.overrides),
         "command_line": list(sweep.command_line),
-        "runs": [{"name": r.name, "overrides": list(r.overrides)} for r in sweep.runs]},
+        "runs": [{"name": r.name, "base": str(sweep.run_base(r)), "overrides": list(r.overrides)}
+                 for r in sweep.runs]},
         indent=2) + "\n")
     selected = [r for r in sweep.runs if not only or r.name in only]
     outcome = SweepOutcome([], [], {}, False)
@@ -156,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--only: no run named {', '.join(unknown)} (runs: {', '.join(names)})")
     if args.list:
         for run in sweep.runs:
-            print(f"{run.name}: {' '.join(sweep.run_overrides(run))}")
+            base = f"(base {run.base}) " if run.base else ""
+            print(f"{run.name}: {base}{' '.join(sweep.run_overrides(run))}")
         return 0
     workdir = Path(args.workdir)
     try:

@@ -1,7 +1,8 @@
 """The sweep file format (the keys are shown in `python -m train.sweep --help`, `sweep.py`): a
-sweep's runs, each a set of overrides of one base run config, and its loader. With both `grid`
-and `runs`, every named run is crossed with every grid point. The runner and command line are
-`sweep.py`, the report `sweep_report.py`.
+sweep's runs, each a set of overrides of the sweep's base run config (or of a named run's own
+`base`, to compare model families that start from different presets), and its loader. With
+both `grid` and `runs`, every named run is crossed with every grid point. The runner and command
+line are `sweep.py`, the report `sweep_report.py`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Sequence
 
 from model.config import yaml_load
 from train.config import RunConfig, load_run_config
-from train.experiments.spec import override_list, read_spec
+from train.experiments.spec import override_list, read_spec, resolve_base
 
 SWEEP_KEYS = ("grid", "runs", "metrics")  # besides spec.COMMON_KEYS
 
@@ -24,6 +25,7 @@ SWEEP_KEYS = ("grid", "runs", "metrics")  # besides spec.COMMON_KEYS
 class SweepRun:
     name: str
     overrides: tuple[str, ...]  # the run's own, after the sweep-wide ones
+    base: Path | None = None  # the run's own base run config; None: the sweep's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +40,11 @@ class Sweep:
     def run_overrides(self, run: SweepRun) -> list[str]:
         return [*self.overrides, *run.overrides, *self.command_line]
 
+    def run_base(self, run: SweepRun) -> Path:
+        return run.base or self.base
+
     def run_config(self, run: SweepRun) -> RunConfig:
-        config = load_run_config(self.base, self.run_overrides(run))
+        config = load_run_config(self.run_base(run), self.run_overrides(run))
         if not config.train.eval_every:  # every run must end with a held-out loss
             config = dataclasses.replace(config, train=dataclasses.replace(
                 config.train, eval_every=config.train.steps))
@@ -76,18 +81,23 @@ def _grid_points(grid: Any) -> list[tuple[str, tuple[str, ...]]]:
     return points
 
 
-def _named_runs(runs: Any) -> list[SweepRun]:
+def _named_runs(runs: Any, path: Path) -> list[SweepRun]:
+    """The `runs` list of the sweep file at `path`: {name, overrides, base (optional)} each; a
+    run's `base` is resolved as the sweep's is (`spec.resolve_base`)."""
     if runs is None:
         return []
     if not isinstance(runs, list) or not runs:
         raise ValueError(f"sweep runs: expected a non-empty list of {{name, overrides}}, got {runs!r}")
     out = []
     for i, entry in enumerate(runs):
-        if not isinstance(entry, dict) or set(entry) - {"name", "overrides"} or "name" not in entry:
-            raise ValueError(f"sweep runs[{i}]: expected {{name: ..., overrides: [...]}}, "
-                             f"got {entry!r}")
+        if (not isinstance(entry, dict) or set(entry) - {"name", "base", "overrides"}
+                or "name" not in entry):
+            raise ValueError(f"sweep runs[{i}]: expected {{name: ..., overrides: [...]}} and "
+                             f"optionally base: ..., got {entry!r}")
         overrides = override_list(entry.get("overrides"), f"sweep runs[{i}].overrides")
-        out.append(SweepRun(str(entry["name"]), overrides))
+        base = (resolve_base(entry["base"], path, f"sweep runs[{i}]") if "base" in entry
+                else None)
+        out.append(SweepRun(str(entry["name"]), overrides, base))
     return out
 
 
@@ -99,12 +109,12 @@ def load_sweep(path: str | Path, extra: Sequence[str] = ()) -> Sweep:
     run, last. Every run's config is resolved once here, so a typo in any run fails before the
     first one trains."""
     spec = read_spec(path, "sweep", SWEEP_KEYS)
-    named = _named_runs(spec.values.get("runs"))
+    named = _named_runs(spec.values.get("runs"), spec.path)
     points = _grid_points(spec.values.get("grid"))
     if not named and not points:
         raise ValueError(f"sweep {spec.path}: needs a 'grid' and/or a 'runs' list")
     if named and points:
-        runs = [SweepRun(f"{r.name},{suffix}", r.overrides + point)
+        runs = [SweepRun(f"{r.name},{suffix}", r.overrides + point, r.base)
                 for r in named for suffix, point in points]
     else:
         runs = named or [SweepRun(suffix, point) for suffix, point in points]

@@ -12,15 +12,20 @@ from pathlib import Path
 from typing import Sequence
 
 from model.config.cli import human
+from model.flops import kv_cache_bytes
 from model.summary import count_params
 from train.experiments.sweep_file import Sweep, SweepRun
 from train.telemetry.metrics import METRICS_FILE, read_metrics
 from train.telemetry.mfu import train_flops_per_token
 
 STATUS_FILE = "sweep_run.json"  # per run: wall-clock seconds spent training it, over invocations
+# The KV cache is reported at one long context, not the runs' short training length: what
+# sliding-window and compressed (CSA / HCA) layers save grows with the context.
+KV_CONTEXT = 32768
 COLUMNS = ("name", "status", "heldout_loss", "heldout_step", "train_loss", "steps", "tokens",
-           "params_total", "params_active", "train_flops_per_token", "train_flops",
-           "tokens_per_sec", "train_seconds", "overrides")
+           "params_total", "params_active", "params_active_excl_embeddings",
+           "train_flops_per_token", "train_flops", "kv_cache_bytes_32k", "tokens_per_sec",
+           "train_seconds", "base", "overrides")
 
 
 def _last(records: list[dict], key: str) -> tuple[int | None, float | None]:
@@ -55,9 +60,12 @@ def _run_row(sweep: Sweep, run: SweepRun, workdir: Path) -> dict | None:
         "heldout_loss": heldout, "heldout_step": heldout_step, "train_loss": train_loss,
         "steps": steps, "tokens": tokens,
         "params_total": counts["total"], "params_active": counts["active"],
+        "params_active_excl_embeddings": counts["active_excl_embeddings"],
         "train_flops_per_token": per_token, "train_flops": per_token * tokens,
+        "kv_cache_bytes_32k": kv_cache_bytes(config.model, KV_CONTEXT),
         "tokens_per_sec": statistics.median(rates) if rates else None,
-        "train_seconds": seconds, "overrides": " ".join(run.overrides),
+        "train_seconds": seconds, "base": str(sweep.run_base(run)),
+        "overrides": " ".join(run.overrides),
         **{name: _last(records, name)[1] for name in sweep.metrics},
         "curves": records,
     }
@@ -93,12 +101,13 @@ def write_csv(results: list[dict], path: Path, extra: Sequence[str] = ()) -> Non
 
 def markdown_table(results: list[dict], extra: Sequence[str] = ()) -> str:
     header = ("run", "held-out loss", "train loss (last)", "steps", "tokens", "params",
-              "active params", "train FLOPs", "tokens/s", "wall time", *extra)
+              "active params", "train FLOPs", "KV cache at 32k", "tokens/s", "wall time", *extra)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:  # extra metrics in significant digits: update RMS ~1e-4, load ratios ~1
         cells = (r["name"], _fmt(r["heldout_loss"]), _fmt(r["train_loss"]), str(r["steps"]),
                  human(r["tokens"]), human(r["params_total"]), human(r["params_active"]),
-                 f"{r['train_flops']:.3g}", _fmt(r["tokens_per_sec"], ".0f"),
+                 f"{r['train_flops']:.3g}", human(r["kv_cache_bytes_32k"], "B"),
+                 _fmt(r["tokens_per_sec"], ".0f"),
                  _duration(r["train_seconds"]), *(_fmt(r[name], ".3g") for name in extra))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -106,17 +115,23 @@ def markdown_table(results: list[dict], extra: Sequence[str] = ()) -> str:
 
 def write_markdown(results: list[dict], path: Path, sweep: Sweep) -> None:
     common = [*sweep.overrides, *sweep.command_line]
-    parts = [f"# Sweep results\n\nBase config `{sweep.base}`"
+    own = " (runs with their own base: see Runs)" if any(r.base for r in sweep.runs) else ""
+    parts = [f"# Sweep results\n\nBase config `{sweep.base}`{own}"
              + (f", overrides for every run: `{' '.join(common)}`" if common else "") + ".\n"]
     if sweep.description:
         parts.append(sweep.description.strip() + "\n")
     parts.append(markdown_table(results, sweep.metrics) + "\n")
     parts.append("Held-out loss: the last evaluation (`eval/loss`, nats per token); train loss: "
                  "the main head's loss at the last logged step; train FLOPs: model FLOPs of "
-                 "forward + backward (`model.flops`, 3x forward) times tokens; tokens/s: median "
-                 "of the logged windows.\n")
-    parts.append("Runs:\n\n" + "\n".join(f"- `{r['name']}` ({r['status']}): "
-                                         f"`{r['overrides'] or '(base)'}`" for r in results) + "\n")
+                 "forward + backward (`model.flops`, 3x forward) times tokens; KV cache at 32k: "
+                 "`model.flops.kv_cache_bytes` after 32,768 tokens (batch 1, MTP blocks "
+                 "included, compute dtype); tokens/s: median of the logged windows.\n")
+
+    def run_line(r: dict) -> str:
+        base = f" from `{r['base']}`" if r["base"] != str(sweep.base) else ""
+        return f"- `{r['name']}` ({r['status']}){base}: `{r['overrides'] or '(base)'}`"
+
+    parts.append("Runs:\n\n" + "\n".join(run_line(r) for r in results) + "\n")
     path.write_text("\n".join(parts))
 
 
