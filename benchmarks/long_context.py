@@ -3,7 +3,7 @@ to 1M tokens next to the reports' claims, and measured decode speed of tiny mode
 prompt grows.
 
     python -m benchmarks.long_context [--prompt-lens 64 256 1024 4096] [--new-tokens 64]
-                                      [--rounds 5] [--analytic-only]
+                                      [--rounds 7] [--analytic-only]
 
 1. Analytic (`model.flops`, nothing allocated), backbone only (`mtp.num_heads=0`), batch 1, the
    presets' bfloat16: KV-cache bytes and the FLOPs of one decode token at context N. Each KV
@@ -261,7 +261,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5, help="timed generations per row")
+    parser.add_argument("--rounds", type=int, default=7, help="timed generations per row")
     parser.add_argument("--analytic-only", action="store_true",
                         help="part 1 only, printed (no timing; the results file is left alone)")
     args = parser.parse_args()
