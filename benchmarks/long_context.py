@@ -88,7 +88,8 @@ def decoder_cache_bytes(cfg, context: int) -> tuple[int, int]:
 
 def preset_scaling(contexts=CONTEXTS, check=True) -> list[dict]:
     """Per preset and context: KV bytes (compute dtype, and as V4's release stores them), the
-    decode cache's bytes from eval_shape, decode FLOPs and their context-dependent part."""
+    decode cache's bytes from eval_shape (`check`), decode FLOPs and their score part
+    (attention and indexer scores, the terms that grow with the context)."""
     rows = []
     for name in PRESETS:
         cfg = preset(name)
@@ -231,7 +232,7 @@ def print_tables(scaling, table8, baselines, speed) -> None:
         ["preset", "context", "KV cache (bf16)", "decode cache arrays", "decode FLOPs",
          "of which scores"],
         [[r["preset"], f"{r['context']:,}", human(r["kv_cache_bytes"], "B"),
-          human(r["decoder_cache_bytes"], "B") if "decoder_cache_bytes" in r else "",
+          human(r["decoder_cache_bytes"], "B"),
           human(r["decode_flops"], "FLOP"), f"{100 * r['score_flops'] / r['decode_flops']:.0f}%"]
          for r in scaling]))
     print(markdown_table(["layout", "mode", "context", "model.flops", "Table 8",
