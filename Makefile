@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.moe_dispatch
 	$(PY) -m benchmarks.compile_time
 	$(PY) -m benchmarks.layout_flops
+	$(PY) -m benchmarks.long_context
 	$(PY) -m benchmarks.data_pipeline
 	$(PY) -m benchmarks.train_step
 	$(PY) -m train --config configs/tiny.yaml --workdir $(DECODE_DIR) train.steps=480 \
