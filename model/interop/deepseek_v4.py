@@ -50,7 +50,7 @@ from model.interop.tensor_names import (
     Rule,
     check_coverage,
     entry,
-    layer_slots,
+    layer_entries,
 )
 
 __all__ = ["MODEL_TYPE", "IGNORED_TENSORS", "config_from_hf", "config_to_hf", "release_name",
@@ -136,23 +136,8 @@ EXPERT_RULES = (
 def tensor_table(cfg: ModelConfig, abstract: dict) -> list[Entry]:
     """Every checkpoint tensor of `cfg` with its variable (slice), in checkpoint order.
     `abstract`: unboxed variables (or their ShapeDtypeStructs)."""
-    entries = []
-
-    def add(name: str, rule: Rule, prefix: tuple = (), index: tuple[int, ...] = ()) -> None:
-        found = entry(name, rule, abstract, prefix, index)
-        if found is not None:
-            entries.append(found)
-
-    embed, *hc_head, norm, head = TOP_RULES
-    add(embed.hf, embed)
-    for i, (prefix, index) in enumerate(layer_slots(cfg)):
-        layer = f"model.layers.{i}"
-        for rule in BLOCK_RULES:
-            add(f"{layer}.{rule.hf}", rule, prefix, index)
-        for e in range(cfg.moe.num_experts):
-            for rule in EXPERT_RULES:
-                add(f"{layer}.{rule.hf.format(e=e)}", rule, prefix, (*index, e))
-    for rule in (*hc_head, norm, head):
-        add(rule.hf, rule)
+    embed, *tail = (entry(rule.hf, rule, abstract) for rule in TOP_RULES)
+    entries = [embed, *layer_entries(cfg, abstract, BLOCK_RULES, EXPERT_RULES), *tail]
+    entries = [e for e in entries if e is not None]
     check_coverage(abstract, entries, "DeepSeek-V4")
     return entries

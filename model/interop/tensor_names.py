@@ -165,6 +165,24 @@ def layer_slots(cfg: ModelConfig) -> list[tuple[tuple[str, ...], tuple[int, ...]
     return slots
 
 
+def layer_entries(cfg: ModelConfig, abstract: dict, block_rules: Sequence[Rule],
+                  expert_rules: Sequence[Rule]) -> list[Entry]:
+    """The tensors of every decoder layer in checkpoint order: `model.layers.{i}.<rule>` for
+    `block_rules`, then on MoE layers routed expert e's slice `model.layers.{i}.<rule with
+    {e}>` of the stacked expert variables for `expert_rules`. Rules whose variable a layer
+    lacks drop out (the dense FFN of an MoE layer, a gate the config has not, ...)."""
+    found = []
+    for i, (prefix, index) in enumerate(layer_slots(cfg)):
+        layer = f"model.layers.{i}"
+        found += [entry(f"{layer}.{rule.hf}", rule, abstract, prefix, index)
+                  for rule in block_rules]
+        if cfg.is_moe_layer(i):
+            found += [entry(f"{layer}.{rule.hf.format(e=e)}", rule, abstract, prefix,
+                            (*index, e))
+                      for e in range(cfg.moe.num_experts) for rule in expert_rules]
+    return [e for e in found if e is not None]
+
+
 def check_coverage(abstract: dict, entries: Sequence[Entry], family: str) -> None:
     """Every variable (every slice of a stacked one) must have a checkpoint name, or an
     import would leave it unset."""
