@@ -95,14 +95,15 @@ def plan(scheme: Scheme | None, headers: Mapping[str, TensorInfo]
     if scheme is None:
         return dict(headers), {}
     table, quantized = dict(headers), {}
-    for name, tensor in headers.items():
+    # Sorted: the same bad tensor is named first whatever order the index lists them in.
+    for name, tensor in sorted(headers.items()):
         if tensor.dtype == FP8 or (tensor.dtype in FP4 and scheme.fp4_experts):
             quantized[name], shape = _quantized(scheme, name, headers)
             table[name] = tensor._replace(dtype="F32", shape=shape)
             table.pop(quantized[name].scale)
             table.pop(f"{name.removesuffix('.weight')}.activation_scale", None)
     used = {q.scale for q in quantized.values()}
-    for name in headers:
+    for name in sorted(headers):
         if name.endswith(".weight_scale_inv") and name not in used:
             weight = name.removesuffix("_scale_inv")
             found = headers[weight].dtype if weight in headers else "absent"
@@ -114,7 +115,7 @@ def plan(scheme: Scheme | None, headers: Mapping[str, TensorInfo]
 def _refuse_unannounced(scheme: Scheme | None, headers: Mapping[str, TensorInfo]) -> None:
     """Quantized tensors the config does not announce: FP8 without quantization_config, packed
     FP4 (int8 with a scale) without expert_dtype fp4."""
-    for name, tensor in headers.items():
+    for name, tensor in sorted(headers.items()):
         base = name.removesuffix(".weight")
         if tensor.dtype == FP8 and scheme is None:
             raise CheckpointFormatError(f"{name}: dtype {FP8} is not supported without a "
