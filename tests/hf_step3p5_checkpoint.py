@@ -1,7 +1,8 @@
 """The hand-written Hugging Face Step 3.5 checkpoint shared by tests/model/test_hf_*.py and
 test_load_model.py: the test-size model config (`CFG`, configs/tiny.yaml with overrides) and its
 config.json (`HF_CONFIG`), the table of tensor names and torch shapes, a writer of a two-shard
-HF directory from it, and the bit-exact comparison helpers.
+HF directory from it, the bit-exact comparison helpers, and `refusal_before_reads` (every HF
+family's bad-checkpoint tests).
 
 The table and config.json follow the published format (vLLM `step3p5.py` / `step3p5_mtp.py`),
 never the exporter under test.
@@ -160,3 +161,26 @@ def assert_same_variables(expected: dict, got: dict) -> None:
                             jax.tree.leaves(got)):
         assert a.shape == b.shape and a.dtype == b.dtype, jax.tree_util.keystr(path)
         assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+
+
+def refusal_before_reads(path: Path, monkeypatch, reading_modules=()) -> str:
+    """The one-line error `load_hf_checkpoint(path)` refuses with while every tensor-data read
+    fails the test (`read_tensors` of model.interop.hf, `read_tensor` of each module in
+    `reading_modules`): the checks must name the problem from the headers alone."""
+    from model.interop import hf
+    from model.interop.safetensors_io import CheckpointFormatError
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("tensor data read before the checks")
+
+    monkeypatch.setattr(hf, "read_tensors", no_reads)
+    for module in reading_modules:
+        monkeypatch.setattr(module, "read_tensor", no_reads)
+    try:
+        hf.load_hf_checkpoint(path, progress=False)
+    except CheckpointFormatError as err:
+        message = str(err)
+    else:
+        raise AssertionError(f"{path} was imported, expected a refusal")
+    assert "\n" not in message, message
+    return message
