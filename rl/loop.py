@@ -34,57 +34,22 @@ from model.lm import CausalLM, abstract_variables, init_variables, join_variable
 from model.parallel.rules import param_axes
 from model.tokenizers.text import load_tokenizer
 from model.weights import load_model
-from rl.config import RLRunConfig, rl_config_from_dict
+from rl.config import RLRunConfig
 from rl.evaluate import heldout_accuracy
 from rl.models import ValueModel, critic_variables_from_policy, shift_right, token_logprobs
 from rl.objectives import losses
 from rl.objectives.advantages import bootstrapped_rewards, gae, terminal_rewards
+from rl.resume import resumed_config
 from rl.rewards import arithmetic_rewards
 from rl.rollout import Rollouts, collect_rollouts
 from rl.update import make_actor_step, make_critic_step, minibatches
-from train.config import incompatible_fields
 from train.data.arithmetic import arithmetic_problems, sample_problems, split_problems
 from train.interrupts import stop_requests
 from train.loop import TrainingError, enable_compilation_cache, prepare_workdir
-from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES
 from train.optim.optimizer import build_optimizer
 from train.optim.schedules import learning_rate_schedule
 from train.state import TrainState, state_from_variables
 from train.telemetry.metrics import METRICS_FILE, MetricsWriter, read_metrics
-
-# Fields a resumed run may change: run length, logging, evaluation and checkpoint cadence.
-RESUMABLE_CHANGES = {"iterations", "log_every", "eval_every", "eval_prompts",
-                     "checkpoint_every", "keep_checkpoints", "progress", "xla_cache_dir"}
-
-
-def resumed_config(run: RLRunConfig, saved: dict, workdir: Path) -> RLRunConfig:
-    """The saved run's config (its model included) with this run's resumable fields; raises
-    TrainingError naming the fields that differ otherwise. The saved config is compared as this
-    version reads it, so a field added since it was saved counts at its default."""
-    saved_run = rl_config_from_dict(saved)
-    sections = lambda values: {k: values[k] for k in ("rl", "task")}  # noqa: E731
-    resumable = {f"rl.{k}" for k in RESUMABLE_CHANGES} | {
-        f"rl.{model}.{field}" for model in ("actor", "critic")
-        for field in RESUMABLE_OPTIMIZER_CHANGES}
-    changed = incompatible_fields(sections(saved_run.to_dict()), sections(run.to_dict()),
-                                  resumable)
-    if changed:
-        raise TrainingError(f"cannot resume {workdir}: the config differs from the "
-                            f"checkpoint's in {', '.join(changed)}; use another --workdir")
-
-    def optimizer(model):  # the saved optimizer with this run's resumable fields
-        saved_optimizer, current = getattr(saved_run.rl, model), getattr(run.rl, model)
-        for field in RESUMABLE_OPTIMIZER_CHANGES:
-            group, name = field.split(".")
-            changed = dataclasses.replace(getattr(saved_optimizer, group),
-                                          **{name: getattr(getattr(current, group), name)})
-            saved_optimizer = dataclasses.replace(saved_optimizer, **{group: changed})
-        return saved_optimizer
-
-    rl = dataclasses.replace(saved_run.rl, **{k: getattr(run.rl, k) for k in RESUMABLE_CHANGES},
-                             actor=optimizer("actor"), critic=optimizer("critic"))
-    return dataclasses.replace(saved_run, rl=rl)
-
 
 class RLState(flax.struct.PyTreeNode):
     actor: TrainState

@@ -65,7 +65,7 @@ def test_rl_defaults_differ_from_training_where_the_report_says_so():
 def test_resume_reads_the_saved_config_as_this_version_does(tmp_path):
     """A checkpoint saved before `rl.actor`/`rl.critic` had Adam and Muon fields resumes (they
     count at their defaults, what that version used); a real difference is still refused."""
-    from rl.loop import resumed_config
+    from rl.resume import resumed_config
     from train.loop import TrainingError
 
     run = load_rl_config(RL_ARITH, ["rl.iterations=7"])

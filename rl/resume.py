@@ -1,0 +1,46 @@
+"""Resuming an RL run: the saved run's config, with only what a resumed run may change taken
+from the new command (run length, logging, evaluation and checkpoint cadence, and the
+optimizer fields training also lets a resume change)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from rl.config import RLRunConfig, rl_config_from_dict
+from train.config import incompatible_fields
+from train.loop import TrainingError
+from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES
+
+# Fields a resumed run may change: run length, logging, evaluation and checkpoint cadence.
+RESUMABLE_CHANGES = {"iterations", "log_every", "eval_every", "eval_prompts",
+                     "checkpoint_every", "keep_checkpoints", "progress", "xla_cache_dir"}
+
+
+def resumed_config(run: RLRunConfig, saved: dict, workdir: Path) -> RLRunConfig:
+    """The saved run's config (its model included) with this run's resumable fields; raises
+    TrainingError naming the fields that differ otherwise. The saved config is compared as this
+    version reads it, so a field added since it was saved counts at its default."""
+    saved_run = rl_config_from_dict(saved)
+    sections = lambda values: {k: values[k] for k in ("rl", "task")}  # noqa: E731
+    resumable = {f"rl.{k}" for k in RESUMABLE_CHANGES} | {
+        f"rl.{model}.{field}" for model in ("actor", "critic")
+        for field in RESUMABLE_OPTIMIZER_CHANGES}
+    changed = incompatible_fields(sections(saved_run.to_dict()), sections(run.to_dict()),
+                                  resumable)
+    if changed:
+        raise TrainingError(f"cannot resume {workdir}: the config differs from the "
+                            f"checkpoint's in {', '.join(changed)}; use another --workdir")
+
+    def optimizer(model):  # the saved optimizer with this run's resumable fields
+        saved_optimizer, current = getattr(saved_run.rl, model), getattr(run.rl, model)
+        for field in RESUMABLE_OPTIMIZER_CHANGES:
+            group, name = field.split(".")
+            changed = dataclasses.replace(getattr(saved_optimizer, group),
+                                          **{name: getattr(getattr(current, group), name)})
+            saved_optimizer = dataclasses.replace(saved_optimizer, **{group: changed})
+        return saved_optimizer
+
+    rl = dataclasses.replace(saved_run.rl, **{k: getattr(run.rl, k) for k in RESUMABLE_CHANGES},
+                             actor=optimizer("actor"), critic=optimizer("critic"))
+    return dataclasses.replace(saved_run, rl=rl)
