@@ -163,28 +163,32 @@ class RLTrainer:
 
     # ---- one iteration ----------------------------------------------------------------------
 
-    def rollouts(self, state: RLState, iteration: int) -> tuple[Rollouts, np.ndarray]:
-        """P problems x N samples -> (rollouts, the answers of their problems)."""
+    def draw(self, state: RLState, iteration: int, draw: int = 0) -> tuple[Rollouts, np.ndarray]:
+        """P problems x N samples, sampled and scored -> (rollouts, rewards float32 [P * N]).
+        The samples of a problem are adjacent rows. Draw 0 is an iteration's first; each `draw`
+        takes other problems and sampling keys, deterministically."""
         rl = self.run.rl
-        rng = np.random.default_rng([rl.seed, iteration])
+        rng = np.random.default_rng([rl.seed, iteration] + ([draw] if draw else []))
         problems = sample_problems(self.train_problems, rl.prompts_per_iteration, rng)
         repeated = [p for p in problems for _ in range(rl.samples_per_prompt)]
         decoder = self.decoder.with_variables(_variables(state.actor))
         key = jax.random.fold_in(jax.random.key(rl.seed), iteration)
+        if draw:
+            key = jax.random.fold_in(key, draw)
         rollouts = collect_rollouts(
             decoder, [self.prompt_ids[p.prompt] for p in repeated], length=self.row_length,
             max_new_tokens=rl.max_new_tokens, sampling=Sampling(rl.temperature, top_p=rl.top_p),
             stop_id=self.tokenizer.eos_id, key=key)
-        return rollouts, np.array([p.answer for p in repeated])
+        rewards = arithmetic_rewards([self.tokenizer.decode(r) for r in rollouts.responses],
+                                     [p.answer for p in repeated])
+        return rollouts, rewards
 
     def iteration(self, state: RLState, iteration: int) -> tuple[RLState, dict]:
         """Rollouts -> rewards -> advantages -> one epoch of updates. -> (state, metrics)."""
         rl = self.run.rl
         started = time.perf_counter()
-        rollouts, answers = self.rollouts(state, iteration)
+        rollouts, rewards = self.draw(state, iteration)
         rollout_seconds = time.perf_counter() - started
-        rewards = arithmetic_rewards([self.tokenizer.decode(r) for r in rollouts.responses],
-                                     answers)
         tokens, segments = jnp.asarray(rollouts.tokens), jnp.asarray(rollouts.segment_ids)
         mask, infer_logp = jnp.asarray(rollouts.mask), jnp.asarray(rollouts.infer_logp)
 
