@@ -1,7 +1,7 @@
 """python -m rl --config configs/rl_arith.yaml --workdir DIR [--init-from DIR_or_HF] [key=value ...]
 
 Reinforcement learning with verifiable rewards (report 5.2): MIS-PO by default, or PPO, GRPO
-(DAPO-style) and GSPO with `rl.algorithm=...`. `--init-from` takes the starting policy: a
+(DAPO-style), GSPO, DAPO and Dr. GRPO with `rl.algorithm=...`. `--init-from` takes the starting policy: a
 `python -m train` workdir (e.g. the SFT warm start of configs/sft_arith.yaml), a stepjax model
 directory or a Hugging Face Step 3.5 checkpoint. Re-running the same command resumes from the
 latest checkpoint in DIR (then --init-from is not needed). Writes DIR/metrics.jsonl,

@@ -6,7 +6,24 @@ when the policy is not initialised from a checkpoint with `--init-from`). Dotted
 Defaults are the report's (5.2.1, 5.2.3): MIS-PO with token bounds [0.5, 2] and trajectory
 bounds [0.996, 1.001], temperature and top-p 1.0, 16 samples per prompt, one epoch of 4 actor
 and 12 critic minibatches, Muon with weight decay 0.1, actor lr 2e-6 after 20 warm-up updates,
-critic lr 5e-6 after 50, gamma = lambda = 1, unbiased KL 0.001.
+critic lr 5e-6 after 50, gamma = lambda = 1, unbiased KL 0.001 (importance-weighted k3).
+
+Baselines are presets of switches that work with every algorithm: a switch left unset (null)
+takes the algorithm's value, an explicit one wins (`rl.algorithm=dapo rl.dynamic_sampling=false`
+is DAPO without dynamic sampling).
+
+| switch (unset: the algorithm's) | dapo | dr_grpo | the others |
+|---|---|---|---|
+| `group_std`: group advantages / the group's std | true | false | true |
+| `loss_aggregation` (rl.objectives.losses) | token_mean | token_sum | token_mean |
+| `dynamic_sampling` (rl.dynamic_sampling) | true | false | false |
+| `overlong_buffer`: L_cache tokens (rl.objectives.overlong) | max_new_tokens // 5 | 0 | 0 |
+
+`dapo` (Yu et al. 2025) is `grpo`'s loss (clip-higher `grpo_clip`, token-level mean) on
+group-normalised rewards plus dynamic sampling and overlong reward shaping (its L_cache = 4096
+of L_max = 20480, a fifth); `dr_grpo` (Liu et al. 2025) is PPO's clipped surrogate (`ppo_clip`,
+symmetric 0.2 as in GRPO) on unnormalised group advantages (reward - group mean) with the
+token-sum loss. Both papers train without a KL term: add `rl.kl_coef=0` to match them.
 """
 
 from __future__ import annotations
@@ -33,9 +50,12 @@ from model.config import (
     read_yaml,
 )
 from train.config import LoopConfig, check_override_sections
+from rl.objectives.kl import KL_ESTIMATORS
+from rl.objectives.losses import AGGREGATIONS
 from train.optim.config import OptimizerConfig
 
-ALGORITHMS = ("mis_po", "ppo", "grpo", "gspo")
+ALGORITHMS = ("mis_po", "ppo", "grpo", "gspo", "dapo", "dr_grpo")
+GROUP_ALGORITHMS = ("grpo", "dapo", "dr_grpo")  # always group advantages, no critic
 ADVANTAGES = ("gae", "group")
 TASKS = ("arithmetic",)
 INFERENCE_DTYPES = ("float32", "bfloat16", "float16")
@@ -49,7 +69,7 @@ class RLConfig(LoopConfig):
 
     section = "rl"
 
-    algorithm: str = "mis_po"  # mis_po | ppo | grpo | gspo
+    algorithm: str = "mis_po"  # mis_po | ppo | grpo | gspo | dapo | dr_grpo
     iterations: int = 100
     prompts_per_iteration: int = 256  # P (report 5.2.3, reasoning tasks)
     samples_per_prompt: int = 16  # N
@@ -61,8 +81,14 @@ class RLConfig(LoopConfig):
     actor: OptimizerConfig = OptimizerConfig(lr=2e-6, warmup_steps=20)
     critic: OptimizerConfig = OptimizerConfig(lr=5e-6, warmup_steps=50)
     # gae: critic + GAE (report 5.2.1-5.2.3); group: each reward minus its prompt group's mean,
-    # over the group's std (GRPO's estimator, no critic). GRPO always uses group.
+    # over the group's std (GRPO's estimator, no critic). grpo, dapo, dr_grpo always use group.
     advantages: str = "gae"
+    # The switches below: null = the algorithm's preset (module docstring).
+    group_std: bool | None = None  # divide group advantages by the group's std
+    loss_aggregation: str | None = None  # token_mean | sequence_mean | token_sum
+    dynamic_sampling: bool | None = None  # DAPO: drop groups of equal rewards, draw more
+    max_draws: int = 8  # dynamic sampling's draws per iteration at most (rl.dynamic_sampling)
+    overlong_buffer: int | None = None  # DAPO's L_cache in tokens; 0 = no overlong shaping
     gamma: float = 1.0
     lam: float = 1.0
     token_bounds: tuple = (0.5, 2.0)  # MIS-PO token filter on pi_old / pi_infer (eq. 2)
@@ -71,6 +97,7 @@ class RLConfig(LoopConfig):
     grpo_clip: tuple = (0.2, 0.28)  # DAPO clip-higher
     gspo_clip: float = 1e-4  # report App. D
     kl_coef: float = 0.001  # unbiased KL to the initial policy; 0 = no reference model
+    kl_estimator: str = "k3_importance"  # | k3 (rl.objectives.kl)
     # Seed 003: keep only the top fraction of response tokens by entropy in the actor loss
     # (0.2 there); 1.0 = every token.
     entropy_top_frac: float = 1.0
@@ -92,8 +119,30 @@ class RLConfig(LoopConfig):
 
     @property
     def uses_critic(self) -> bool:
-        """GAE needs a value model; group advantages (always for GRPO) do not."""
-        return self.algorithm != "grpo" and self.advantages == "gae"
+        """GAE needs a value model; group advantages (always for GRPO, DAPO, Dr. GRPO) do not."""
+        return self.algorithm not in GROUP_ALGORITHMS and self.advantages == "gae"
+
+    # The switches as this algorithm resolves them (module docstring).
+
+    @property
+    def divides_by_group_std(self) -> bool:
+        return self.algorithm != "dr_grpo" if self.group_std is None else self.group_std
+
+    @property
+    def aggregation(self) -> str:
+        if self.loss_aggregation is not None:
+            return self.loss_aggregation
+        return "token_sum" if self.algorithm == "dr_grpo" else "token_mean"
+
+    @property
+    def samples_dynamically(self) -> bool:
+        return self.algorithm == "dapo" if self.dynamic_sampling is None else self.dynamic_sampling
+
+    @property
+    def overlong_buffer_tokens(self) -> int:
+        if self.overlong_buffer is not None:
+            return self.overlong_buffer
+        return max(1, self.max_new_tokens // 5) if self.algorithm == "dapo" else 0
 
     def validate(self) -> None:
         super().validate()
@@ -121,6 +170,7 @@ class RLConfig(LoopConfig):
                                   f"got [{low}, {high}]")
         check_positive("gspo_clip", self.gspo_clip)
         check_nonnegative("kl_coef", self.kl_coef)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_positive("entropy_top_frac", self.entropy_top_frac)
         check_fraction("entropy_top_frac", self.entropy_top_frac)
         check_bool("truncation_bootstrap", self.truncation_bootstrap)
@@ -128,7 +178,24 @@ class RLConfig(LoopConfig):
         if self.batch_size < max(self.actor_minibatches, self.critic_minibatches):
             raise ConfigError("", f"{self.batch_size} rollouts per iteration cannot fill "
                               f"{max(self.actor_minibatches, self.critic_minibatches)} minibatches")
+        self._validate_switches()
         self._validate_warmups()
+
+    def _validate_switches(self) -> None:
+        for name in ("group_std", "dynamic_sampling"):
+            if getattr(self, name) is not None:
+                check_bool(name, getattr(self, name))
+        if self.loss_aggregation is not None:
+            check_choice("loss_aggregation", self.loss_aggregation, AGGREGATIONS)
+        check_int("max_draws", self.max_draws, 1)
+        if self.overlong_buffer is not None and (
+                isinstance(self.overlong_buffer, bool) or not isinstance(self.overlong_buffer, int)
+                or not 0 <= self.overlong_buffer <= self.max_new_tokens):
+            raise ConfigError("overlong_buffer", f"must be an integer in [0, rl.max_new_tokens="
+                              f"{self.max_new_tokens}], got {self.overlong_buffer!r}")
+        if self.samples_dynamically and self.samples_per_prompt < 2:
+            raise ConfigError("dynamic_sampling", "needs rl.samples_per_prompt >= 2 (a group of "
+                              "one sample never has rewards that differ)")
 
     def _validate_warmups(self) -> None:
         """A warm-up counts optimizer updates: one per minibatch of every iteration."""

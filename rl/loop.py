@@ -35,10 +35,13 @@ from model.parallel.rules import param_axes
 from model.tokenizers.text import load_tokenizer
 from model.weights import load_model
 from rl.config import RLRunConfig
+from rl.dynamic_sampling import sample_batch
 from rl.evaluate import heldout_accuracy
 from rl.models import ValueModel, critic_variables_from_policy, shift_right, token_logprobs
 from rl.objectives import losses
 from rl.objectives.advantages import bootstrapped_rewards, gae, terminal_rewards
+from rl.objectives.kl import kl_estimate
+from rl.objectives.overlong import overlong_penalty
 from rl.resume import resumed_config
 from rl.rewards import arithmetic_rewards
 from rl.rollout import Rollouts, collect_rollouts
@@ -184,10 +187,17 @@ class RLTrainer:
         return rollouts, rewards
 
     def iteration(self, state: RLState, iteration: int) -> tuple[RLState, dict]:
-        """Rollouts -> rewards -> advantages -> one epoch of updates. -> (state, metrics)."""
+        """Rollouts -> rewards -> advantages -> one epoch of updates. -> (state, metrics).
+        `rewards` are the verifier's, `scored` the trained-on ones (plus DAPO's overlong
+        penalty); with dynamic sampling the batch takes several draws (rl/dynamic_sampling.py)."""
         rl = self.run.rl
         started = time.perf_counter()
-        rollouts, rewards = self.draw(state, iteration)
+        rollouts, rewards, scored, sampling = sample_batch(
+            lambda draw: self.draw(state, iteration, draw),
+            lambda rollouts, rewards: rewards + overlong_penalty(
+                rollouts.response_lengths, rl.max_new_tokens, rl.overlong_buffer_tokens),
+            groups=rl.prompts_per_iteration, group_size=rl.samples_per_prompt,
+            dynamic=rl.samples_dynamically, max_draws=rl.max_draws)
         rollout_seconds = time.perf_counter() - started
         tokens, segments = jnp.asarray(rollouts.tokens), jnp.asarray(rollouts.segment_ids)
         mask, infer_logp = jnp.asarray(rollouts.mask), jnp.asarray(rollouts.infer_logp)
@@ -195,7 +205,7 @@ class RLTrainer:
         old = self._score(_variables(state.actor), tokens, segments)  # pi_old: training path
         ref_logp = (self._score({**_variables(state.actor), "params": state.reference}, tokens,
                                 segments)["logp"] if rl.kl_coef else old["logp"])
-        advantages, returns, values = self._advantages(state, rollouts, rewards)
+        advantages, returns, values = self._advantages(state, rollouts, scored)
         select = (losses.high_entropy_mask(old["entropy"], mask, rl.entropy_top_frac)
                   if rl.entropy_top_frac < 1 else mask)
         batch = jax.tree.map(np.asarray, {
@@ -217,14 +227,17 @@ class RLTrainer:
             "entropy": float(losses.masked_mean(old["entropy"], mask)),
             "routing_confidence": float(per_rollout_confidence.mean()),
             "routing_confidence_hist": np.asarray(per_rollout_confidence),  # TensorBoard only
-            "kl": float(losses.kl_penalty(old["logp"], ref_logp, mask)),
-            **{k: float(v) for k, v in filters.items()},
+            "kl": float(kl_estimate(rl.kl_estimator, old["logp"], old["logp"], ref_logp, mask)),
+            **{k: float(v) for k, v in filters.items()}, **sampling,
             **update_metrics,
             "advantage_rms": float(jnp.sqrt(losses.masked_mean(advantages ** 2, mask))),
             "rollout_seconds": rollout_seconds,
-            "rollout_tokens_per_sec": float(lengths.sum()) / max(rollout_seconds, 1e-9),
+            "rollout_tokens_per_sec": sampling.get("sampling/tokens_drawn", float(lengths.sum()))
+                                      / max(rollout_seconds, 1e-9),
             "iteration_seconds": time.perf_counter() - started,
         }
+        if rl.overlong_buffer_tokens:
+            metrics["overlong_penalty"] = float(np.mean(scored - rewards))
         if values is not None:
             metrics["value_mean"] = float(losses.masked_mean(values, mask))
         return state, metrics
@@ -236,7 +249,8 @@ class RLTrainer:
         rl = self.run.rl
         mask = jnp.asarray(rollouts.mask)
         if self.critic is None:
-            group = losses.group_advantages(jnp.asarray(rewards), rl.samples_per_prompt)
+            group = losses.group_advantages(jnp.asarray(rewards), rl.samples_per_prompt,
+                                            scale=rl.divides_by_group_std)
             return group[:, None] * mask, None, None
         after = self._values(_variables(state.critic), jnp.asarray(rollouts.tokens),
                              jnp.asarray(rollouts.segment_ids))

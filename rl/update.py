@@ -19,12 +19,20 @@ from model.lm import CausalLM, join_variables
 from rl.config import RLConfig
 from rl.models import ValueModel, shift_right, token_logprobs
 from rl.objectives import losses
+from rl.objectives.kl import kl_estimate
 from train.state import TrainState, apply_finite_update
 
 
+# The clipped-surrogate algorithms and the (eps_low, eps_high) field each one reads.
+CLIP_FIELDS = {"ppo": "ppo_clip", "dr_grpo": "ppo_clip", "grpo": "grpo_clip",
+               "dapo": "grpo_clip"}
+
+
 def actor_loss(rl: RLConfig, logp, mb) -> tuple[jax.Array, dict]:
-    """The configured algorithm's loss (`rl.objectives.losses`) plus the KL penalty."""
-    common = {"mask": mb["mask"], "select": mb["select"]}
+    """The configured algorithm's loss (`rl.objectives.losses`), aggregated as
+    `rl.loss_aggregation` resolves, plus `rl.kl_coef` times the `rl.kl_estimator` KL."""
+    common = {"mask": mb["mask"], "select": mb["select"], "aggregation": rl.aggregation,
+              "max_length": rl.max_new_tokens}
     if rl.algorithm == "mis_po":
         loss, stats = losses.mis_po_loss(logp, mb["old_logp"], mb["infer_logp"],
                                          mb["advantages"], token_bounds=rl.token_bounds,
@@ -34,10 +42,10 @@ def actor_loss(rl: RLConfig, logp, mb) -> tuple[jax.Array, dict]:
                                        clip=rl.gspo_clip, token_bounds=rl.token_bounds,
                                        traj_bounds=rl.traj_bounds, **common)
     else:
-        clip_low, clip_high = rl.grpo_clip if rl.algorithm == "grpo" else rl.ppo_clip
+        clip_low, clip_high = getattr(rl, CLIP_FIELDS[rl.algorithm])
         loss, stats = losses.ppo_clip_loss(logp, mb["old_logp"], mb["advantages"],
                                            clip_low=clip_low, clip_high=clip_high, **common)
-    kl = losses.kl_penalty(logp, mb["ref_logp"], mb["mask"])
+    kl = kl_estimate(rl.kl_estimator, logp, mb["old_logp"], mb["ref_logp"], mb["mask"])
     if rl.kl_coef:
         loss = loss + rl.kl_coef * kl
     return loss, {**stats, "kl": kl}

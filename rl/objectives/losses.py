@@ -8,12 +8,26 @@ inference path that sampled it (pi_vllm in the report), `advantages` (treated as
 further tokens from the gradient, e.g. all but the high-entropy ones; like every filter here it
 leaves the denominator unchanged. Each loss returns (scalar loss, stats dict of scalars).
 
-| loss | per-token term | normalised by |
+| loss | per-token term |
+|---|---|
+| `mis_po_loss` (eq. 2) | I(x_t) I(rho(tau)) * -logp * A |
+| `ppo_clip_loss` | -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = pi/pi_old |
+| `grpo_loss` (DAPO) | PPO-clip with clip-higher (0.2, 0.28) on group-normalised rewards |
+| `gspo_loss` (App. D, eq. 16) | MIS masks * -min(r_tau A, clip(r_tau, 1-eps, 1+eps) A) |
+
+Every loss sums its per-token terms and divides them by the `aggregation`'s denominator
+(`rl.loss_aggregation`; n_i = response i's tokens, G = responses, L_max = `max_length`):
+
+| aggregation | loss | used by |
 |---|---|---|
-| `mis_po_loss` (eq. 2) | I(x_t) I(rho(tau)) * -logp * A | all response tokens |
-| `ppo_clip_loss` | -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = pi/pi_old | all response tokens |
-| `grpo_loss` (DAPO) | PPO-clip with clip-higher (0.2, 0.28) on group-normalised rewards | all tokens of the batch |
-| `gspo_loss` (App. D, eq. 16) | MIS masks * -min(r_tau A, clip(r_tau, 1-eps, 1+eps) A) | all response tokens |
+| `token_mean` (default) | sum_i sum_t term / sum_i n_i | report eq. 2; DAPO 3.3 (token-level) |
+| `sequence_mean` | (1/G) sum_i (1/n_i) sum_t term | GRPO (DeepSeekMath) |
+| `token_sum` | sum_i sum_t term / (L_max G) | Dr. GRPO (Liu et al. 2025) |
+
+`token_sum` divides by a constant: every token weighs the same whatever its response's length
+(no per-response 1/n_i, the length bias Dr. GRPO removes) and whatever the batch's token count
+(which `token_mean`'s denominator follows). G counts the rows with a response token, so the
+masked padding rows of a short minibatch (`rl.update.minibatches`) change nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ import jax.numpy as jnp
 
 TOKEN_BOUNDS = (0.5, 2.0)  # report 5.2.3: rho_min, rho_max of the token-level filter
 TRAJ_BOUNDS = (0.996, 1.001)  # ... of the trajectory-level (geometric mean) filter
+AGGREGATIONS = ("token_mean", "sequence_mean", "token_sum")
 
 
 def masked_mean(x, weights):
@@ -30,8 +45,21 @@ def masked_mean(x, weights):
     return jnp.sum(x * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def _denominator(mask):
-    return jnp.maximum(jnp.sum(mask), 1.0)
+def aggregate(terms, mask, aggregation: str = "token_mean", max_length: int | None = None):
+    """Per-token loss terms [B, T] (0 where a filter dropped them) -> scalar, divided by the
+    `aggregation`'s denominator over the response tokens `mask` [B, T] (module docstring).
+    `max_length` (L_max) is needed by `token_sum` only."""
+    tokens_per_row = jnp.sum(mask, axis=1)
+    responses = jnp.maximum(jnp.sum(tokens_per_row > 0), 1)
+    if aggregation == "token_mean":
+        return jnp.sum(terms) / jnp.maximum(jnp.sum(tokens_per_row), 1.0)
+    if aggregation == "sequence_mean":
+        return jnp.sum(jnp.sum(terms, axis=1) / jnp.maximum(tokens_per_row, 1.0)) / responses
+    if aggregation == "token_sum":
+        if max_length is None:
+            raise ValueError("token_sum aggregation needs max_length (L_max)")
+        return jnp.sum(terms) / (max_length * responses)
+    raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
 
 
 def mis_filters(old_logp, infer_logp, mask, token_bounds=TOKEN_BOUNDS, traj_bounds=TRAJ_BOUNDS):
@@ -60,35 +88,39 @@ def mis_filters(old_logp, infer_logp, mask, token_bounds=TOKEN_BOUNDS, traj_boun
 
 
 def mis_po_loss(logp, old_logp, infer_logp, advantages, mask, token_bounds=TOKEN_BOUNDS,
-                traj_bounds=TRAJ_BOUNDS, select=None):
-    """Eq. 2: sum(keep * mask * -logp * A) / sum(mask); kept samples count as on-policy (no
-    importance weight), filtered ones contribute nothing but stay in the denominator."""
+                traj_bounds=TRAJ_BOUNDS, select=None, aggregation="token_mean", max_length=None):
+    """Eq. 2: sum(keep * mask * -logp * A) / sum(mask) (the default `token_mean`); kept samples
+    count as on-policy (no importance weight), filtered ones contribute nothing but stay in the
+    denominator."""
     mask = mask.astype(jnp.float32)
     keep, _, stats = mis_filters(old_logp, infer_logp, mask, token_bounds, traj_bounds)
     weights = keep * mask * _select(select, mask)
     advantages = jax.lax.stop_gradient(advantages)
-    loss = jnp.sum(weights * -logp * advantages) / _denominator(mask)
+    loss = aggregate(weights * -logp * advantages, mask, aggregation, max_length)
     return loss, stats
 
 
-def ppo_clip_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, select=None):
-    """PPO's clipped surrogate with token ratios r = pi_theta / pi_old, mean over response
-    tokens. `clip_high` > `clip_low` is DAPO's clip-higher."""
+def ppo_clip_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, select=None,
+                  aggregation="token_mean", max_length=None):
+    """PPO's clipped surrogate with token ratios r = pi_theta / pi_old, aggregated over
+    response tokens. `clip_high` > `clip_low` is DAPO's clip-higher."""
     mask = mask.astype(jnp.float32)
     advantages = jax.lax.stop_gradient(advantages)
     ratio = jnp.exp(jnp.where(mask > 0, logp - jax.lax.stop_gradient(old_logp), 0.0))
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     surrogate = jnp.minimum(ratio * advantages, clipped * advantages)
     weights = mask * _select(select, mask)
-    loss = -jnp.sum(weights * surrogate) / _denominator(mask)
+    loss = aggregate(-weights * surrogate, mask, aggregation, max_length)
     clipped_away = (ratio * advantages != surrogate).astype(jnp.float32)
     return loss, {"clip_frac": masked_mean(clipped_away, mask),
                   "ratio_mean": masked_mean(jax.lax.stop_gradient(ratio), mask)}
 
 
 def group_advantages(rewards, group_size: int, eps: float = 1e-6, scale: bool = True):
-    """GRPO: each reward minus its group's mean (divided by the group's std if `scale`).
-    rewards [B] with B = prompts * group_size, the samples of a prompt adjacent -> [B]."""
+    """GRPO: each reward minus its group's mean, divided by the group's std if `scale`.
+    Dr. GRPO drops the division (`scale=False`, `rl.group_std=false`), which gives the prompts
+    whose rewards barely vary (nearly all right or all wrong) the largest weights. rewards [B]
+    with B = prompts * group_size, the samples of a prompt adjacent -> [B]."""
     groups = rewards.reshape(-1, group_size)
     centred = groups - jnp.mean(groups, axis=1, keepdims=True)
     if scale:
@@ -96,15 +128,18 @@ def group_advantages(rewards, group_size: int, eps: float = 1e-6, scale: bool = 
     return centred.reshape(rewards.shape)
 
 
-def grpo_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28, select=None):
+def grpo_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28, select=None,
+              aggregation="token_mean", max_length=None):
     """GRPO as DAPO runs it: clip-higher (0.2, 0.28) and token-level normalisation (every token
     of the batch weighs the same, whatever its response's length); `advantages` from
     `group_advantages`, broadcast over each response's tokens."""
-    return ppo_clip_loss(logp, old_logp, advantages, mask, clip_low, clip_high, select)
+    return ppo_clip_loss(logp, old_logp, advantages, mask, clip_low, clip_high, select,
+                         aggregation, max_length)
 
 
 def gspo_loss(logp, old_logp, infer_logp, advantages, mask, clip=1e-4,
-              token_bounds=TOKEN_BOUNDS, traj_bounds=TRAJ_BOUNDS, select=None):
+              token_bounds=TOKEN_BOUNDS, traj_bounds=TRAJ_BOUNDS, select=None,
+              aggregation="token_mean", max_length=None):
     """Report App. D, eqs. 14-16: the sequence ratio r_tau = (prod pi_theta / pi_old)^(1/T)
     (geometric mean over the response) replaces the token ratio in PPO's clipped surrogate,
     under the same MIS token and trajectory masks; clip eps = 1e-4 as in the report."""
@@ -117,16 +152,9 @@ def gspo_loss(logp, old_logp, infer_logp, advantages, mask, clip=1e-4,
     clipped = jnp.clip(ratio, 1.0 - clip, 1.0 + clip)
     surrogate = jnp.minimum(ratio * advantages, clipped * advantages)
     weights = keep * mask * _select(select, mask)
-    loss = -jnp.sum(weights * surrogate) / _denominator(mask)
+    loss = aggregate(-weights * surrogate, mask, aggregation, max_length)
     clipped_away = (ratio * advantages != surrogate).astype(jnp.float32)
     return loss, {**stats, "clip_frac": masked_mean(clipped_away, mask)}
-
-
-def kl_penalty(logp, ref_logp, mask):
-    """Unbiased estimator of KL(pi_theta || pi_ref) ("k3"): r - log r - 1 with r = pi_ref /
-    pi_theta on tokens sampled from pi_theta; >= 0 per token. Mean over response tokens."""
-    log_r = jnp.where(mask > 0, ref_logp - logp, 0.0)
-    return masked_mean(jnp.exp(log_r) - log_r - 1.0, mask.astype(jnp.float32))
 
 
 def high_entropy_mask(entropy, mask, top_frac: float):

@@ -20,6 +20,20 @@ RL_ARITH = Path(__file__).resolve().parents[2] / "configs" / "rl_arith.yaml"
     (lambda: RLConfig(token_bounds=(1.5, 2.0)), "rl.token_bounds: need 0 < low <= 1 <= high"),
     (lambda: TaskConfig(ops="/"), "task.ops: must be a non-empty string of + - *"),
     (lambda: OptimizerConfig(lr=0), "lr: must be a positive number, got 0"),
+    (lambda: RLConfig(kl_estimator="k2"), "rl.kl_estimator: got 'k2', allowed values are "
+                                          "['k3_importance', 'k3']"),
+    (lambda: RLConfig(algorithm="drgrpo"), "rl.algorithm: got 'drgrpo'"),
+    (lambda: RLConfig(loss_aggregation="sum"), "rl.loss_aggregation: got 'sum', allowed values "
+                                               "are ['token_mean', 'sequence_mean', 'token_sum']"),
+    (lambda: RLConfig(group_std="no"), "rl.group_std: must be true or false, got 'no'"),
+    (lambda: RLConfig(dynamic_sampling=1), "rl.dynamic_sampling: must be true or false, got 1"),
+    (lambda: RLConfig(max_draws=0), "rl.max_draws: must be an integer >= 1, got 0"),
+    (lambda: RLConfig(max_new_tokens=8, overlong_buffer=9),
+     "rl.overlong_buffer: must be an integer in [0, rl.max_new_tokens=8], got 9"),
+    (lambda: RLConfig(overlong_buffer=-1), "rl.overlong_buffer: must be an integer in [0, "),
+    (lambda: RLConfig(overlong_buffer=True), "rl.overlong_buffer: must be an integer in [0, "),
+    (lambda: RLConfig(algorithm="dapo", samples_per_prompt=1),
+     "rl.dynamic_sampling: needs rl.samples_per_prompt >= 2"),
 ])
 def test_bad_value_raises_on_construction(make, message):
     with pytest.raises(ValueError) as info:
@@ -52,6 +66,35 @@ def test_warmups_as_long_as_the_run_or_of_an_unused_critic_are_accepted():
     run = load_rl_config(RL_ARITH, ["rl.iterations=2", "rl.actor.warmup_steps=8",
                                     "rl.critic.warmup_steps=500"])  # advantages: group
     assert (run.rl.actor.warmup_steps, run.rl.critic.warmup_steps) == (8, 500)
+
+
+def test_algorithm_presets_set_the_switches_left_unset():
+    """dapo: dynamic sampling and an overlong buffer of a fifth of the budget; dr_grpo: no std
+    division and the token-sum loss; others: all off. An explicit switch wins."""
+    resolved = lambda rl: (rl.divides_by_group_std, rl.aggregation,  # noqa: E731
+                           rl.samples_dynamically, rl.overlong_buffer_tokens, rl.uses_critic)
+    assert resolved(RLConfig()) == (True, "token_mean", False, 0, True)
+    assert resolved(RLConfig(algorithm="grpo")) == (True, "token_mean", False, 0, False)
+    assert resolved(RLConfig(algorithm="dapo", max_new_tokens=20)) == (
+        True, "token_mean", True, 4, False)
+    assert RLConfig(algorithm="dapo", max_new_tokens=3).overlong_buffer_tokens == 1
+    assert resolved(RLConfig(algorithm="dr_grpo")) == (False, "token_sum", False, 0, False)
+    assert resolved(RLConfig(algorithm="dapo", dynamic_sampling=False, overlong_buffer=0,
+                             loss_aggregation="sequence_mean", group_std=False)) == (
+        False, "sequence_mean", False, 0, False)
+    assert resolved(RLConfig(advantages="group", dynamic_sampling=True, overlong_buffer=2,
+                             loss_aggregation="token_sum")) == (
+        True, "token_sum", True, 2, False)
+    assert RLConfig().kl_estimator == "k3_importance"
+
+
+def test_switches_load_from_overrides_and_null_restores_the_preset():
+    run = load_rl_config(RL_ARITH, ["rl.algorithm=dapo", "rl.dynamic_sampling=false",
+                                    "rl.kl_estimator=k3"])
+    assert (run.rl.samples_dynamically, run.rl.overlong_buffer_tokens) == (False, 1)
+    assert run.rl.kl_estimator == "k3"
+    run = load_rl_config(RL_ARITH, ["rl.algorithm=dapo", "rl.dynamic_sampling=null"])
+    assert run.rl.samples_dynamically
 
 
 def test_rl_defaults_differ_from_training_where_the_report_says_so():

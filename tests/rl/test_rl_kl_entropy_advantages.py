@@ -1,7 +1,9 @@
-"""The KL penalty, high-entropy token selection (rl/objectives/losses.py) and advantage
-estimation (rl/objectives/advantages.py) against hand-derived literals and explicit float64 loop
-references written here, never against the code under test: `kl_penalty` (incl. a Monte-Carlo
-unbiasedness check), `high_entropy_mask`, `gae`, `bootstrapped_rewards`, `terminal_rewards`.
+"""Plain k3 KL (rl/objectives/kl.py), high-entropy token selection (rl/objectives/losses.py)
+and advantage estimation (rl/objectives/advantages.py) against hand-derived literals and explicit
+float64 loop references written here, never against the code under test: `k3` (incl. a
+Monte-Carlo unbiasedness check on tokens from pi_theta itself; off-policy and the importance-
+weighted estimator: test_rl_kl_importance.py), `high_entropy_mask`, `gae`,
+`bootstrapped_rewards`, `terminal_rewards`.
 """
 
 import math
@@ -11,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl.objectives import advantages as A
+from rl.objectives import kl as K
 from rl.objectives import losses as L
 
 # Jitted once per module (one compile per shape instead of one per eager op: ~5x faster on CPU).
-kl_penalty = jax.jit(L.kl_penalty)
+k3 = jax.jit(K.k3)
 high_entropy_mask = jax.jit(L.high_entropy_mask, static_argnames=("top_frac",))
 gae = jax.jit(A.gae)  # gamma, lam traced: one compile for every (gamma, lam)
 bootstrapped_rewards = jax.jit(A.bootstrapped_rewards)
@@ -30,40 +33,40 @@ def f32(x):
 
 
 # --------------------------------------------------------------------------------------------
-# KL penalty
+# KL penalty (plain k3)
 
-def test_kl_penalty_hand_computed_and_masked():
+def test_k3_hand_computed_and_masked():
     logp = np.full((2, 5), -1.0)
     # token ratios r = pi_ref / pi = 2 and 0.5, two tokens with r = 1, padding with r = e^3
     ref = logp + np.array([[LN2, -LN2, 0.0, 0.0, 3.0], [0.0] * 5])
     mask = np.array([[1, 1, 1, 1, 0], [0] * 5], np.float64)
     # (2 - ln2 - 1) + (0.5 + ln2 - 1) + 0 + 0 = 0.5 over 4 tokens -> 0.125
-    np.testing.assert_allclose(kl_penalty(f32(logp), f32(ref), f32(mask)), 0.125, rtol=1e-6)
+    np.testing.assert_allclose(k3(f32(logp), f32(ref), f32(mask)), 0.125, rtol=1e-6)
 
 
-def test_kl_penalty_zero_when_equal_and_nonnegative():
+def test_k3_zero_when_equal_and_nonnegative():
     rng = np.random.default_rng(1)
     logp = -rng.uniform(0.1, 4.0, (2, 5))
     mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], np.float64)
-    assert float(kl_penalty(f32(logp), f32(logp), f32(mask))) == 0.0
+    assert float(k3(f32(logp), f32(logp), f32(mask))) == 0.0
     for _ in range(5):
         ref = -rng.uniform(0.1, 4.0, (2, 5))
-        assert float(kl_penalty(f32(logp), f32(ref), f32(mask))) >= 0.0
+        assert float(k3(f32(logp), f32(ref), f32(mask))) >= 0.0
         # per-token k3 terms are each >= 0: single-token masks
         for b, t in [(0, 0), (1, 4)]:
             one = np.zeros((2, 5))
             one[b, t] = 1.0
-            assert float(kl_penalty(f32(logp), f32(ref), f32(one))) >= 0.0
+            assert float(k3(f32(logp), f32(ref), f32(one))) >= 0.0
 
 
-def test_kl_penalty_is_unbiased_monte_carlo():
+def test_k3_is_unbiased_monte_carlo_on_policy():
     p = np.array([0.5, 0.25, 0.15, 0.1])
     q = np.array([0.3, 0.3, 0.2, 0.2])
     exact = float(np.sum(p * np.log(p / q)))  # KL(p || q)
     rng = np.random.default_rng(2)
     tokens = rng.choice(4, size=200_000, p=p).reshape(400, 500)
     logp, ref = np.log(p)[tokens], np.log(q)[tokens]
-    estimate = float(kl_penalty(f32(logp), f32(ref), jnp.ones((400, 500), jnp.float32)))
+    estimate = float(k3(f32(logp), f32(ref), jnp.ones((400, 500), jnp.float32)))
     assert abs(estimate - exact) < 1e-2, (estimate, exact)
 
 

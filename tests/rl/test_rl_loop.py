@@ -22,6 +22,7 @@ from rl.__main__ import main as rl_main
 from rl.config import load_rl_config, rl_config_from_dict
 from rl.loop import run_rl
 from rl.models import ValueModel, critic_variables_from_policy, token_logprobs
+from rl.objectives import kl as K
 from rl.objectives import losses
 from rl.rollout import collect_rollouts, layout_rows
 from rl.update import actor_loss, minibatches
@@ -253,7 +254,34 @@ def test_group_advantages_train_without_a_critic(tmp_path, monkeypatch):
     assert not [k for k in record if k.startswith("critic/") or k == "value_mean"], record
 
 
-@pytest.mark.parametrize("algorithm", ["mis_po", "ppo", "grpo", "gspo"])
+@pytest.mark.slow
+def test_dynamic_sampling_and_overlong_shaping_in_the_loop(tmp_path, monkeypatch):
+    """Dr. GRPO with DAPO's two batch-side switches on. Draw 0 has one group of differing
+    rewards, draw 1 another: the batch takes both draws. One-token responses (max_new_tokens=1)
+    with L_cache = L_max = 1 all get the overlong penalty -1, which changes no group's spread;
+    unnormalised advantages are then +-0.5 on every response token."""
+    rewards_of_draw = {0: [1, 1, 0, 1], 1: [0, 0, 1, 0]}  # groups of 2 samples
+    drawn = rl_loop.RLTrainer.draw
+
+    def draw(self, state, iteration, draw=0):
+        rollouts, _ = drawn(self, state, iteration, draw)
+        return rollouts, np.float32(rewards_of_draw[draw])
+
+    monkeypatch.setattr(rl_loop.RLTrainer, "draw", draw)
+    run = small_run(iterations=1, algorithm="dr_grpo", dynamic_sampling=True, overlong_buffer=1,
+                    max_new_tokens=1)
+    summary = run_rl(run, tmp_path / "dapo")
+    record = [r for r in read_metrics(summary.workdir / "metrics.jsonl") if r["step"] == 1][0]
+    check_iteration_metrics(record, 4, 1, run.model.vocab_size)
+    assert (record["sampling/draws"], record["sampling/groups_drawn"]) == (2, 4)
+    assert (record["sampling/varied_frac"], record["sampling/batch_varied_frac"]) == (0.5, 1.0)
+    assert record["sampling/drawn_reward"] == 0.5 and record["reward"] == 0.5
+    assert record["response_length"] == 1 and record["overlong_penalty"] == -1
+    assert record["advantage_rms"] == pytest.approx(0.5, abs=1e-6)
+    assert record["actor/grad_norm"] > 0 and np.isfinite(record["actor/loss"]), record
+
+
+@pytest.mark.parametrize("algorithm", ["mis_po", "ppo", "grpo", "gspo", "dapo", "dr_grpo"])
 def test_actor_loss_dispatches_to_the_algorithm_and_adds_kl(algorithm):
     rng = np.random.default_rng(0)
     shape = (3, 5)
@@ -274,8 +302,19 @@ def test_actor_loss_dispatches_to_the_algorithm_and_adds_kl(algorithm):
                                              mb["mask"], 0.2, 0.28)[0],
         "gspo": lambda: losses.gspo_loss(logp, mb["old_logp"], mb["infer_logp"],
                                          mb["advantages"], mb["mask"], 1e-4)[0],
+        "dapo": lambda: losses.ppo_clip_loss(logp, mb["old_logp"], mb["advantages"],
+                                             mb["mask"], 0.2, 0.28)[0],
+        # Dr. GRPO: symmetric clip, token sum over L_max (max_new_tokens = 3) x responses
+        "dr_grpo": lambda: losses.ppo_clip_loss(logp, mb["old_logp"], mb["advantages"],
+                                                mb["mask"], 0.2, 0.2, aggregation="token_sum",
+                                                max_length=3)[0],
     }[algorithm]()
-    kl = losses.kl_penalty(logp, mb["ref_logp"], mb["mask"])
+    kl = K.k3_importance(logp, mb["old_logp"], mb["ref_logp"], mb["mask"])
+    np.testing.assert_allclose(loss, expected + 0.5 * kl, rtol=1e-6)
+    assert float(stats["kl"]) == pytest.approx(float(kl))
+    plain = small_run(algorithm=algorithm, kl_coef=0.5, kl_estimator="k3").rl
+    loss, stats = actor_loss(plain, logp, mb)
+    kl = K.k3(logp, mb["ref_logp"], mb["mask"])
     np.testing.assert_allclose(loss, expected + 0.5 * kl, rtol=1e-6)
     assert float(stats["kl"]) == pytest.approx(float(kl))
 

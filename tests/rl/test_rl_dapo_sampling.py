@@ -1,0 +1,141 @@
+"""DAPO's batch-side techniques: overlong reward shaping (rl/objectives/overlong.py) against
+hand-computed values at the boundaries, and dynamic sampling (rl/dynamic_sampling.py) on fake
+draws whose rows carry their identity: the batch keeps its size, never keeps a group of equal
+rewards while varied ones were drawn, counts its draws, is deterministic, and fills up with the
+first equal groups when rl.max_draws is hit."""
+
+import numpy as np
+import pytest
+
+from rl.dynamic_sampling import concat_rollouts, sample_batch, take_rows, varied_groups
+from rl.objectives.overlong import overlong_penalty
+from rl.rollout import Rollouts
+
+# --------------------------------------------------------------------------------------------
+# overlong reward shaping
+
+
+def test_overlong_penalty_at_the_boundaries():
+    # L_max = 10, L_cache = 4: no penalty up to 6 tokens, then (6 - |y|) / 4 down to -1 at 10,
+    # -1 beyond.
+    lengths = [0, 5, 6, 7, 8, 9, 10, 11, 30]
+    expected = [0, 0, 0, -0.25, -0.5, -0.75, -1.0, -1.0, -1.0]
+    got = overlong_penalty(lengths, max_length=10, buffer=4)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-7)
+
+
+def test_overlong_penalty_off_and_whole_budget_buffer():
+    np.testing.assert_array_equal(overlong_penalty([0, 3, 10, 11], 10, 0), [0, 0, 0, 0])
+    # L_cache = L_max: the ramp starts at 0 tokens
+    np.testing.assert_allclose(overlong_penalty([0, 1, 2, 3, 4], 4, 4),
+                               [0, -0.25, -0.5, -0.75, -1.0], atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------
+# dynamic sampling
+
+P, N, T = 3, 2, 4  # groups per batch, samples per group, row length
+
+# Rewards of draws 0, 1, 2, ...: one row per group.
+DRAWS = [
+    [[1, 1], [0, 1], [0, 0]],  # draw 0: group 1 varied
+    [[0, 0], [0, 0], [1, 1]],  # draw 1: nothing varied
+    [[1, 0], [0.5, 0], [1, 0]],  # draw 2: all three varied, one more than needed
+    [[0, 1], [0, 1], [0, 1]],
+]
+
+
+def fake_draw(log):
+    """draw(d) -> rollouts whose tokens[:, 0] = 100 d + row and whose response length is the
+    row's index within its group plus one; rewards from DRAWS."""
+    def draw(d):
+        log.append(d)
+        rows = np.arange(P * N)
+        tokens = np.zeros((P * N, T), np.int32)
+        tokens[:, 0] = 100 * d + rows
+        mask = (np.arange(T)[None, :] <= rows[:, None] % N).astype(np.float32)
+        rollouts = Rollouts(tokens=tokens, segment_ids=np.ones_like(tokens), mask=mask,
+                            infer_logp=-mask, truncated=np.zeros(P * N, bool),
+                            responses=[[int(i)] for i in tokens[:, 0]])
+        return rollouts, np.asarray(DRAWS[d], np.float32).reshape(-1)
+    return draw
+
+
+def unshaped(rollouts, rewards):
+    return rewards
+
+
+def ids(rollouts):
+    return rollouts.tokens[:, 0].tolist()
+
+
+def test_varied_groups():
+    assert varied_groups(np.array([1, 1, 0, 1, 0.5, 0.5, 0, 0]), 2).tolist() == [
+        False, True, False, False]
+
+
+def test_dynamic_sampling_fills_the_batch_with_varied_groups_and_counts_draws():
+    log = []
+    rollouts, rewards, shaped, metrics = sample_batch(
+        fake_draw(log), unshaped, groups=P, group_size=N, dynamic=True, max_draws=8)
+    assert log == [0, 1, 2]  # stops as soon as P varied groups are in hand
+    assert rollouts.tokens.shape == (P * N, T) and rewards.shape == shaped.shape == (P * N,)
+    # draw 0's group 1 (rows 2, 3), then draw 2's groups 0 and 1; draw 2's group 2 is surplus
+    assert ids(rollouts) == [2, 3, 200, 201, 202, 203]
+    assert rewards.tolist() == [0, 1, 1, 0, 0.5, 0]
+    assert varied_groups(rewards, N).all()
+    assert [r[0] for r in rollouts.responses] == ids(rollouts)  # every field moved together
+    np.testing.assert_array_equal(rollouts.mask.sum(1), [1, 2, 1, 2, 1, 2])
+    assert metrics == pytest.approx({
+        "sampling/draws": 3.0, "sampling/groups_drawn": 9.0,
+        "sampling/varied_frac": 4 / 9, "sampling/batch_varied_frac": 1.0,
+        "sampling/drawn_reward": 7.5 / 18,  # the verifier's mean over the 18 rows drawn
+        "sampling/tokens_drawn": 3 * P * (1 + 2),
+    }, rel=1e-6)
+    again = sample_batch(fake_draw([]), unshaped, groups=P, group_size=N, dynamic=True,
+                         max_draws=8)
+    assert ids(again[0]) == ids(rollouts) and again[3] == metrics  # deterministic
+
+
+def test_dynamic_sampling_at_the_draw_cap_fills_with_the_first_equal_groups():
+    log = []
+    rollouts, rewards, _, metrics = sample_batch(
+        fake_draw(log), unshaped, groups=P, group_size=N, dynamic=True, max_draws=2)
+    assert log == [0, 1]
+    # one varied group (draw 0's group 1), then the equal groups in the order drawn
+    assert ids(rollouts) == [2, 3, 0, 1, 4, 5]
+    assert rewards.tolist() == [0, 1, 1, 1, 0, 0]
+    assert metrics["sampling/draws"] == 2 and metrics["sampling/groups_drawn"] == 6
+    assert metrics["sampling/batch_varied_frac"] == pytest.approx(1 / 3)
+    assert metrics["sampling/varied_frac"] == pytest.approx(1 / 6)
+
+
+def test_dynamic_sampling_checks_the_shaped_rewards():
+    """With L_max = 2, L_cache = 1 each group's second row (2 tokens) gets -1: draw 0's group 0
+    (rewards 1, 1) becomes varied and its group 1 (0, 1) equal. The verifier's rewards come
+    back unshaped, the training rewards shaped."""
+    def shape(rollouts, rewards):
+        return rewards + overlong_penalty(rollouts.response_lengths, max_length=2, buffer=1)
+
+    rollouts, rewards, shaped, metrics = sample_batch(
+        fake_draw([]), shape, groups=2, group_size=N, dynamic=True, max_draws=1)
+    assert ids(rollouts) == [0, 1, 4, 5] and metrics["sampling/batch_varied_frac"] == 1.0
+    assert rewards.tolist() == [1, 1, 0, 0] and shaped.tolist() == [1, 0, 0, -1]
+
+
+def test_without_dynamic_sampling_one_draw_as_it_is():
+    log = []
+    rollouts, rewards, shaped, metrics = sample_batch(
+        fake_draw(log), lambda r, x: x - 1, groups=P, group_size=N, dynamic=False, max_draws=8)
+    assert log == [0] and metrics == {}
+    assert ids(rollouts) == list(range(P * N)) and (shaped == rewards - 1).all()
+
+
+def test_take_and_concat_rollouts_keep_rows_together():
+    first, _ = fake_draw([])(0)
+    second, _ = fake_draw([])(1)
+    both = concat_rollouts([first, second])
+    picked = take_rows(both, np.array([7, 0]))
+    assert ids(picked) == [101, 0] and picked.responses == [[101], [0]]
+    np.testing.assert_array_equal(picked.mask, both.mask[[7, 0]])
