@@ -38,7 +38,7 @@ COLUMNS = (
     ("KL last 10", "kl", "last_window"),
     ("response length last 10", "response_length", "last_window"),
     ("s / iteration", "iteration_seconds", "mean"),
-    ("draws / iteration", "dynamic_sampling/draws", "mean"),
+    ("draws / iteration", "sampling/draws", "mean"),
 )
 PANELS = (("held-out exact match, greedy", "eval/accuracy"),
           ("held-out exact match, sampled", "eval/sample_accuracy"),
