@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from train_helpers import REPO
 
-import rl.loop as rl_loop
+import rl.tasks as rl_tasks
 from model.inference.decode import Decoder
 from model.inference.sampling import Sampling
 from model.lm import CausalLM, init_variables
@@ -240,7 +240,8 @@ def test_group_advantages_train_without_a_critic(tmp_path, monkeypatch):
     def one_right_one_wrong(texts, answers):
         return np.tile(np.float32([1.0, 0.0]), len(texts) // 2)
 
-    monkeypatch.setattr(rl_loop, "arithmetic_rewards", one_right_one_wrong)
+    problems, _ = rl_tasks.KINDS["arithmetic"]
+    monkeypatch.setitem(rl_tasks.KINDS, "arithmetic", (problems, one_right_one_wrong))
     run = small_run(iterations=1, advantages="group", entropy_top_frac=0.5)
     summary = run_rl(run, tmp_path / "group")
     record = [r for r in read_metrics(summary.workdir / "metrics.jsonl") if r["step"] == 1][0]
