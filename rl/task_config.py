@@ -69,8 +69,9 @@ class JudgeConfig(Config):
     batch_size: int = 32  # judge prompts per forward pass
 
     def validate(self) -> None:
-        if not isinstance(self.checkpoint, str) or not isinstance(self.tokenizer, str):
-            raise ConfigError("checkpoint", "checkpoint and tokenizer must be strings (paths)")
+        for name in ("checkpoint", "tokenizer"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(name, f"must be a path (a string), got {getattr(self, name)!r}")
         problem = template_error(self.template)
         if problem:
             raise ConfigError("template", problem)

@@ -99,7 +99,7 @@ class PairwiseJudge:
                 for q, r, ref in zip(questions, responses, references)]
         as_b = [render(self.template, question=q, response_a=ref, response_b=r)
                 for q, r, ref in zip(questions, responses, references)]
-        probabilities = self._choice_probabilities(as_a + as_b)  # [2n, 2]
+        probabilities = self._judge_prompts(as_a + as_b)  # [2n, 2]
         return np.stack([probabilities[:n, 0], probabilities[n:, 1]], axis=1)
 
     def score(self, problems: Sequence, responses: Sequence[str]) -> np.ndarray:
@@ -112,7 +112,7 @@ class PairwiseJudge:
         return bradley_terry_reward(confidence, length, reference_length,
                                     length_penalty=self.length_penalty).astype(np.float32)
 
-    def _choice_probabilities(self, texts: list[str]) -> np.ndarray:
+    def _judge_prompts(self, texts: list[str]) -> np.ndarray:
         """Rendered prompts [m] -> float64 [m, 2], `batch_size` rows per forward pass (the last
         batch filled with repeats so every call has one of few shapes)."""
         rows = self.tokenizer.encode_batch(texts)
