@@ -1,4 +1,5 @@
-"""RL configuration: `RLRunConfig` = model + `RLConfig` + `TaskConfig`, read from one YAML.
+"""RL configuration: `RLRunConfig` = model + `RLConfig` + `TaskMixConfig` (rl/task_config.py),
+read from one YAML.
 
 A run YAML has an `rl:` section, a `task:` section and optionally a `model:` section (used only
 when the policy is not initialised from a checkpoint with `--init-from`). Dotted overrides
@@ -43,12 +44,13 @@ from model.config import (
     check_fraction,
     check_int,
     check_nonnegative,
-    check_open_fraction,
     check_positive,
     config_from_dict,
     config_to_dict,
     read_yaml,
 )
+from rl.task_config import TaskMixConfig, task_config_from_dict
+from rl.task_mix import allocate_prompts
 from train.config import LoopConfig, check_override_sections
 from rl.objectives.kl import KL_ESTIMATORS
 from rl.objectives.losses import AGGREGATIONS
@@ -57,7 +59,6 @@ from train.optim.config import OptimizerConfig
 ALGORITHMS = ("mis_po", "ppo", "grpo", "gspo", "dapo", "dr_grpo")
 GROUP_ALGORITHMS = ("grpo", "dapo", "dr_grpo")  # always group advantages, no critic
 ADVANTAGES = ("gae", "group")
-TASKS = ("arithmetic",)
 INFERENCE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -109,7 +110,7 @@ class RLConfig(LoopConfig):
     tokenizer: str = "arith_chars"  # as train.data.tokenizer
     log_every: int = 1
     eval_every: int = 10  # iterations between held-out evaluations (0 = only at the end)
-    eval_prompts: int = 0  # held-out problems evaluated (0 = all)
+    eval_prompts: int = 0  # held-out problems evaluated per task (0 = all)
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
 
@@ -210,35 +211,22 @@ class RLConfig(LoopConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class TaskConfig(Config):
-    """The prompt source and its verifier. `arithmetic`: every `a op b` with operands in
-    [0, max_operand] and op in `ops`; `heldout_fraction` of them (by hash, the same as the SFT
-    corpus `arith`) are only evaluated on."""
-
-    section = "task"
-
-    name: str = "arithmetic"
-    max_operand: int = 99
-    ops: str = "+-"
-    heldout_fraction: float = 0.05
-
-    def validate(self) -> None:
-        check_choice("name", self.name, TASKS)
-        check_int("max_operand", self.max_operand, 1)
-        if not isinstance(self.ops, str) or not self.ops or set(self.ops) - set("+-*"):
-            raise ConfigError("ops", f"must be a non-empty string of + - *, got {self.ops!r}")
-        check_open_fraction("heldout_fraction", self.heldout_fraction)
-
-
-@dataclasses.dataclass(frozen=True)
 class RLRunConfig(Config):
     model: ModelConfig | None  # None: taken from the --init-from checkpoint
     rl: RLConfig
-    task: TaskConfig
+    task: TaskMixConfig
+
+    def validate(self) -> None:
+        counts = allocate_prompts(self.task.weights, self.rl.prompts_per_iteration)
+        for task, count in zip(self.task.tasks, counts):
+            if count == 0:
+                raise ConfigError(f"task.tasks.{task.name}.weight", f"{task.weight} of "
+                                  f"rl.prompts_per_iteration={self.rl.prompts_per_iteration} "
+                                  "prompts rounds to none; raise the weight or the prompts")
 
     def to_dict(self) -> dict:
         return {"model": None if self.model is None else config_to_dict(self.model),
-                "rl": config_to_dict(self.rl), "task": config_to_dict(self.task)}
+                "rl": config_to_dict(self.rl), "task": self.task.to_dict()}
 
     def with_model(self, model: ModelConfig) -> "RLRunConfig":
         return dataclasses.replace(self, model=model)
@@ -260,7 +248,7 @@ def rl_config_from_dict(values: Mapping[str, Any]) -> RLRunConfig:
                          f"{', '.join(SECTIONS)}")
     model = config_from_dict(values["model"]) if values.get("model") else None
     return RLRunConfig(model=model, rl=build_dataclass(RLConfig, values.get("rl") or {}, "rl."),
-                       task=build_dataclass(TaskConfig, values.get("task") or {}, "task."))
+                       task=task_config_from_dict(values.get("task")))
 
 
 def load_rl_config(path: str | Path, overrides: Sequence[str] = ()) -> RLRunConfig:

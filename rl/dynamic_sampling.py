@@ -20,12 +20,11 @@ right answers whose lengths draw different penalties counts as varied (its advan
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import numpy as np
 
-from rl.rollout import Rollouts
+from rl.draw import Draw, concat_draws
 
 
 def varied_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
@@ -34,58 +33,35 @@ def varied_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
     return groups.max(axis=1) > groups.min(axis=1)
 
 
-def sample_batch(draw: Callable[[int], tuple[Rollouts, np.ndarray]],
-                 shape: Callable[[Rollouts, np.ndarray], np.ndarray], *, groups: int,
-                 group_size: int, dynamic: bool, max_draws: int
-                 ) -> tuple[Rollouts, np.ndarray, np.ndarray, dict[str, float]]:
+def sample_batch(draw: Callable[[int], Draw], shape: Callable[[Draw], np.ndarray], *,
+                 groups: int, group_size: int, dynamic: bool, max_draws: int
+                 ) -> tuple[Draw, np.ndarray, dict[str, float]]:
     """One iteration's batch of `groups` groups of `group_size` rows.
 
-    `draw(d)` -> (rollouts, verifier rewards [groups * N]) of draw d; `shape(rollouts, rewards)`
-    -> the training rewards [groups * N] (the verifier's plus the overlong penalty).
-    -> (rollouts, verifier rewards, training rewards, metrics); without `dynamic` draw 0 as it
-    is and no metrics, else the varied groups first, then any filler, each in the order drawn."""
-    rollouts, rewards = draw(0)
-    drawn = [(rollouts, rewards, shape(rollouts, rewards))]
+    `draw(d)` -> draw d (`rl.draw.Draw`: rollouts and the task rewards [groups * N]);
+    `shape(draw)` -> its training rewards [groups * N] (the task rewards plus the overlong
+    penalty). -> (the batch's draw, its training rewards, metrics); without `dynamic` draw 0 as
+    it is and no metrics, else the varied groups first, then any filler, each in the order
+    drawn."""
+    drawn = [draw(0)]
+    shaped = [shape(drawn[0])]
     if not dynamic:
-        return (*drawn[0], {})
-    varied = [varied_groups(drawn[0][2], group_size)]
+        return drawn[0], shaped[0], {}
+    varied = [varied_groups(shaped[0], group_size)]
     while sum(map(np.sum, varied)) < groups and len(drawn) < max_draws:
-        rollouts, rewards = draw(len(drawn))
-        drawn.append((rollouts, rewards, shape(rollouts, rewards)))
-        varied.append(varied_groups(drawn[-1][2], group_size))
+        drawn.append(draw(len(drawn)))
+        shaped.append(shape(drawn[-1]))
+        varied.append(varied_groups(shaped[-1], group_size))
     varied = np.concatenate(varied)
     order = np.concatenate([np.flatnonzero(varied), np.flatnonzero(~varied)])[:groups]
-    all_rollouts = concat_rollouts([d[0] for d in drawn])
-    all_rewards, all_shaped = (np.concatenate([d[i] for d in drawn]) for i in (1, 2))
-    rows = _rows(order, group_size)
+    everything = concat_draws(drawn)
+    rows = (order[:, None] * group_size + np.arange(group_size)).reshape(-1)
     metrics = {
         "sampling/draws": float(len(drawn)),
         "sampling/groups_drawn": float(len(varied)),
         "sampling/varied_frac": float(varied.mean()),  # of the groups drawn
         "sampling/batch_varied_frac": float(varied[order].mean()),  # < 1: max_draws was hit
-        "sampling/drawn_reward": float(all_rewards.mean()),  # verifier, every group drawn
-        "sampling/tokens_drawn": float(all_rollouts.response_lengths.sum()),
+        "sampling/drawn_reward": float(everything.rewards.mean()),  # every group drawn
+        "sampling/tokens_drawn": float(everything.rollouts.response_lengths.sum()),
     }
-    return take_rows(all_rollouts, rows), all_rewards[rows], all_shaped[rows], metrics
-
-
-def take_rows(rollouts: Rollouts, rows: np.ndarray) -> Rollouts:
-    """The given rows, in the order given, of every per-row field of `rollouts`."""
-    return Rollouts(**{f.name: _take(getattr(rollouts, f.name), rows)
-                       for f in dataclasses.fields(Rollouts)})
-
-
-def concat_rollouts(parts: list[Rollouts]) -> Rollouts:
-    """Row-wise concatenation of rollouts with equal row lengths."""
-    fields = {f.name: [getattr(p, f.name) for p in parts] for f in dataclasses.fields(Rollouts)}
-    return Rollouts(**{name: ([row for part in values for row in part]
-                              if isinstance(values[0], list) else np.concatenate(values))
-                       for name, values in fields.items()})
-
-
-def _rows(groups: np.ndarray, group_size: int) -> np.ndarray:
-    return (np.asarray(groups, int)[:, None] * group_size + np.arange(group_size)).reshape(-1)
-
-
-def _take(value, rows):
-    return [value[i] for i in rows] if isinstance(value, list) else value[rows]
+    return everything.select_rows(rows), np.concatenate(shaped)[rows], metrics

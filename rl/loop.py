@@ -4,7 +4,8 @@
 
 Each iteration draws P training problems (deterministically from the seed and the iteration),
 samples N responses for each with the inference path (its own dtype: pi_infer), recomputes
-pi_old with the training path, scores the responses with the verifier, bootstraps truncated
+pi_old with the training path, scores the responses with each task's reward (rl/tasks.py; the
+prompts are split between the tasks by weight, rl/task_mix.py), bootstraps truncated
 ones with the critic (eq. 3), forms advantages (GAE, or group-normalised rewards for GRPO) and
 runs one epoch of actor and critic minibatch updates. Metrics go to `DIR/metrics.jsonl` and
 TensorBoard; checkpoints (actor and critic with optimizer states, the reference policy) to
@@ -35,18 +36,19 @@ from model.parallel.rules import param_axes
 from model.tokenizers.text import load_tokenizer
 from model.weights import load_model
 from rl.config import RLRunConfig
+from rl.draw import Draw, score_draw
 from rl.dynamic_sampling import sample_batch
-from rl.evaluate import heldout_accuracy
+from rl.evaluate import heldout_scores
 from rl.models import ValueModel, critic_variables_from_policy, shift_right, token_logprobs
 from rl.objectives import losses
 from rl.objectives.advantages import bootstrapped_rewards, gae, terminal_rewards
 from rl.objectives.kl import kl_estimate
 from rl.objectives.overlong import overlong_penalty
 from rl.resume import resumed_config
-from rl.rewards import arithmetic_rewards
 from rl.rollout import Rollouts, collect_rollouts
+from rl.task_mix import sample_mix
+from rl.tasks import build_tasks
 from rl.update import make_actor_step, make_critic_step, minibatches
-from train.data.arithmetic import arithmetic_problems, sample_problems, split_problems
 from train.interrupts import stop_requests
 from train.loop import TrainingError, enable_compilation_cache, prepare_workdir
 from train.optim.optimizer import build_optimizer
@@ -100,14 +102,9 @@ class RLTrainer:
         if self.tokenizer.get_vocab_size() > run.model.vocab_size:
             raise TrainingError(f"tokenizer {rl.tokenizer!r} has {self.tokenizer.get_vocab_size()} "
                                 f"tokens but the model's vocab_size is {run.model.vocab_size}")
-        task = run.task
-        self.train_problems, self.heldout_problems = split_problems(
-            arithmetic_problems(task.max_operand, task.ops), task.heldout_fraction)
-        if not self.train_problems or not self.heldout_problems:
-            raise TrainingError("task: the train or held-out split is empty; change "
-                                "task.heldout_fraction or task.max_operand")
+        self.tasks = build_tasks(run.task)
         self.prompt_ids = {p.prompt: self.tokenizer.encode(p.prompt).tolist()
-                           for p in self.train_problems + self.heldout_problems}
+                           for task in self.tasks for p in task.train + task.heldout}
         self.row_length = max(map(len, self.prompt_ids.values())) + rl.max_new_tokens
 
         self.actor = CausalLM(run.model)
@@ -166,25 +163,25 @@ class RLTrainer:
 
     # ---- one iteration ----------------------------------------------------------------------
 
-    def draw(self, state: RLState, iteration: int, draw: int = 0) -> tuple[Rollouts, np.ndarray]:
-        """P problems x N samples, sampled and scored -> (rollouts, rewards float32 [P * N]).
-        The samples of a problem are adjacent rows. Draw 0 is an iteration's first; each `draw`
-        takes other problems and sampling keys, deterministically."""
+    def draw(self, state: RLState, iteration: int, draw: int = 0) -> Draw:
+        """P problems x N samples, sampled and scored -> a `Draw` (rl/draw.py) that unpacks as
+        (rollouts, rewards float32 [P * N]) and carries each row's task. The samples of a
+        problem are adjacent rows; the P problems are split between the tasks by weight. Draw 0
+        is an iteration's first; each `draw` takes other problems and sampling keys,
+        deterministically."""
         rl = self.run.rl
         rng = np.random.default_rng([rl.seed, iteration] + ([draw] if draw else []))
-        problems = sample_problems(self.train_problems, rl.prompts_per_iteration, rng)
-        repeated = [p for p in problems for _ in range(rl.samples_per_prompt)]
+        rows = [row for row in sample_mix(self.tasks, rl.prompts_per_iteration, rng)
+                for _ in range(rl.samples_per_prompt)]
         decoder = self.decoder.with_variables(_variables(state.actor))
         key = jax.random.fold_in(jax.random.key(rl.seed), iteration)
         if draw:
             key = jax.random.fold_in(key, draw)
         rollouts = collect_rollouts(
-            decoder, [self.prompt_ids[p.prompt] for p in repeated], length=self.row_length,
+            decoder, [self.prompt_ids[p.prompt] for _, p in rows], length=self.row_length,
             max_new_tokens=rl.max_new_tokens, sampling=Sampling(rl.temperature, top_p=rl.top_p),
             stop_id=self.tokenizer.eos_id, key=key)
-        rewards = arithmetic_rewards([self.tokenizer.decode(r) for r in rollouts.responses],
-                                     [p.answer for p in repeated])
-        return rollouts, rewards
+        return score_draw(rollouts, rows, [self.tokenizer.decode(r) for r in rollouts.responses])
 
     def iteration(self, state: RLState, iteration: int) -> tuple[RLState, dict]:
         """Rollouts -> rewards -> advantages -> one epoch of updates. -> (state, metrics).
@@ -192,12 +189,13 @@ class RLTrainer:
         penalty); with dynamic sampling the batch takes several draws (rl/dynamic_sampling.py)."""
         rl = self.run.rl
         started = time.perf_counter()
-        rollouts, rewards, scored, sampling = sample_batch(
+        drawn, scored, sampling = sample_batch(
             lambda draw: self.draw(state, iteration, draw),
-            lambda rollouts, rewards: rewards + overlong_penalty(
-                rollouts.response_lengths, rl.max_new_tokens, rl.overlong_buffer_tokens),
+            lambda drawn: drawn.rewards + overlong_penalty(
+                drawn.rollouts.response_lengths, rl.max_new_tokens, rl.overlong_buffer_tokens),
             groups=rl.prompts_per_iteration, group_size=rl.samples_per_prompt,
             dynamic=rl.samples_dynamically, max_draws=rl.max_draws)
+        rollouts, rewards = drawn.rollouts, drawn.rewards
         rollout_seconds = time.perf_counter() - started
         tokens, segments = jnp.asarray(rollouts.tokens), jnp.asarray(rollouts.segment_ids)
         mask, infer_logp = jnp.asarray(rollouts.mask), jnp.asarray(rollouts.infer_logp)
@@ -220,8 +218,7 @@ class RLTrainer:
         per_rollout_confidence = (jnp.sum(old["routing_confidence"] * mask, axis=1)
                                   / jnp.maximum(jnp.sum(mask, axis=1), 1.0))
         metrics = {
-            "reward": float(rewards.mean()),
-            "accuracy": float(np.mean(rewards == 1.0)),
+            **drawn.metrics([task.name for task in self.tasks]),
             "truncation_rate": float(rollouts.truncated.mean()),
             "response_length": float(lengths.mean()),
             "entropy": float(losses.masked_mean(old["entropy"], mask)),
@@ -284,17 +281,18 @@ class RLTrainer:
                        **_mean_metrics(critic_metrics, "critic/")}
 
     def evaluate(self, state: RLState) -> dict[str, float]:
-        """Held-out exact-match accuracy: greedy and sampled (the rollout temperature)."""
+        """Held-out exact-match accuracy, pooled and per task: greedy and sampled (the rollout
+        temperature)."""
         rl = self.run.rl
-        problems = self.heldout_problems[:rl.eval_prompts or None]
         decoder = self.decoder.with_variables(_variables(state.actor))
         common = dict(prompt_ids=self.prompt_ids, tokenizer=self.tokenizer,
                       max_new_tokens=rl.max_new_tokens, batch_size=rl.batch_size)
         return {
-            "eval/accuracy": heldout_accuracy(decoder, problems, Sampling(), **common),
-            "eval/sample_accuracy": heldout_accuracy(
-                decoder, problems, Sampling(rl.temperature, top_p=rl.top_p),
-                key=jax.random.key(rl.seed), **common),
+            **heldout_scores(decoder, self.tasks, rl.eval_prompts, Sampling(), "eval/accuracy",
+                             **common),
+            **heldout_scores(decoder, self.tasks, rl.eval_prompts,
+                             Sampling(rl.temperature, top_p=rl.top_p), "eval/sample_accuracy",
+                             key=jax.random.key(rl.seed), **common),
         }
 
 

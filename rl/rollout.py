@@ -31,6 +31,21 @@ class Rollouts:
     def response_lengths(self) -> np.ndarray:
         return self.mask.sum(axis=1)
 
+    def take(self, rows: np.ndarray) -> "Rollouts":
+        """The given rows (int indices), in the order given."""
+        return Rollouts(**{f.name: ([value[i] for i in rows] if isinstance(value, list)
+                                    else value[rows])
+                           for f in dataclasses.fields(Rollouts)
+                           for value in [getattr(self, f.name)]})
+
+
+def concat_rollouts(parts: Sequence[Rollouts]) -> Rollouts:
+    """Row-wise concatenation of rollouts with equal row lengths."""
+    fields = {f.name: [getattr(p, f.name) for p in parts] for f in dataclasses.fields(Rollouts)}
+    return Rollouts(**{name: ([row for part in values for row in part]
+                              if isinstance(values[0], list) else np.concatenate(values))
+                       for name, values in fields.items()})
+
 
 def layout_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                 length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -45,8 +45,9 @@ class DataConfig(Config):
     """Where tokens come from (train/data).
 
     `source`: `stdlib` (the running Python's standard-library `.py` files: real text on every
-    machine, no download), `arith` (procedural arithmetic problems, train/data/arithmetic.py) or a
-    comma-separated list of `.txt`/`.jsonl` paths or globs.
+    machine, no download), `arith` / `arith_multistep` (procedural arithmetic problems,
+    train/data/arithmetic.py, train/data/multistep.py) or a comma-separated list of them and of
+    `.txt`/`.jsonl` paths or globs.
     `tokenizer`: `default` (byte-level BPE trained once on the stdlib corpus and shipped),
     `arith_chars` (one token per character of the arithmetic task) or the path of a Hugging
     Face `tokenizer.json`.

@@ -1,5 +1,5 @@
 """The `arith_chars` tokenizer of the arithmetic task: one token per character, so every digit
-is its own token (`train.data.arithmetic`, `rl.rewards`).
+is its own token (`train.data.arithmetic`, `train.data.multistep`, `rl.rewards`).
 
 The shipped asset `model/tokenizers/assets/arith_chars.json` is `char_tokenizer()` saved; a test
 checks that it is not stale.
@@ -12,7 +12,10 @@ from tokenizers import decoders, models
 
 from model.tokenizers.text import SPECIAL_TOKENS
 
-CHARACTERS = "0123456789+-*="  # the task's alphabet (the tokenizer's non-special tokens)
+# The tasks' alphabet (the tokenizer's non-special tokens). Characters are only ever appended, so
+# existing ids keep their meaning: the newline (id 17) separates the multi-step task's worked
+# line from its final answer line. 3 special + 15 ids fit the models' vocab_size of 32.
+CHARACTERS = "0123456789+-*=\n"
 
 
 def char_tokenizer() -> tokenizers.Tokenizer:

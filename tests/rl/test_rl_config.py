@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rl.config import RLConfig, TaskConfig, load_rl_config
+from rl.config import RLConfig, load_rl_config
+from rl.task_config import TaskConfig, TaskMixConfig
 from train.optim.config import OptimizerConfig
 
 RL_ARITH = Path(__file__).resolve().parents[2] / "configs" / "rl_arith.yaml"
@@ -18,7 +19,9 @@ RL_ARITH = Path(__file__).resolve().parents[2] / "configs" / "rl_arith.yaml"
     (lambda: RLConfig(top_p=0), "rl.top_p: must be in (0, 1], got 0"),
     (lambda: RLConfig(keep_checkpoints=0), "rl.keep_checkpoints: must be an integer >= 1"),
     (lambda: RLConfig(token_bounds=(1.5, 2.0)), "rl.token_bounds: need 0 < low <= 1 <= high"),
-    (lambda: TaskConfig(ops="/"), "task.ops: must be a non-empty string of + - *"),
+    (lambda: TaskConfig(ops="/"), "ops: must be a non-empty string of + - *"),
+    (lambda: TaskMixConfig(heldout_fraction=1), "task.heldout_fraction: must be a number "
+                                                "strictly between 0 and 1"),
     (lambda: OptimizerConfig(lr=0), "lr: must be a positive number, got 0"),
     (lambda: RLConfig(kl_estimator="k2"), "rl.kl_estimator: got 'k2', allowed values are "
                                           "['k3_importance', 'k3']"),
@@ -49,6 +52,10 @@ def test_bad_value_raises_on_construction(make, message):
     # the same check and message as train.data.heldout_fraction
     ("task.heldout_fraction=0", "task.heldout_fraction: must be a number strictly between 0 "
                                 "and 1, got 0"),
+    # a task written inline (rl_arith) names its fields task.x
+    ("task.ops=/", "task.ops: must be a non-empty string of + - *, got '/'"),
+    ("task.name=geometry", "task.name: got 'geometry', allowed values are ['arithmetic', "
+                           "'multistep']"),
     # a warm-up counts updates: iterations x minibatches (rl_arith: 4 actor minibatches)
     ("rl.actor.warmup_steps=9 rl.iterations=2", "rl.actor.warmup_steps: 9 warm-up updates "
      "exceed the run's 8 (rl.iterations=2 x rl.actor_minibatches=4); set rl.actor.warmup_steps "

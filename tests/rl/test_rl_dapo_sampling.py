@@ -7,9 +7,10 @@ first equal groups when rl.max_draws is hit."""
 import numpy as np
 import pytest
 
-from rl.dynamic_sampling import concat_rollouts, sample_batch, take_rows, varied_groups
+from rl.draw import Draw
+from rl.dynamic_sampling import sample_batch, varied_groups
 from rl.objectives.overlong import overlong_penalty
-from rl.rollout import Rollouts
+from rl.rollout import Rollouts, concat_rollouts
 
 # --------------------------------------------------------------------------------------------
 # overlong reward shaping
@@ -47,8 +48,9 @@ DRAWS = [
 
 
 def fake_draw(log):
-    """draw(d) -> rollouts whose tokens[:, 0] = 100 d + row and whose response length is the
-    row's index within its group plus one; rewards from DRAWS."""
+    """draw(d) -> a Draw whose tokens[:, 0] = 100 d + row and whose response length is the
+    row's index within its group plus one; rewards from DRAWS; every row carries its id in its
+    task name and problem too."""
     def draw(d):
         log.append(d)
         rows = np.arange(P * N)
@@ -58,16 +60,22 @@ def fake_draw(log):
         rollouts = Rollouts(tokens=tokens, segment_ids=np.ones_like(tokens), mask=mask,
                             infer_logp=-mask, truncated=np.zeros(P * N, bool),
                             responses=[[int(i)] for i in tokens[:, 0]])
-        return rollouts, np.asarray(DRAWS[d], np.float32).reshape(-1)
+        rewards = np.asarray(DRAWS[d], np.float32).reshape(-1)
+        return Draw(rollouts, rewards, rewards == 1, np.array([f"t{i}" for i in tokens[:, 0]]),
+                    [int(i) for i in tokens[:, 0]])
     return draw
 
 
-def unshaped(rollouts, rewards):
-    return rewards
+def unshaped(drawn):
+    return drawn.rewards
 
 
-def ids(rollouts):
-    return rollouts.tokens[:, 0].tolist()
+def ids(drawn):
+    """Each row's id, after checking that every per-row field of the draw agrees on it."""
+    row_ids = drawn.rollouts.tokens[:, 0].tolist()
+    assert [r[0] for r in drawn.rollouts.responses] == row_ids == drawn.problems
+    assert drawn.tasks.tolist() == [f"t{i}" for i in row_ids]
+    return row_ids
 
 
 def test_varied_groups():
@@ -77,15 +85,16 @@ def test_varied_groups():
 
 def test_dynamic_sampling_fills_the_batch_with_varied_groups_and_counts_draws():
     log = []
-    rollouts, rewards, shaped, metrics = sample_batch(
+    drawn, shaped, metrics = sample_batch(
         fake_draw(log), unshaped, groups=P, group_size=N, dynamic=True, max_draws=8)
+    rollouts, rewards = drawn.rollouts, drawn.rewards
     assert log == [0, 1, 2]  # stops as soon as P varied groups are in hand
     assert rollouts.tokens.shape == (P * N, T) and rewards.shape == shaped.shape == (P * N,)
     # draw 0's group 1 (rows 2, 3), then draw 2's groups 0 and 1; draw 2's group 2 is surplus
-    assert ids(rollouts) == [2, 3, 200, 201, 202, 203]
+    assert ids(drawn) == [2, 3, 200, 201, 202, 203]  # every field moved together
     assert rewards.tolist() == [0, 1, 1, 0, 0.5, 0]
+    assert drawn.correct.tolist() == [False, True, True, False, False, False]
     assert varied_groups(rewards, N).all()
-    assert [r[0] for r in rollouts.responses] == ids(rollouts)  # every field moved together
     np.testing.assert_array_equal(rollouts.mask.sum(1), [1, 2, 1, 2, 1, 2])
     assert metrics == pytest.approx({
         "sampling/draws": 3.0, "sampling/groups_drawn": 9.0,
@@ -95,17 +104,17 @@ def test_dynamic_sampling_fills_the_batch_with_varied_groups_and_counts_draws():
     }, rel=1e-6)
     again = sample_batch(fake_draw([]), unshaped, groups=P, group_size=N, dynamic=True,
                          max_draws=8)
-    assert ids(again[0]) == ids(rollouts) and again[3] == metrics  # deterministic
+    assert ids(again[0]) == ids(drawn) and again[2] == metrics  # deterministic
 
 
 def test_dynamic_sampling_at_the_draw_cap_fills_with_the_first_equal_groups():
     log = []
-    rollouts, rewards, _, metrics = sample_batch(
+    drawn, _, metrics = sample_batch(
         fake_draw(log), unshaped, groups=P, group_size=N, dynamic=True, max_draws=2)
     assert log == [0, 1]
     # one varied group (draw 0's group 1), then the equal groups in the order drawn
-    assert ids(rollouts) == [2, 3, 0, 1, 4, 5]
-    assert rewards.tolist() == [0, 1, 1, 1, 0, 0]
+    assert ids(drawn) == [2, 3, 0, 1, 4, 5]
+    assert drawn.rewards.tolist() == [0, 1, 1, 1, 0, 0]
     assert metrics["sampling/draws"] == 2 and metrics["sampling/groups_drawn"] == 6
     assert metrics["sampling/batch_varied_frac"] == pytest.approx(1 / 3)
     assert metrics["sampling/varied_frac"] == pytest.approx(1 / 6)
@@ -115,27 +124,29 @@ def test_dynamic_sampling_checks_the_shaped_rewards():
     """With L_max = 2, L_cache = 1 each group's second row (2 tokens) gets -1: draw 0's group 0
     (rewards 1, 1) becomes varied and its group 1 (0, 1) equal. The verifier's rewards come
     back unshaped, the training rewards shaped."""
-    def shape(rollouts, rewards):
-        return rewards + overlong_penalty(rollouts.response_lengths, max_length=2, buffer=1)
+    def shape(drawn):
+        return drawn.rewards + overlong_penalty(drawn.rollouts.response_lengths, max_length=2,
+                                                buffer=1)
 
-    rollouts, rewards, shaped, metrics = sample_batch(
+    drawn, shaped, metrics = sample_batch(
         fake_draw([]), shape, groups=2, group_size=N, dynamic=True, max_draws=1)
-    assert ids(rollouts) == [0, 1, 4, 5] and metrics["sampling/batch_varied_frac"] == 1.0
-    assert rewards.tolist() == [1, 1, 0, 0] and shaped.tolist() == [1, 0, 0, -1]
+    assert ids(drawn) == [0, 1, 4, 5] and metrics["sampling/batch_varied_frac"] == 1.0
+    assert drawn.rewards.tolist() == [1, 1, 0, 0] and shaped.tolist() == [1, 0, 0, -1]
 
 
 def test_without_dynamic_sampling_one_draw_as_it_is():
     log = []
-    rollouts, rewards, shaped, metrics = sample_batch(
-        fake_draw(log), lambda r, x: x - 1, groups=P, group_size=N, dynamic=False, max_draws=8)
+    drawn, shaped, metrics = sample_batch(
+        fake_draw(log), lambda d: d.rewards - 1, groups=P, group_size=N, dynamic=False,
+        max_draws=8)
     assert log == [0] and metrics == {}
-    assert ids(rollouts) == list(range(P * N)) and (shaped == rewards - 1).all()
+    assert ids(drawn) == list(range(P * N)) and (shaped == drawn.rewards - 1).all()
 
 
 def test_take_and_concat_rollouts_keep_rows_together():
-    first, _ = fake_draw([])(0)
-    second, _ = fake_draw([])(1)
+    first = fake_draw([])(0).rollouts
+    second = fake_draw([])(1).rollouts
     both = concat_rollouts([first, second])
-    picked = take_rows(both, np.array([7, 0]))
-    assert ids(picked) == [101, 0] and picked.responses == [[101], [0]]
+    picked = both.take(np.array([7, 0]))
+    assert picked.tokens[:, 0].tolist() == [101, 0] and picked.responses == [[101], [0]]
     np.testing.assert_array_equal(picked.mask, both.mask[[7, 0]])

@@ -2,6 +2,7 @@
 path's log-probs/entropy/values, minibatches, the loop (metrics, resume, algorithms) and the
 `python -m rl` command line."""
 
+import dataclasses
 import functools
 import json
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 from train_helpers import REPO
 
 import rl.loop as rl_loop
+import rl.tasks as rl_tasks
 from model.inference.decode import Decoder
 from model.inference.sampling import Sampling
 from model.lm import CausalLM, init_variables
@@ -241,7 +243,8 @@ def test_group_advantages_train_without_a_critic(tmp_path, monkeypatch):
     def one_right_one_wrong(texts, answers):
         return np.tile(np.float32([1.0, 0.0]), len(texts) // 2)
 
-    monkeypatch.setattr(rl_loop, "arithmetic_rewards", one_right_one_wrong)
+    problems, _ = rl_tasks.KINDS["arithmetic"]
+    monkeypatch.setitem(rl_tasks.KINDS, "arithmetic", (problems, one_right_one_wrong))
     run = small_run(iterations=1, advantages="group", entropy_top_frac=0.5)
     summary = run_rl(run, tmp_path / "group")
     record = [r for r in read_metrics(summary.workdir / "metrics.jsonl") if r["step"] == 1][0]
@@ -264,8 +267,9 @@ def test_dynamic_sampling_and_overlong_shaping_in_the_loop(tmp_path, monkeypatch
     drawn = rl_loop.RLTrainer.draw
 
     def draw(self, state, iteration, draw=0):
-        rollouts, _ = drawn(self, state, iteration, draw)
-        return rollouts, np.float32(rewards_of_draw[draw])
+        rewards = np.float32(rewards_of_draw[draw])
+        return dataclasses.replace(drawn(self, state, iteration, draw), rewards=rewards,
+                                   correct=rewards == 1)
 
     monkeypatch.setattr(rl_loop.RLTrainer, "draw", draw)
     run = small_run(iterations=1, algorithm="dr_grpo", dynamic_sampling=True, overlong_buffer=1,

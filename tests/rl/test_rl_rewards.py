@@ -1,5 +1,5 @@
-"""Rewards (rl/rewards.py), the arithmetic task (train/data/arithmetic.py) and its
-shipped tokenizer.
+"""Rewards (rl/rewards/verifiers.py, rl/rewards/bradley_terry.py), the arithmetic task
+(train/data/arithmetic.py) and its shipped tokenizer.
 
 - `parse_integer` / `arithmetic_reward(s)`: only a canonical ASCII decimal integer earns reward;
   malformed and adversarial responses earn 0.0 and are never evaluated;
@@ -213,7 +213,8 @@ def test_arith_chars_tokenizer_one_token_per_character():
     ids = [tok.encode(c) for c in CHARACTERS]
     assert all(len(i) == 1 for i in ids)
     assert len({int(i[0]) for i in ids}) == len(CHARACTERS)
-    assert set(CHARACTERS) == set("0123456789+-*=")
+    assert CHARACTERS == "0123456789+-*=\n"  # appended only: earlier ids never change
+    assert [int(tok.encode(c)[0]) for c in "0=\n"] == [3, 16, 17]
     text = "37+58=95"
     encoded = tok.encode(text)
     assert len(encoded) == len(text)

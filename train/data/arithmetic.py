@@ -37,6 +37,11 @@ class Problem:
         return OPERATORS[self.op](self.a, self.b)
 
     @property
+    def solution(self) -> str:
+        """The reference response (the SFT target)."""
+        return str(self.answer)
+
+    @property
     def key(self) -> str:
         """Stable identity: decides the train/held-out split (as a document key would)."""
         return f"arith:{self.prompt}"
@@ -71,5 +76,5 @@ def sample_problems(problems: list[Problem], count: int, rng: np.random.Generato
 
 def arithmetic_documents(max_operand: int = 99, ops: str = "+-") -> list[Document]:
     """SFT documents "a op b=answer", keyed like their problems (the corpus splits them)."""
-    return [Document(p.key, f"{p.prompt}{p.answer}", {"type": "Math", "source": "arith"})
+    return [Document(p.key, p.prompt + p.solution, {"type": "Math", "source": "arith"})
             for p in arithmetic_problems(max_operand, ops)]

@@ -1,6 +1,6 @@
 """Documents for training: the embedded stdlib corpus and local `.txt` / `.jsonl` files.
 
-    docs = load_documents("stdlib")                      # or "a.jsonl,books/*.txt", "arith"
+    docs = load_documents("stdlib")       # or "a.jsonl,books/*.txt", "arith,arith_multistep"
     train, heldout = split_documents(docs, 0.05)          # train.data.documents
 
 A `Document` is its text plus human-readable metadata (report A.3: content type, language,
@@ -19,6 +19,7 @@ from typing import Iterator, Mapping
 
 from train.data.arithmetic import arithmetic_documents
 from train.data.documents import Document
+from train.data.multistep import multistep_documents
 
 META_FIELDS = ("type", "lang", "domain", "source")  # order of the fields in the meta string
 SUFFIXES = (".txt", ".jsonl")
@@ -29,6 +30,8 @@ STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests",
 # Machine-generated codec tables (encodings/cp1252.py, ...): ~10% of the library's bytes, all
 # hex literals; they would teach the model little and skew the tokenizer.
 GENERATED_MARKER = "with gencodec.py"
+# The procedural tasks' SFT documents (warm-start data for RL), by source name.
+PROCEDURAL_SOURCES = {"arith": arithmetic_documents, "arith_multistep": multistep_documents}
 
 
 def meta_string(meta: Mapping[str, str]) -> str:
@@ -130,8 +133,9 @@ def _read_text(path: Path) -> str:
 
 
 def load_documents(source: str) -> list[Document]:
-    """`source`: `stdlib`, `arith` (the procedural arithmetic task of `train.data.arithmetic`:
-    SFT warm-start data for RL) and/or comma-separated `.txt`/`.jsonl` paths, directories, globs."""
+    """`source`: `stdlib`, `arith` / `arith_multistep` (the procedural tasks of
+    `train.data.arithmetic` / `train.data.multistep`: SFT warm-start data for RL) and/or
+    comma-separated `.txt`/`.jsonl` paths, directories, globs."""
     entries = [e.strip() for e in source.split(",") if e.strip()]
     if not entries:
         raise ValueError("train.data.source: empty; use 'stdlib' or paths/globs of .txt/.jsonl")
@@ -140,8 +144,8 @@ def load_documents(source: str) -> list[Document]:
         if entry == "stdlib":
             docs += stdlib_documents()
             continue
-        if entry == "arith":
-            docs += arithmetic_documents()
+        if entry in PROCEDURAL_SOURCES:
+            docs += PROCEDURAL_SOURCES[entry]()
             continue
         files = [(p, name) for p, name in resolve_files(entry) if p.resolve() not in seen]
         seen.update(p.resolve() for p, _ in files)

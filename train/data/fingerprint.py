@@ -5,7 +5,7 @@
 
 Files are identified by their path (as the source names them), size and the sha256 of their
 content (data is read whole at start-up anyway, train/data/corpus.py); the embedded stdlib corpus
-by the Python version it comes from; the generated arithmetic task by a hash of its documents.
+by the Python version it comes from; a generated arithmetic task by a hash of its documents.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import hashlib
 import sys
 from pathlib import Path
 
-from train.data.arithmetic import arithmetic_documents
-from train.data.corpus import resolve_files, stdlib_root
+from train.data.corpus import PROCEDURAL_SOURCES, resolve_files, stdlib_root
 
 CHUNK = 1 << 20  # bytes hashed per read
 
@@ -26,8 +25,8 @@ def data_fingerprint(source: str) -> dict[str, dict]:
     for entry in (e.strip() for e in source.split(",") if e.strip()):
         if entry == "stdlib":
             fingerprint[entry] = {"python": sys.version.split()[0], "root": str(stdlib_root())}
-        elif entry == "arith":
-            docs = arithmetic_documents()
+        elif entry in PROCEDURAL_SOURCES:
+            docs = PROCEDURAL_SOURCES[entry]()
             digest = hashlib.sha256("\n".join(d.text for d in docs).encode()).hexdigest()
             fingerprint[entry] = {"documents": len(docs), "sha256": digest}
         else:

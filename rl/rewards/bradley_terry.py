@@ -1,40 +1,8 @@
-"""Rewards (report 5.2.2): a rule-based verifier for the arithmetic task and a GenRM helper.
-
-Model output is only ever matched against a strict grammar, never evaluated: `parse_integer`
-accepts a canonical ASCII decimal integer (optional minus sign, no leading zeros, at most 18
-digits) and nothing else, so "12+1", "0x1F", "1e3", "٣", "(95)" or "__import__('os')" are
-unparsable and earn zero reward.
-"""
+"""The GenRM reward of report 5.2.2: pairwise confidences -> Bradley-Terry win-rate reward."""
 
 from __future__ import annotations
 
-import re
-from typing import Sequence
-
 import numpy as np
-
-_INTEGER = re.compile(r"-?(?:0|[1-9][0-9]{0,17})", re.ASCII)
-
-
-def parse_integer(text: str) -> int | None:
-    """The integer a response states, or None if it is anything but one canonical integer
-    (surrounding whitespace allowed)."""
-    text = text.strip()
-    if not _INTEGER.fullmatch(text) or text == "-0":
-        return None
-    return int(text)
-
-
-def arithmetic_reward(response: str, answer: int) -> float:
-    """1.0 for exactly the right integer, 0.0 for a wrong or unparsable response."""
-    return 1.0 if parse_integer(response) == answer else 0.0
-
-
-def arithmetic_rewards(responses: Sequence[str], answers: Sequence[int]) -> np.ndarray:
-    """Batch form of `arithmetic_reward` -> float32 [len(responses)]."""
-    if len(responses) != len(answers):
-        raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
-    return np.array([arithmetic_reward(r, a) for r, a in zip(responses, answers)], np.float32)
 
 
 def bradley_terry_reward(confidence, length=None, reference_length=None, *,
@@ -64,4 +32,3 @@ def bradley_terry_reward(confidence, length=None, reference_length=None, *,
     if rejected is not None:
         reward = np.where(np.asarray(rejected, bool), 0.0, reward)
     return reward
-
