@@ -3,7 +3,8 @@ read from one YAML.
 
 A run YAML has an `rl:` section, a `task:` section and optionally a `model:` section (used only
 when the policy is not initialised from a checkpoint with `--init-from`). Dotted overrides
-`rl.algorithm=ppo rl.actor.lr=1e-5 task.max_operand=49` work as in `python -m train`.
+`rl.algorithm=ppo rl.actor.lr=1e-5 task.max_operand=49` work as in `python -m train`; the
+device mesh is `rl.mesh` (`rl.mesh.data=2 rl.mesh.expert=2`, training's `mesh:` fields).
 Defaults are the report's (5.2.1, 5.2.3): MIS-PO with token bounds [0.5, 2] and trajectory
 bounds [0.996, 1.001], temperature and top-p 1.0, 16 samples per prompt, one epoch of 4 actor
 and 12 critic minibatches, Muon with weight decay 0.1, actor lr 2e-6 after 20 warm-up updates,
@@ -49,17 +50,33 @@ from model.config import (
     config_to_dict,
     read_yaml,
 )
-from rl.task_config import TaskMixConfig, task_config_from_dict
-from rl.task_mix import allocate_prompts
-from train.config import LoopConfig, check_override_sections
 from rl.objectives.kl import KL_ESTIMATORS
 from rl.objectives.losses import AGGREGATIONS
+from rl.task_config import TaskMixConfig, task_config_from_dict
+from rl.task_mix import allocate_prompts
+from train.config import LoopConfig, MeshConfig, check_override_sections
 from train.optim.config import OptimizerConfig
 
 ALGORITHMS = ("mis_po", "ppo", "grpo", "gspo", "dapo", "dr_grpo")
 GROUP_ALGORITHMS = ("grpo", "dapo", "dr_grpo")  # always group advantages, no critic
 ADVANTAGES = ("gae", "group")
 INFERENCE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLMeshConfig(MeshConfig):
+    """`rl.mesh`: the training mesh (`mesh:` of a training run, README "Parallelism") for the
+    actor, critic, reference policy and rollouts (rl/parallel.py). No pipeline axis: the
+    decoder runs whole layers (model/layers/stack.py refuses KV caches under one)."""
+
+    section = "rl.mesh"
+
+    def validate(self) -> None:
+        super().validate()
+        if self.pipeline != 1:
+            raise ConfigError("pipeline", f"RL does not pipeline (rollouts decode with KV caches, "
+                              f"which need whole layers), got {self.pipeline}; use data, fsdp, "
+                              "expert or tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +130,7 @@ class RLConfig(LoopConfig):
     eval_prompts: int = 0  # held-out problems evaluated per task (0 = all)
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
+    mesh: RLMeshConfig = RLMeshConfig()  # data=-1: every device data-parallel, as training
 
     @property
     def batch_size(self) -> int:

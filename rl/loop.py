@@ -9,7 +9,8 @@ prompts are split between the tasks by weight, rl/task_mix.py), bootstraps trunc
 ones with the critic (eq. 3), forms advantages (GAE, or group-normalised rewards for GRPO) and
 runs one epoch of actor and critic minibatch updates. Metrics go to `DIR/metrics.jsonl` and
 TensorBoard; checkpoints (actor and critic with optimizer states, the reference policy) to
-`DIR/checkpoints/<iteration>/`. Re-running the same command resumes.
+`DIR/checkpoints/<iteration>/`. Re-running the same command resumes. Everything runs under
+`rl.mesh` with training's layouts (rl/parallel.py).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from tqdm import tqdm
 
 from model.inference.decode import Decoder
 from model.inference.sampling import Sampling
-from model.interop.workdir import Checkpointer
+from model.interop.workdir import Checkpointer, restore_target
 from model.interop.workdir_lock import workdir_lock
 from model.interop.workdir_record import tokenizer_mismatch
 from model.lm import CausalLM, abstract_variables, init_variables, join_variables
-from model.parallel.rules import param_axes
+from model.parallel.rules import param_axes, replicated, use_mesh
 from model.tokenizers.text import load_tokenizer
 from model.weights import load_model
 from rl.config import RLRunConfig
@@ -44,6 +45,15 @@ from rl.objectives import losses
 from rl.objectives.advantages import bootstrapped_rewards, gae, terminal_rewards
 from rl.objectives.kl import kl_estimate
 from rl.objectives.overlong import overlong_penalty
+from rl.parallel import (
+    check_rows_fit,
+    place_variables,
+    rl_mesh,
+    rl_state_shardings,
+    row_sharding,
+    sharded_jit,
+    variables_sharding,
+)
 from rl.resume import resumed_config
 from rl.rollout import Rollouts, collect_rollouts
 from rl.task_mix import sample_mix
@@ -77,8 +87,10 @@ class RLTrainer:
     """The pieces of one RL run; `run_rl()` is the entry point (it prepares and locks the
     workdir first)."""
 
-    def __init__(self, run: RLRunConfig, workdir: Path, init_from: str | None = None):
+    def __init__(self, run: RLRunConfig, workdir: Path, init_from: str | None = None,
+                 devices: list | None = None):
         self.workdir = Path(workdir)
+        self.mesh = rl_mesh(run.rl.mesh, devices)  # this command's: a resume may change it
         self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.rl.keep_checkpoints)
         self.resume_step = self.checkpoints.latest_step()
         self.initial_variables = None
@@ -86,12 +98,13 @@ class RLTrainer:
             run = resumed_config(run, self.checkpoints.read_config(self.resume_step),
                                  self.workdir)
         elif init_from:
-            config, self.initial_variables = load_model(init_from)
+            config, self.initial_variables = load_model(init_from, self.mesh)
             run = run.with_model(config)
         elif run.model is None:
             raise TrainingError("no policy to start from: pass --init-from (a training workdir, "
                                 "model directory or HF checkpoint) or give a model: section")
         self.run, rl = run, run.rl
+        check_rows_fit(rl, self.mesh)
         self.tokenizer = load_tokenizer(rl.tokenizer)
         # A policy trained with another tokenizer reads the prompts as noise: reward 0 throughout.
         mismatch = init_from and self.resume_step is None and tokenizer_mismatch(
@@ -114,6 +127,7 @@ class RLTrainer:
         self.actor_optimizer = build_optimizer(
             param_axes(boxed), learning_rate=learning_rate_schedule(**rl.actor.schedule_settings()),
             trained_mtp_heads=0, **rl.actor.optimizer_settings())
+        critic_boxed = None
         if self.critic is not None:
             critic_boxed = jax.eval_shape(lambda: init_variables(self.critic, jax.random.key(0)))
             self.critic_optimizer = build_optimizer(
@@ -122,14 +136,21 @@ class RLTrainer:
                 **rl.critic.optimizer_settings())
         self.decoder = Decoder(run.model.replace(compute_dtype=rl.inference_dtype),
                                nn.meta.unbox(boxed), max_len=self.row_length)
-        self._score = jax.jit(lambda variables, tokens, segments: token_logprobs(
-            self.actor, variables, tokens, segments, rl.temperature))
-        self._actor_step = jax.jit(make_actor_step(self.actor, self.actor_optimizer, rl),
-                                   donate_argnums=0)
+        self.abstract_state = jax.eval_shape(lambda: self._fresh_state(self._random_variables()))
+        shardings = self.state_sharding = rl_state_shardings(
+            self.abstract_state, boxed, critic_boxed, self.mesh, run.model, rl.mesh.zero1)
+        rows, metrics = row_sharding(self.mesh), replicated(self.mesh)
+        self._score = sharded_jit(lambda variables, tokens, segments: token_logprobs(
+            self.actor, variables, tokens, segments, rl.temperature),
+            (variables_sharding(shardings.actor), rows, rows), rows)
+        self._actor_step = sharded_jit(make_actor_step(self.actor, self.actor_optimizer, rl),
+                                       (shardings.actor, rows), (shardings.actor, metrics), (0,))
         if self.critic is not None:
-            self._values = jax.jit(self.critic.apply)
-            self._critic_step = jax.jit(make_critic_step(self.critic, self.critic_optimizer),
-                                        donate_argnums=0)
+            self._values = sharded_jit(self.critic.apply,
+                                       (variables_sharding(shardings.critic), rows, rows), rows)
+            self._critic_step = sharded_jit(make_critic_step(self.critic, self.critic_optimizer),
+                                            (shardings.critic, rows), (shardings.critic, metrics),
+                                            (0,))
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -147,12 +168,15 @@ class RLTrainer:
                        iteration=jnp.zeros((), jnp.int32))
 
     def initial_state(self) -> RLState:
+        """A fresh state created in its shardings, or the latest checkpoint restored into them
+        (whatever mesh saved it)."""
         if self.resume_step is not None:
-            abstract = jax.eval_shape(lambda: self._fresh_state(self._random_variables()))
-            state, _ = self.checkpoints.restore(self.resume_step, abstract)
+            state, _ = self.checkpoints.restore(
+                self.resume_step, restore_target(self.abstract_state, self.state_sharding))
             return state
-        variables = self.initial_variables or self._random_variables()
-        return jax.jit(self._fresh_state)(variables)
+        variables = place_variables(self.initial_variables or self._random_variables(),
+                                    self.state_sharding.actor)
+        return jax.jit(self._fresh_state, out_shardings=self.state_sharding)(variables)
 
     def _random_variables(self) -> dict:
         return nn.meta.unbox(init_variables(self.actor, jax.random.key(self.run.rl.seed)))
@@ -315,15 +339,17 @@ def _initial_accuracy(workdir: Path) -> float | None:
 
 
 def run_rl(run: RLRunConfig, workdir: Path, *, init_from: str | None = None,
-           stop_after: int | None = None) -> RLSummary:
+           stop_after: int | None = None, devices: list | None = None) -> RLSummary:
     """Runs to `rl.iterations`, resuming from `workdir`'s latest checkpoint. `stop_after`:
-    leave (with a checkpoint) after this many iterations, as SIGTERM would (tests)."""
+    leave (with a checkpoint) after this many iterations, as SIGTERM would (tests). `devices`:
+    those `rl.mesh` spans (default: all). Everything runs under the mesh (rl/parallel.py)."""
     enable_compilation_cache(run.rl.xla_cache_dir)
     prepare_workdir(Path(workdir))
     with workdir_lock(Path(workdir)):
-        trainer = RLTrainer(run, Path(workdir), init_from)
+        trainer = RLTrainer(run, Path(workdir), init_from, devices)
         try:
-            return _iterate(trainer, trainer.initial_state(), stop_after)
+            with use_mesh(trainer.mesh):
+                return _iterate(trainer, trainer.initial_state(), stop_after)
         finally:
             trainer.checkpoints.close()
 

@@ -1,5 +1,5 @@
 """Resuming an RL run: the saved run's config, with only what a resumed run may change taken
-from the new command (run length, logging, evaluation and checkpoint cadence, and the
+from the new command (run length, logging, evaluation and checkpoint cadence, the mesh, and the
 optimizer fields training also lets a resume change)."""
 
 from __future__ import annotations
@@ -8,13 +8,15 @@ import dataclasses
 from pathlib import Path
 
 from rl.config import RLRunConfig, rl_config_from_dict
+from model.config import config_to_dict
 from train.config import incompatible_fields
 from train.loop import TrainingError
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES
 
-# Fields a resumed run may change: run length, logging, evaluation and checkpoint cadence.
+# Fields a resumed run may change: run length, logging, evaluation and checkpoint cadence, and
+# the mesh (a checkpoint is restored into any sharding, as in training).
 RESUMABLE_CHANGES = {"iterations", "log_every", "eval_every", "eval_prompts",
-                     "checkpoint_every", "keep_checkpoints", "progress", "xla_cache_dir"}
+                     "checkpoint_every", "keep_checkpoints", "progress", "xla_cache_dir", "mesh"}
 
 
 def resumed_config(run: RLRunConfig, saved: dict, workdir: Path) -> RLRunConfig:
@@ -25,7 +27,8 @@ def resumed_config(run: RLRunConfig, saved: dict, workdir: Path) -> RLRunConfig:
     sections = lambda values: {k: values[k] for k in ("rl", "task")}  # noqa: E731
     resumable = {f"rl.{k}" for k in RESUMABLE_CHANGES} | {
         f"rl.{model}.{field}" for model in ("actor", "critic")
-        for field in RESUMABLE_OPTIMIZER_CHANGES}
+        for field in RESUMABLE_OPTIMIZER_CHANGES} | {
+        f"rl.mesh.{axis}" for axis in config_to_dict(run.rl.mesh)}
     changed = incompatible_fields(sections(saved_run.to_dict()), sections(run.to_dict()),
                                   resumable)
     if changed:

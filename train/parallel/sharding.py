@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from model.config import ModelConfig
 from model.parallel.mesh import spec_axes
 from model.parallel.pipeline import num_microbatches
 from model.parallel.rules import BATCH_AXES, MESH_AXES, param_specs, path_keys
@@ -76,15 +77,22 @@ def opt_state_specs(opt_state: Any, params: Any, specs: Any, mesh: Mesh, zero1: 
 
 
 def state_specs(abstract_state: Any, variable_axes: dict, mesh: Mesh, run: RunConfig) -> Any:
-    """PartitionSpecs of a `TrainState` (same structure). variable_axes: {'params': axes tree,
-    'balance': axes tree} (logical axes of both collections)."""
-    params = param_specs(variable_axes["params"], abstract_state.params, mesh, run.model)
-    balance = (param_specs(variable_axes["balance"], abstract_state.balance, mesh, run.model)
+    """PartitionSpecs of a training run's `TrainState` (same structure). variable_axes:
+    {'params': axes tree, 'balance': axes tree} (logical axes of both collections)."""
+    return model_state_specs(abstract_state, variable_axes, mesh, run.model, run.mesh.zero1)
+
+
+def model_state_specs(abstract_state: Any, variable_axes: dict, mesh: Mesh, model: ModelConfig,
+                      zero1: bool) -> Any:
+    """`state_specs` of any model's `TrainState` (RL's actor and critic too): params and
+    balance by the rules table, the optimizer state like its params (+ ZeRO-1 if `zero1`)."""
+    params = param_specs(variable_axes["params"], abstract_state.params, mesh, model)
+    balance = (param_specs(variable_axes["balance"], abstract_state.balance, mesh, model)
                if abstract_state.balance else abstract_state.balance)
     return abstract_state.replace(
         step=P(), rng=P(), skipped=P(), consecutive_skips=P(), params=params, balance=balance,
         opt_state=opt_state_specs(abstract_state.opt_state, abstract_state.params, params, mesh,
-                                  run.mesh.zero1))
+                                  zero1))
 
 
 def batch_spec(mesh: Mesh) -> P:
