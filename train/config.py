@@ -37,6 +37,9 @@ from model.parallel.rules import MESH_AXES
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
 
 SCHEDULES = ("cosine", "constant", "stages")
+# Which targets a chat document trains on (train/data/chat.py): its assistant turns, all its
+# tokens, or `auto`: the assistant turns when the data holds chats. Plain text trains on all.
+LOSS_MASKS = ("auto", "assistant", "all")
 STAGE_SHAPES = ("cosine", "linear", "constant")
 
 
@@ -46,7 +49,8 @@ class DataConfig(Config):
 
     `source`: `stdlib` (the running Python's standard-library `.py` files: real text on every
     machine, no download), `arith` (procedural arithmetic problems, train/data/arithmetic.py) or a
-    comma-separated list of `.txt`/`.jsonl` paths or globs.
+    comma-separated list of `.txt`/`.jsonl` paths or globs (a `.jsonl` of `messages` records is
+    chat data, rendered with the tokenizer's chat template: train/data/chat.py).
     `tokenizer`: `default` (byte-level BPE trained once on the stdlib corpus and shipped),
     `arith_chars` (one token per character of the arithmetic task) or the path of a Hugging
     Face `tokenizer.json`.
@@ -123,6 +127,7 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     lr_stages: tuple = ()
 
     loss_chunk_size: int = 1024  # tokens per chunk of the float32 cross-entropy
+    loss_mask: str = "auto"  # LOSS_MASKS: chat data trains on its assistant turns under auto
     # MTP (report 2.2 / 3.1): total weight 0.3 (0.1 in stage 2) spread over heads by
     # per-offset weights; only MTP-1 trains in main training.
     mtp_loss_weight: float = 0.3
@@ -148,6 +153,7 @@ class TrainConfig(OptimizerConfig, LoopConfig):
         check_int("seq_len", self.seq_len, 2)  # one token has no next token: nothing to learn
         check_int("micro_batch_size", self.micro_batch_size, 0)
         check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("loss_mask", self.loss_mask, LOSS_MASKS)
         for name in ("min_lr", "mtp_loss_weight", "balance_loss_coef", "router_bias_rate",
                      "sequence_balance_coef", "indexer_loss_coef", "peak_flops"):
             check_nonnegative(name, getattr(self, name))

@@ -20,9 +20,11 @@ from model.interop.workdir import Checkpointer, restore_target
 from model.interop.workdir_lock import workdir_lock
 from model.lm import split_variables
 from model.parallel.rules import named, replicated, use_mesh
+from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
-from train.config import RunConfig, incompatible_fields
+from train.config import RunConfig, incompatible_fields, run_config_from_dict
 from train.data.corpus import load_documents
+from train.data.chat import trains_assistant_only
 from train.data.pipeline import check_splits, make_dataset
 from train.eval import evaluate, limited, make_eval_step
 from train.interrupts import stop_requests
@@ -99,8 +101,10 @@ class Trainer:
         self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.train.keep_checkpoints)
         self.resume_step = from_lead(self.checkpoints.latest_step())
         if self.resume_step is not None:
-            changed = incompatible_fields(self.checkpoints.read_config(self.resume_step),
-                                          run.to_dict())
+            # The saved config as this version reads it: a field added since counts at its
+            # default (e.g. train.loss_mask: auto, which is `all` on the text data such a run had).
+            saved = run_config_from_dict(self.checkpoints.read_config(self.resume_step))
+            changed = incompatible_fields(saved.to_dict(), run.to_dict())
             if changed:
                 raise TrainingError(
                     f"cannot resume {self.workdir}: the config differs from the checkpoint's in "
@@ -113,7 +117,11 @@ class Trainer:
         self.documents = load_documents(run.train.data.source)
         check_splits(run.train.data, self.documents, heldout=run.train.eval_every > 0,
                      shard_count=jax.process_count())
-        note = check_and_record(self.workdir, self.tokenizer, run.train.data,
+        # Chat data (train/data/chat.py) needs a chat template and a train.loss_mask that fits.
+        trains_assistant_only(run.train.loss_mask, self.documents)
+        chat = (chat_tokenizer_for(self.tokenizer)
+                if any(d.chat is not None for d in self.documents) else None)
+        note = check_and_record(self.workdir, self.tokenizer, run.train.data, chat,
                                 resuming=self.resume_step is not None,
                                 allow_data_change=allow_data_change, write=is_lead())
         if note and is_lead():
@@ -132,7 +140,7 @@ class Trainer:
             run.train.data, self.tokenizer, seq_len=run.train.seq_len,
             batch_size=run.train.micro_batch() // jax.process_count(), split="train",
             seed=run.train.seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
-            documents=self.documents)
+            documents=self.documents, loss_mask=run.train.loss_mask)
 
     def initial_state(self, start_from: dict | None = None) -> TrainState:
         """A fresh state, created directly in its shardings, or the latest checkpoint restored
@@ -184,7 +192,7 @@ class Trainer:
             self._eval_step = make_eval_step(self.training.model, cfg.loss_chunk_size)
         data = make_dataset(cfg.data, self.tokenizer, seq_len=cfg.seq_len,
                             batch_size=cfg.micro_batch(), split="heldout", seed=cfg.seed,
-                            documents=self.documents)
+                            documents=self.documents, loss_mask=cfg.loss_mask)
         # Every process reads the same held-out rows; each device evaluates its share of them.
         rows = NamedSharding(self.mesh, P(*batch_spec(self.mesh)[1:]))
         shard = lambda batch: {k: jax.make_array_from_callback(  # noqa: E731
