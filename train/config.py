@@ -373,5 +373,13 @@ def incompatible_fields(saved: Mapping[str, Any], current: Mapping[str, Any],
     return sorted(k for k in set(old) | set(new) if k not in resumable and old.get(k) != new.get(k))
 
 
+def resume_changes(saved: Mapping[str, Any], run: RunConfig) -> list[str]:
+    """Dotted fields in which `run` differs from the config a checkpoint was saved with and
+    that a resumed run may not change. `saved` is read as this version reads it, so a field
+    added since the checkpoint was written counts at its default (e.g. train.loss_mask: auto,
+    which is `all` on the text data such a run could have)."""
+    return incompatible_fields(run_config_from_dict(saved).to_dict(), run.to_dict())
+
+
 def _json_roundtrip(values: Any) -> Any:
     return json.loads(json.dumps(values))

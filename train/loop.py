@@ -22,9 +22,9 @@ from model.lm import split_variables
 from model.parallel.rules import named, replicated, use_mesh
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
-from train.config import RunConfig, incompatible_fields, run_config_from_dict
+from train.config import RunConfig, resume_changes
 from train.data.corpus import load_documents
-from train.data.chat import trains_assistant_only
+from train.data.chat import chat_example, trains_assistant_only
 from train.data.pipeline import check_splits, make_dataset
 from train.eval import evaluate, limited, make_eval_step
 from train.interrupts import stop_requests
@@ -48,6 +48,10 @@ from train.step import make_train_step
 from train.telemetry.metrics import DiscardingWriter, MetricsWriter, ProgressBar
 from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
 from train.telemetry.throughput import CompletedSteps
+
+
+# What grain appends to the message of an exception raised in its pipeline (its traceback note).
+GRAIN_NOTE = "\n--------------------\n"
 
 
 class TrainingError(RuntimeError):
@@ -101,10 +105,7 @@ class Trainer:
         self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.train.keep_checkpoints)
         self.resume_step = from_lead(self.checkpoints.latest_step())
         if self.resume_step is not None:
-            # The saved config as this version reads it: a field added since counts at its
-            # default (e.g. train.loss_mask: auto, which is `all` on the text data such a run had).
-            saved = run_config_from_dict(self.checkpoints.read_config(self.resume_step))
-            changed = incompatible_fields(saved.to_dict(), run.to_dict())
+            changed = resume_changes(self.checkpoints.read_config(self.resume_step), run)
             if changed:
                 raise TrainingError(
                     f"cannot resume {self.workdir}: the config differs from the checkpoint's in "
@@ -119,8 +120,10 @@ class Trainer:
                      shard_count=jax.process_count())
         # Chat data (train/data/chat.py) needs a chat template and a train.loss_mask that fits.
         trains_assistant_only(run.train.loss_mask, self.documents)
-        chat = (chat_tokenizer_for(self.tokenizer)
-                if any(d.chat is not None for d in self.documents) else None)
+        chats = [d for d in self.documents if d.chat is not None]
+        chat = chat_tokenizer_for(self.tokenizer) if chats else None
+        if chats:  # a template that cannot render this data fails now, not in the data thread
+            chat_example(chat, chats[0], assistant_only=False)
         note = check_and_record(self.workdir, self.tokenizer, run.train.data, chat,
                                 resuming=self.resume_step is not None,
                                 allow_data_change=allow_data_change, write=is_lead())
@@ -174,7 +177,10 @@ class Trainer:
         """([num_micro, micro, T] global arrays for optimizer step `step` (batch-size warm-up),
         their number of tokens). Each process reads its own rows (train/data/pipeline.py)."""
         num_micro = self.run.train.batch_size_at(step) // self.run.train.micro_batch()
-        micro = [next(self.data) for _ in range(num_micro)]
+        try:
+            micro = [next(self.data) for _ in range(num_micro)]
+        except ValueError as err:  # a record the data thread could not encode: named there
+            raise TrainingError(str(err).split(GRAIN_NOTE)[0]) from None
         local = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
         top = int(local["tokens"].max())
         if top >= self.run.model.vocab_size or int(local["tokens"].min()) < 0:

@@ -24,8 +24,8 @@ import tokenizers
 from jinja2.exceptions import TemplateSyntaxError
 
 from model.tokenizers.chat_template import (
-    HAS_GENERATION,
     compile_template,
+    has_generation_blocks,
     incremental_spans,
     marked_spans,
     one_line,
@@ -120,10 +120,11 @@ class ChatTokenizer:
         added beyond the template's. The mask is True on what SFT trains on: with a template
         that has {% generation %} blocks, exactly their output; otherwise each assistant
         message's rendering after its role header up to and including its end-of-turn token
-        (e.g. `content<|im_end|>`, not the newline after it); see chat_template.incremental_spans."""
+        (e.g. `content<|im_end|>`, not the newline after it); see
+        chat_template.incremental_spans."""
         text = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                            **extra)
-        if HAS_GENERATION.search(self.templates[self.template_name(tools)]):
+        if has_generation_blocks(self.templates[self.template_name(tools)]):
             unmarked, spans = marked_spans(self._render(messages, tools, add_generation_prompt,
                                                          marking=True, **extra))
             if unmarked != text:  # the input held a mark character

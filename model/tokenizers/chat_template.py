@@ -30,7 +30,14 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _OPEN, _CLOSE = "\ufdd0", "\ufdd1"  # Unicode noncharacters: marks around {% generation %} output
-HAS_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_COMMENT = re.compile(r"\{#.*?#\}", re.DOTALL)
+
+
+def has_generation_blocks(source: str) -> bool:
+    """Whether template `source` marks assistant text with {% generation %} (a mention of the
+    tag inside a {# comment #} does not count)."""
+    return bool(_GENERATION_TAG.search(_COMMENT.sub("", source)))
 
 
 def one_line(err: BaseException) -> str:

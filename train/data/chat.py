@@ -6,7 +6,7 @@ template of the tokenizer in use, and the tokens of them that the loss trains on
 
     doc = chat_document(record, key="chats.jsonl:3", meta={"source": "chats.jsonl"})
     assistant = trains_assistant_only("auto", documents)     # train.loss_mask resolved
-    example = chat_example(chat_tokenizer_for(tok), doc, assistant)  # {tokens, meta_mask, loss_mask}
+    example = chat_example(chat_tokenizer_for(tok), doc, assistant)  # tokens + both masks
 
 A chat is packed like any other document (its own segment), but takes no metadata prefix and no
 extra end-of-text token: its tokens are the template's rendering, exactly what the model sees
