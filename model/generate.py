@@ -8,7 +8,9 @@ Generates a continuation of TEXT with KV-cache decoding (model/inference/decode.
   weights, tokenizer.json, chat template).
 - `--speculative`: MTP speculative decoding with `--draft` drafted tokens per step (default:
   every MTP head); greedy output is identical to plain greedy decoding.
-- `--chat`: wrap TEXT as a user message in the chat template (add_generation_prompt).
+- `--chat`: wrap TEXT as a user message in the chat template (add_generation_prompt): the
+  HF directory's, or for a training workdir the one its chat data was rendered with (the
+  shipped template of the `default` tokenizer, or the tokenizer directory's).
 `--json` prints one object: text, token_ids, prompt_tokens, tokens_per_second (decode passes
 after the first, which compiles), mean_accepted_length (tokens per main-model pass) and timings.
 """
@@ -28,7 +30,7 @@ from model.inference.decode import Decoder, required_length
 from model.inference.sampling import Sampling
 from model.interop.workdir import CheckpointError, latest_run_config
 from model.interop.workdir_record import read_record, tokenizer_mismatch
-from model.tokenizers.chat import load_chat_tokenizer
+from model.tokenizers.chat import chat_tokenizer_for, load_chat_tokenizer
 from model.tokenizers.text import load_tokenizer
 from model.weights import load_model
 
@@ -45,8 +47,17 @@ def load_tokenizer_for(args):
             set(tok.eos_ids), render
     spec = args.tokenizer or workdir_tokenizer(Path(args.workdir))
     tok = load_tokenizer(spec)
-    return (lambda text: tok.encode(text).tolist(),
-            lambda ids: tok.decode(ids, skip_special_tokens=True), {tok.eos_id}, None)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    if not args.chat:
+        return lambda text: tok.encode(text).tolist(), decode, {tok.eos_id}, None
+    try:  # the template chat SFT renders its data with (train/data/chat.py)
+        chat = chat_tokenizer_for(tok)
+    except ValueError as err:
+        raise ValueError(f"--chat: {err}") from None
+    render = lambda text: chat.render([{"role": "user", "content": text}],  # noqa: E731
+                                      add_generation_prompt=True)
+    # chat.encode: the special tokens the template writes (turn ends) are encoded as specials
+    return chat.encode, decode, set(chat.eos_ids) | {tok.eos_id}, render
 
 
 def check_workdir_tokenizer(workdir: Path, spec: str | None) -> None:
@@ -72,13 +83,7 @@ def workdir_tokenizer(workdir: Path) -> str:
 def generate(args) -> dict:
     config, variables = load_model(args.hf or args.workdir)
     encode, decode, stop_ids, render = load_tokenizer_for(args)
-    if args.chat:
-        if render is None:
-            raise ValueError("--chat needs a chat template: use --hf or a --tokenizer directory "
-                             "with tokenizer_config.json")
-        text = render(args.prompt)
-    else:
-        text = args.prompt
+    text = render(args.prompt) if args.chat else args.prompt
     prompt = encode(text)
     if not prompt:
         raise ValueError("--prompt: encodes to no tokens")

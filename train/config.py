@@ -37,6 +37,9 @@ from model.parallel.rules import MESH_AXES
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
 
 SCHEDULES = ("cosine", "constant", "stages")
+# Which targets a chat document trains on (train/data/chat.py): its assistant turns, all its
+# tokens, or `auto`: the assistant turns when the data holds chats. Plain text trains on all.
+LOSS_MASKS = ("auto", "assistant", "all")
 STAGE_SHAPES = ("cosine", "linear", "constant")
 
 
@@ -47,7 +50,8 @@ class DataConfig(Config):
     `source`: `stdlib` (the running Python's standard-library `.py` files: real text on every
     machine, no download), `arith` / `arith_multistep` (procedural arithmetic problems,
     train/data/arithmetic.py, train/data/multistep.py) or a comma-separated list of them and of
-    `.txt`/`.jsonl` paths or globs.
+    `.txt`/`.jsonl` paths or globs (a `.jsonl` of `messages` records is chat data, rendered with
+    the tokenizer's chat template: train/data/chat.py).
     `tokenizer`: `default` (byte-level BPE trained once on the stdlib corpus and shipped),
     `arith_chars` (one token per character of the arithmetic task) or the path of a Hugging
     Face `tokenizer.json`.
@@ -124,6 +128,7 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     lr_stages: tuple = ()
 
     loss_chunk_size: int = 1024  # tokens per chunk of the float32 cross-entropy
+    loss_mask: str = "auto"  # LOSS_MASKS: chat data trains on its assistant turns under auto
     # MTP (report 2.2 / 3.1): total weight 0.3 (0.1 in stage 2) spread over heads by
     # per-offset weights; only MTP-1 trains in main training.
     mtp_loss_weight: float = 0.3
@@ -149,6 +154,7 @@ class TrainConfig(OptimizerConfig, LoopConfig):
         check_int("seq_len", self.seq_len, 2)  # one token has no next token: nothing to learn
         check_int("micro_batch_size", self.micro_batch_size, 0)
         check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("loss_mask", self.loss_mask, LOSS_MASKS)
         for name in ("min_lr", "mtp_loss_weight", "balance_loss_coef", "router_bias_rate",
                      "sequence_balance_coef", "indexer_loss_coef", "peak_flops"):
             check_nonnegative(name, getattr(self, name))
@@ -366,6 +372,14 @@ def incompatible_fields(saved: Mapping[str, Any], current: Mapping[str, Any],
     not change (`resumable` lists those it may: by default a training run's)."""
     old, new = flatten(saved), flatten(_json_roundtrip(current))
     return sorted(k for k in set(old) | set(new) if k not in resumable and old.get(k) != new.get(k))
+
+
+def resume_changes(saved: Mapping[str, Any], run: RunConfig) -> list[str]:
+    """Dotted fields in which `run` differs from the config a checkpoint was saved with and
+    that a resumed run may not change. `saved` is read as this version reads it, so a field
+    added since the checkpoint was written counts at its default (e.g. train.loss_mask: auto,
+    which is `all` on the text data such a run could have)."""
+    return incompatible_fields(run_config_from_dict(saved).to_dict(), run.to_dict())
 
 
 def _json_roundtrip(values: Any) -> Any:

@@ -1,7 +1,8 @@
 """python -m train.eval --workdir DIR [--split heldout] [--batches N] [--step S] [--json]
 
 Loss and perplexity of a run's checkpoint on the held-out (or train) split of its data: the
-next-token cross-entropy of the main head over document tokens (metadata prefixes excluded).
+next-token cross-entropy of the main head over the tokens the run trains on (metadata prefixes
+excluded; for chat data under train.loss_mask=assistant, the assistant turns).
 """
 
 import argparse
@@ -33,7 +34,7 @@ def make_eval_step(model: CausalLM, chunk_size: int):
         out = model.apply(variables, batch["tokens"], batch["segment_ids"], batch["positions"],
                           compute_logits=False, num_mtp_heads=0)
         targets = shifted_targets(batch["tokens"], batch["segment_ids"], batch["meta_mask"], 1,
-                                  jnp.bool_(True))
+                                  jnp.bool_(True), batch.get("loss_mask"))
         project = lambda p, h: model.apply({"params": p}, h, method=CausalLM.project)  # noqa: E731
         return chunked_cross_entropy(project, output_head_params(model.config, params),
                                      out.hidden, targets, chunk_size)
@@ -80,7 +81,8 @@ def evaluate_checkpoint(workdir: Path, split: str, batches: int, step: int | Non
         checkpoints.close()
     tokenizer = load_tokenizer(run.train.data.tokenizer)
     data = make_dataset(run.train.data, tokenizer, seq_len=run.train.seq_len,
-                        batch_size=run.train.micro_batch(), split=split, seed=run.train.seed)
+                        batch_size=run.train.micro_batch(), split=split, seed=run.train.seed,
+                        loss_mask=run.train.loss_mask)
     result = evaluate(make_eval_step(training.model, run.train.loss_chunk_size), state.params,
                       state.balance, limited(data, batches), progress)
     return {"step": step, "split": split, **result}

@@ -20,9 +20,11 @@ from model.interop.workdir import Checkpointer, restore_target
 from model.interop.workdir_lock import workdir_lock
 from model.lm import split_variables
 from model.parallel.rules import named, replicated, use_mesh
+from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
-from train.config import RunConfig, incompatible_fields
+from train.config import RunConfig, resume_changes
 from train.data.corpus import load_documents
+from train.data.chat import chat_example, trains_assistant_only
 from train.data.pipeline import check_splits, make_dataset
 from train.eval import evaluate, limited, make_eval_step
 from train.interrupts import stop_requests
@@ -46,6 +48,10 @@ from train.step import make_train_step
 from train.telemetry.metrics import DiscardingWriter, MetricsWriter, ProgressBar
 from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
 from train.telemetry.throughput import CompletedSteps
+
+
+# What grain appends to the message of an exception raised in its pipeline (its traceback note).
+GRAIN_NOTE = "\n--------------------\n"
 
 
 class TrainingError(RuntimeError):
@@ -99,8 +105,7 @@ class Trainer:
         self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.train.keep_checkpoints)
         self.resume_step = from_lead(self.checkpoints.latest_step())
         if self.resume_step is not None:
-            changed = incompatible_fields(self.checkpoints.read_config(self.resume_step),
-                                          run.to_dict())
+            changed = resume_changes(self.checkpoints.read_config(self.resume_step), run)
             if changed:
                 raise TrainingError(
                     f"cannot resume {self.workdir}: the config differs from the checkpoint's in "
@@ -113,7 +118,13 @@ class Trainer:
         self.documents = load_documents(run.train.data.source)
         check_splits(run.train.data, self.documents, heldout=run.train.eval_every > 0,
                      shard_count=jax.process_count())
-        note = check_and_record(self.workdir, self.tokenizer, run.train.data,
+        # Chat data (train/data/chat.py) needs a chat template and a train.loss_mask that fits.
+        trains_assistant_only(run.train.loss_mask, self.documents)
+        chats = [d for d in self.documents if d.chat is not None]
+        chat = chat_tokenizer_for(self.tokenizer) if chats else None
+        if chats:  # a template that cannot render this data fails now, not in the data thread
+            chat_example(chat, chats[0], assistant_only=False)
+        note = check_and_record(self.workdir, self.tokenizer, run.train.data, chat,
                                 resuming=self.resume_step is not None,
                                 allow_data_change=allow_data_change, write=is_lead())
         if note and is_lead():
@@ -132,7 +143,7 @@ class Trainer:
             run.train.data, self.tokenizer, seq_len=run.train.seq_len,
             batch_size=run.train.micro_batch() // jax.process_count(), split="train",
             seed=run.train.seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
-            documents=self.documents)
+            documents=self.documents, loss_mask=run.train.loss_mask)
 
     def initial_state(self, start_from: dict | None = None) -> TrainState:
         """A fresh state, created directly in its shardings, or the latest checkpoint restored
@@ -166,7 +177,10 @@ class Trainer:
         """([num_micro, micro, T] global arrays for optimizer step `step` (batch-size warm-up),
         their number of tokens). Each process reads its own rows (train/data/pipeline.py)."""
         num_micro = self.run.train.batch_size_at(step) // self.run.train.micro_batch()
-        micro = [next(self.data) for _ in range(num_micro)]
+        try:
+            micro = [next(self.data) for _ in range(num_micro)]
+        except ValueError as err:  # a record the data thread could not encode: named there
+            raise TrainingError(str(err).split(GRAIN_NOTE)[0]) from None
         local = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
         top = int(local["tokens"].max())
         if top >= self.run.model.vocab_size or int(local["tokens"].min()) < 0:
@@ -184,7 +198,7 @@ class Trainer:
             self._eval_step = make_eval_step(self.training.model, cfg.loss_chunk_size)
         data = make_dataset(cfg.data, self.tokenizer, seq_len=cfg.seq_len,
                             batch_size=cfg.micro_batch(), split="heldout", seed=cfg.seed,
-                            documents=self.documents)
+                            documents=self.documents, loss_mask=cfg.loss_mask)
         # Every process reads the same held-out rows; each device evaluates its share of them.
         rows = NamedSharding(self.mesh, P(*batch_spec(self.mesh)[1:]))
         shard = lambda batch: {k: jax.make_array_from_callback(  # noqa: E731

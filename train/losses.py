@@ -18,12 +18,15 @@ class Targets(NamedTuple):
     weights: jax.Array  # [B, T] float32: 1 where that prediction enters the loss
 
 
-def shifted_targets(tokens, segment_ids, meta_mask, offset: int, mask_meta) -> Targets:
+def shifted_targets(tokens, segment_ids, meta_mask, offset: int, mask_meta,
+                    loss_mask=None) -> Targets:
     """Targets `offset` tokens ahead (1 = next token; MTP head h uses 1 + h).
 
-    tokens, segment_ids (0 = padding), meta_mask: [B, T]. A position is trained only when its
-    target lies in the same document. `mask_meta` (bool scalar, may be traced) drops targets
-    that are metadata tokens (report A.3, eq. 8: M stays in context but leaves the loss).
+    tokens, segment_ids (0 = padding), meta_mask, loss_mask: [B, T]. A position is trained only
+    when its target lies in the same document and is a `loss_mask` token (None: every token;
+    a chat's assistant turns under train.loss_mask=assistant, so a prompt token is context but
+    never a target). `mask_meta` (bool scalar, may be traced) drops targets that are metadata
+    tokens (report A.3, eq. 8: M stays in context but leaves the loss).
     """
     tokens, segment_ids, meta_mask = (jnp.asarray(x) for x in (tokens, segment_ids, meta_mask))
     length = tokens.shape[1]
@@ -35,6 +38,8 @@ def shifted_targets(tokens, segment_ids, meta_mask, offset: int, mask_meta) -> T
     target_segments = ahead(segment_ids, 0)
     valid = (segment_ids > 0) & (target_segments == segment_ids)
     valid &= ~(mask_meta & ahead(meta_mask, False))
+    if loss_mask is not None:
+        valid &= ahead(jnp.asarray(loss_mask, bool), False)
     return Targets(ahead(tokens, 0), valid.astype(jnp.float32))
 
 

@@ -9,6 +9,8 @@ and gets one.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from model.interop.workdir_record import (
@@ -17,20 +19,29 @@ from model.interop.workdir_record import (
     tokenizer_mismatch,
     write_record,
 )
+from model.tokenizers.chat import ChatTokenizer
 from model.tokenizers.text import TextTokenizer
 from train.config import DataConfig
 from train.data.fingerprint import data_changes, data_fingerprint
 
 ALLOW_FLAG = "--allow-data-change"
+CHAT_TEMPLATE = "chat template"  # the fingerprint's entry for the templates rendering chats
 
 
-def check_and_record(workdir: Path, tokenizer: TextTokenizer, data: DataConfig, *,
-                     resuming: bool, allow_data_change: bool, write: bool) -> str | None:
+def check_and_record(workdir: Path, tokenizer: TextTokenizer, data: DataConfig,
+                     chat: ChatTokenizer | None = None, *, resuming: bool,
+                     allow_data_change: bool, write: bool) -> str | None:
     """Raises ValueError (one line) if a resumed run's tokenizer or data differ from the
     record; writes the record (`write`: this process writes the workdir) unless it is
-    unchanged. Returns a one-line note for the user, or None."""
+    unchanged. `chat`: the chat tokenizer rendering the run's chat data, whose templates are
+    part of the data (another template is other text). Returns a one-line note for the user,
+    or None."""
+    fingerprint = data_fingerprint(data.source)
+    if chat is not None:
+        fingerprint[CHAT_TEMPLATE] = {"sha256": hashlib.sha256(
+            json.dumps(chat.templates, sort_keys=True).encode()).hexdigest()}
     current = {"tokenizer": tokenizer_identity(tokenizer),
-               "data": {"source": data.source, "fingerprint": data_fingerprint(data.source)}}
+               "data": {"source": data.source, "fingerprint": fingerprint}}
     recorded = read_record(workdir) if resuming else None
     note = None
     if resuming and recorded is None:

@@ -4,9 +4,10 @@ the loss-free router-bias update, non-finite skipping, and the stability monitor
     step_fn = make_train_step(build_training(run), run)
     state, metrics = step_fn(state, batch, mask_meta)
 
-batch: dict of `tokens`, `segment_ids`, `positions` (int32) and `meta_mask` (bool), each
-[num_micro, micro_batch, T]; mask_meta: bool scalar (report A.3 switch). Metrics stay on device:
-the caller hands them to the background writer without waiting.
+batch: dict of `tokens`, `segment_ids`, `positions` (int32), `meta_mask` and optionally
+`loss_mask` (bool; absent: every token is a target), each [num_micro, micro_batch, T];
+mask_meta: bool scalar (report A.3 switch). Metrics stay on device: the caller hands them to the
+background writer without waiting.
 """
 
 from typing import Any, Callable
@@ -40,7 +41,7 @@ def loss_fn(model: CausalLM, run: RunConfig, params, balance, micro, mask_meta, 
 
     def head_loss(hidden, offset, head):
         targets = shifted_targets(micro["tokens"], micro["segment_ids"], micro["meta_mask"],
-                                  offset, mask_meta)
+                                  offset, mask_meta, micro.get("loss_mask"))
         project = lambda p, h: model.apply({"params": p}, h, head=head,  # noqa: E731
                                            method=CausalLM.project)
         total, _ = chunked_cross_entropy(project, output_head_params(run.model, params, head),
@@ -70,7 +71,7 @@ def target_counts(run: RunConfig, batch: dict, mask_meta) -> jax.Array:
     flat = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}
     return jnp.stack([
         jnp.sum(shifted_targets(flat["tokens"], flat["segment_ids"], flat["meta_mask"], offset,
-                                mask_meta).weights)
+                                mask_meta, flat.get("loss_mask")).weights)
         for offset in range(1, 2 + run.trained_mtp_heads())])
 
 
@@ -116,6 +117,9 @@ def make_train_step(training: Training, run: RunConfig
         new_state = new_state.replace(
             rng=jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0]))
         metrics = {"loss": loss, **parts, **update_stats,
+                   # share of the step's positions whose next token is a target (chat SFT:
+                   # the assistant turns; plain text: all but document ends and padding)
+                   "trained_fraction": counts[0] / batch["tokens"].size,
                    "lr": learning_rate(applied_updates(state.opt_state)),  # this update's rate
                    "skipped_steps": new_state.skipped,
                    "consecutive_skips": new_state.consecutive_skips,

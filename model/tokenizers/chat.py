@@ -4,105 +4,42 @@
     prompt = tok.render(messages, add_generation_prompt=True)   # text to generate from
     ids, mask = tok.encode_chat(messages)   # int32 ids; True on the tokens SFT trains on
     tok.eos_ids                             # ids that end a generated turn
+    chat_tokenizer_for(load_tokenizer("default"))   # the chat side of a training tokenizer
 
-A chat template is untrusted code shipped with a checkpoint (docs/architecture.md,
-"Guarantees to users"). It runs in Jinja's `ImmutableSandboxedEnvironment`, set up as transformers'
-`apply_chat_template` does (trim_blocks, lstrip_blocks, loopcontrols, a `tojson` that does not
-HTML-escape, `raise_exception`, `strftime_now`, the `{% generation %}` tag, `bos_token`/`eos_token`
-in the context), so a released template renders the same text here as there. One difference:
-touching an unsafe attribute (`''.__class__`) raises at once instead of rendering as an empty
-string.
+Templates render in a sandbox (`model.tokenizers.chat_template`), with `bos_token`/`eos_token`
+and the other SPECIAL_FIELDS in the context, as transformers does.
 
 Special-token spellings in message text are encoded as the special tokens (as in transformers):
-content is trusted to not forge turn boundaries.
+content is trusted to not forge turn boundaries. The assistant mask is located by characters,
+not by tokens, so such content can mislead the model but never the mask.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import tokenizers
-from jinja2 import nodes
-from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.exceptions import TemplateSyntaxError
+
+from model.tokenizers.chat_template import (
+    compile_template,
+    has_generation_blocks,
+    incremental_spans,
+    marked_spans,
+    one_line,
+    run_template,
+    token_mask,
+)
+from model.tokenizers.text import DEFAULT_PATH, SHIPPED, TextTokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 # End-of-turn tokens of common chat formats; in `eos_ids` when the tokenizer has them as specials.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 SPECIAL_FIELDS = ("bos_token", "eos_token", "unk_token", "pad_token")  # passed to the template
-_OPEN, _CLOSE = "\ufdd0", "\ufdd1"  # Unicode noncharacters: marks around {% generation %} output
-_HAS_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
-
-
-class _GenerationTag(Extension):
-    """`{% generation %}...{% endgeneration %}`, transformers' marking of the assistant text that
-    `return_assistant_tokens_mask` covers: renders the body, between `marks`."""
-    tags = {"generation"}
-    marks = ("", "")
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_wrap"), [], [], body).set_lineno(lineno)
-
-    def _wrap(self, caller) -> str:
-        return self.marks[0] + caller() + self.marks[1]
-
-
-class _MarkingGenerationTag(_GenerationTag):
-    marks = (_OPEN, _CLOSE)
-
-
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """Raises on an unsafe attribute; Jinja would return an Undefined that prints as ''."""
-
-    def unsafe_undefined(self, obj, attribute):
-        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object")
-
-
-def _raise_exception(message):
-    raise TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-@lru_cache(maxsize=32)
-def _compile(source: str, marking: bool):
-    """Template `source` in the sandbox; with `marking`, {% generation %} output is wrapped in
-    _OPEN/_CLOSE. Raises TemplateSyntaxError."""
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[
-        _MarkingGenerationTag if marking else _GenerationTag, loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception,
-                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    return env.from_string(source)
-
-
-def _run_template(source: str, origin: str, marking: bool, context: dict) -> str:
-    """Rendered text; every failure of the (untrusted) template -> one-line ValueError."""
-    try:
-        return _compile(source, marking).render(**context)
-    except SecurityError as err:
-        raise ValueError(f"chat template of {origin}: unsafe operation blocked: {_one_line(err)}"
-                         ) from None
-    except TemplateError as err:  # raise_exception(...), undefined errors, syntax errors
-        raise ValueError(f"chat template of {origin}: {_one_line(err)}") from None
-    except Exception as err:  # e.g. TypeError of 'a' + 1: any failure of foreign code
-        raise ValueError(f"chat template of {origin}: {type(err).__name__}: {_one_line(err)}"
-                         ) from None
+# Chat templates of the shipped tokenizers that have one (`arith_chars` has none).
+SHIPPED_TEMPLATES = {"default": DEFAULT_PATH.with_name("default_chat_template.jinja")}
 
 
 def validate_messages(messages) -> None:
@@ -127,55 +64,6 @@ def validate_messages(messages) -> None:
         if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
             raise ValueError(f"messages[{i}]: content must be a str, got "
                              f"{type(m.get('content')).__name__}")
-
-
-def _marked_spans(marked: str) -> tuple[str, list[tuple[int, int]]]:
-    """Text with _OPEN/_CLOSE marks -> (text without them, [start, end) spans between them)."""
-    text, spans, start, pos = [], [], None, 0
-    for piece in re.split(f"([{_OPEN}{_CLOSE}])", marked):
-        if piece not in (_OPEN, _CLOSE):
-            text.append(piece)
-            pos += len(piece)
-        elif (piece == _OPEN) != (start is None):
-            raise ValueError("chat template: nested or unbalanced {% generation %} blocks "
-                             "(or messages holding the characters U+FDD0/U+FDD1)")
-        elif piece == _OPEN:
-            start = pos
-        else:
-            spans.append((start, pos))
-            start = None
-    return "".join(text), spans
-
-
-def _incremental_spans(render, messages: list, text: str) -> list[tuple[int, int]]:
-    """Spans of `text` (the whole rendering) added by each assistant message: the rendering of
-    messages[:i+1] minus that of messages[:i] with the generation prompt (so the role header is
-    left out; a template whose generation prompt is empty has none to leave out), right-stripped
-    of whitespace (the separator after the end-of-turn token). Raises if a prefix's rendering is
-    not the start of the next one or of `text`. `render(messages, add_generation_prompt) -> str`.
-    """
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before, after = render(messages[:i], True), render(messages[:i + 1], False)
-        if not (after.startswith(before) and text.startswith(after)):
-            raise ValueError(f"chat template: cannot locate messages[{i}] by incremental "
-                             "rendering (earlier turns render differently once later ones "
-                             "follow); mark assistant text with {% generation %}")
-        if len(after.rstrip()) > len(before):
-            spans.append((len(before), len(after.rstrip())))
-    return spans
-
-
-def _token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
-    """True on the tokens whose character span overlaps one of `spans` (a token straddling a
-    span's edge counts as inside, as in transformers)."""
-    starts, ends = np.array(offsets, np.int64).reshape(-1, 2).T
-    mask = np.zeros(len(offsets), bool)
-    for a, b in spans:
-        mask |= (starts < b) & (ends > a)
-    return mask
 
 
 class ChatTokenizer:
@@ -215,7 +103,7 @@ class ChatTokenizer:
         name = self.template_name(tools)
         context = dict(self.special_tokens, messages=messages, tools=tools,
                        add_generation_prompt=add_generation_prompt, **extra)
-        return _run_template(self.templates[name], self.origins.get(name, name), marking, context)
+        return run_template(self.templates[name], self.origins.get(name, name), marking, context)
 
     def render(self, messages, *, tools=None, add_generation_prompt=False, **extra) -> str:
         """messages (OpenAI-style dicts, see validate_messages), tools (JSON schemas) and
@@ -232,19 +120,20 @@ class ChatTokenizer:
         added beyond the template's. The mask is True on what SFT trains on: with a template
         that has {% generation %} blocks, exactly their output; otherwise each assistant
         message's rendering after its role header up to and including its end-of-turn token
-        (e.g. `content<|im_end|>`, not the newline after it); see _incremental_spans."""
+        (e.g. `content<|im_end|>`, not the newline after it); see
+        chat_template.incremental_spans."""
         text = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                            **extra)
-        if _HAS_GENERATION.search(self.templates[self.template_name(tools)]):
-            unmarked, spans = _marked_spans(self._render(messages, tools, add_generation_prompt,
+        if has_generation_blocks(self.templates[self.template_name(tools)]):
+            unmarked, spans = marked_spans(self._render(messages, tools, add_generation_prompt,
                                                          marking=True, **extra))
             if unmarked != text:  # the input held a mark character
                 raise ValueError("messages: contain the reserved characters U+FDD0/U+FDD1")
         else:
-            spans = _incremental_spans(
+            spans = incremental_spans(
                 lambda m, g: self._render(m, tools, g, **extra), messages, text)
         encoding = self.hf.encode(text, add_special_tokens=False)
-        return np.asarray(encoding.ids, np.int32), _token_mask(encoding.offsets, spans)
+        return np.asarray(encoding.ids, np.int32), token_mask(encoding.offsets, spans)
 
     def __repr__(self) -> str:
         return f"ChatTokenizer(vocab_size={self.vocab_size}, templates={sorted(self.templates)})"
@@ -255,7 +144,7 @@ def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not a readable JSON file ({_one_line(err)})") from None
+        raise ValueError(f"{path}: not a readable JSON file ({one_line(err)})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -340,27 +229,69 @@ def load_chat_tokenizer(path) -> ChatTokenizer:
     try:
         hf = tokenizers.Tokenizer.from_file(str(tokenizer_path))
     except Exception as err:  # tokenizers raises bare Exception on malformed files
-        raise ValueError(f"{tokenizer_path}: not a Hugging Face tokenizer.json ({_one_line(err)})"
+        raise ValueError(f"{tokenizer_path}: not a Hugging Face tokenizer.json ({one_line(err)})"
                          ) from None
-    directory = tokenizer_path.parent
+    return _with_directory_config(hf, tokenizer_path.parent)
+
+
+def _with_directory_config(hf: tokenizers.Tokenizer, directory: Path) -> ChatTokenizer:
+    """`hf` plus the chat configuration files of `directory` (see load_chat_tokenizer)."""
     config_path, jinja_path = directory / "tokenizer_config.json", directory / "chat_template.jinja"
     config = _read_json(config_path) if config_path.is_file() else {}
     _add_declared_tokens(hf, config.get("added_tokens_decoder", {}), config_path)
     templates = _templates(config, config_path)
     origins = {name: f"{config_path} ({name!r})" for name in templates}
     if jinja_path.is_file():
-        try:
-            templates["default"] = jinja_path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"{jinja_path}: unreadable ({_one_line(err)})") from None
+        templates["default"] = _read_template(jinja_path)
         origins["default"] = str(jinja_path)
-    for name, source in templates.items():  # report a syntax error now, naming the file
-        try:
-            _compile(source, False)
-        except TemplateSyntaxError as err:
-            raise ValueError(f"chat template of {origins[name]}: syntax error on line "
-                             f"{err.lineno}: {_one_line(err)}") from None
+    _check_syntax(templates, origins)
     special = {f: v for f in SPECIAL_FIELDS if (v := _token_field(config, f, config_path))}
     eos_ids = _eos_ids(hf, special.get("eos_token"), config_path,
                        directory / "generation_config.json")
     return ChatTokenizer(hf, templates, special, eos_ids, origins)
+
+
+def _read_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: unreadable ({one_line(err)})") from None
+
+
+def _check_syntax(templates: dict[str, str], origins: dict[str, str]) -> None:
+    """Reports a template's syntax error at load time, naming its file."""
+    for name, source in templates.items():
+        try:
+            compile_template(source, False)
+        except TemplateSyntaxError as err:
+            raise ValueError(f"chat template of {origins[name]}: syntax error on line "
+                             f"{err.lineno}: {one_line(err)}") from None
+
+
+def chat_tokenizer_for(text: TextTokenizer) -> ChatTokenizer:
+    """The chat side of a training tokenizer (`train.data.tokenizer`): `text`'s vocabulary with
+    its ids unchanged, and a chat template: the shipped one for `default` (SHIPPED_TEMPLATES),
+    else the one of the Hugging Face directory holding the tokenizer.json. Raises a one-line
+    ValueError when there is none (`arith_chars`, a bare tokenizer.json)."""
+    hf = tokenizers.Tokenizer.from_str(text.hf.to_str())
+    hf.encode_special_tokens = False  # the template's special tokens (turn ends) are specials
+    if text.name in SHIPPED_TEMPLATES:
+        path = SHIPPED_TEMPLATES[text.name]
+        templates, origins = {"default": _read_template(path)}, {"default": str(path)}
+        _check_syntax(templates, origins)
+        eos = text.hf.id_to_token(text.eos_id)
+        chat = ChatTokenizer(hf, templates, {"eos_token": eos}, frozenset({text.eos_id}), origins)
+    elif text.name in SHIPPED:
+        chat = ChatTokenizer(hf, {}, {}, frozenset())
+    else:
+        path = Path(text.name)
+        chat = _with_directory_config(hf, path if path.is_dir() else path.parent)
+    if "default" not in chat.templates:
+        raise ValueError(f"tokenizer {text.name!r} has no chat template to render chat data "
+                         "with; use 'default' or a Hugging Face tokenizer directory whose "
+                         "tokenizer_config.json (or chat_template.jinja) has one")
+    if chat.vocab_size != text.vocab_size:
+        raise ValueError(f"tokenizer {text.name!r}: tokenizer_config.json declares "
+                         f"{chat.vocab_size - text.vocab_size} token(s) that tokenizer.json "
+                         "lacks; add them to tokenizer.json")
+    return chat

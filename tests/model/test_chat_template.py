@@ -207,6 +207,14 @@ def test_assistant_mask(tmp_path, tokenizer_json, template):
                                            "It is 18C and sunny.<|im_end|>"]
 
 
+def test_a_generation_tag_in_a_comment_is_not_a_block(tmp_path, tokenizer_json):
+    template = "{# assistant text would go in {% generation %} blocks #}" + FALLBACK_TEMPLATE
+    tok = load_chat_tokenizer(write_model(tmp_path, tokenizer_json, template))
+    ids, mask = tok.encode_chat(CHAT)
+    assert masked_runs(tok, ids, mask) == ["Hello! How can I help?<|im_end|>",
+                                           "Très bien ✓ ok<|im_end|>"]
+
+
 def test_fallback_mask_needs_prefix_stable_template(tmp_path, tokenizer_json):
     # the last turn is rendered differently, so a prefix is not the start of the whole chat
     template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}"

@@ -156,18 +156,20 @@ def test_foreign_tokenizer_gets_missing_special_tokens(tmp_path):
 def test_packing_invariants():
     lengths = [3, 13, 2, 16, 40, 1, 7, 33, 5, 16, 17]
     examples = [{"tokens": np.arange(1, n + 1, dtype=np.int32) + 100 * i,
-                 "meta_mask": np.arange(n) < min(2, n - 1)} for i, n in enumerate(lengths)]
+                 "meta_mask": np.arange(n) < min(2, n - 1),
+                 "loss_mask": (np.arange(n) + i) % 3 != 0} for i, n in enumerate(lengths)]
     seq_len = 16
     rows = list(pack(grain.MapDataset.source(examples).to_iter_dataset(), seq_len))
     assert len(rows) == -(-sum(lengths) // seq_len)  # concat-then-split: no padding but the end
     stream, segments_per_doc = [], collections.Counter()
     for r, row in enumerate(rows):
         assert {k: (row[k].shape, row[k].dtype) for k in FEATURES} == {
-            k: ((seq_len,), np.bool_ if k == "meta_mask" else np.int32) for k in FEATURES}
+            k: ((seq_len,), np.bool_ if k.endswith("_mask") else np.int32) for k in FEATURES}
         seg, pos = row["segment_ids"], row["positions"]
         used = int(np.count_nonzero(seg))
         assert np.all(seg[:used] > 0) and np.all(seg[used:] == 0), "padding only at the end"
         assert np.all(row["tokens"][used:] == 0) and not row["meta_mask"][used:].any()
+        assert not row["loss_mask"][used:].any()
         assert used == seq_len or r == len(rows) - 1
         assert seg[0] == 1 and np.all(np.diff(seg[:used]) >= 0) and np.all(np.diff(seg[:used]) <= 1)
         for sid in range(1, seg.max() + 1):
@@ -178,10 +180,11 @@ def test_packing_invariants():
             doc = set((piece - 1) // 100)
             assert len(doc) == 1, "a segment never holds two documents"
             segments_per_doc[doc.pop()] += 1
-        stream += [(int(t), bool(m)) for t, m in zip(row["tokens"][:used], row["meta_mask"][:used])]
-    # every token of every document exactly once, in order, with its meta flag
-    assert stream == [(int(t), bool(m))
-                      for ex in examples for t, m in zip(ex["tokens"], ex["meta_mask"])]
+        stream += [(int(t), bool(m), bool(w)) for t, m, w in zip(
+            row["tokens"][:used], row["meta_mask"][:used], row["loss_mask"][:used])]
+    # every token of every document exactly once, in order, with its meta and loss flags
+    assert stream == [(int(t), bool(m), bool(w)) for ex in examples
+                      for t, m, w in zip(ex["tokens"], ex["meta_mask"], ex["loss_mask"])]
     for i, n in enumerate(lengths):  # long documents are split into seq_len-sized pieces (or more)
         assert segments_per_doc[i] >= -(-n // seq_len)
     assert segments_per_doc[4] >= 3
@@ -323,7 +326,7 @@ def test_stdlib_pipeline_batches(tok):
     data = make_dataset(DataConfig(), tok, seq_len=128, batch_size=4, split="train", seed=0)
     batch = next(data)
     assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
-        k: ((4, 128), np.bool_ if k == "meta_mask" else np.int32) for k in FEATURES}
+        k: ((4, 128), np.bool_ if k.endswith("_mask") else np.int32) for k in FEATURES}
     assert 0 <= batch["tokens"].min() and batch["tokens"].max() < tok.vocab_size
 
 

@@ -76,3 +76,19 @@ def test_meta_mask_drops_metadata_targets_only_when_switched_on():
     np.testing.assert_array_equal(before, [[1, 1, 1, 1, 1, 1, 1, 0]])
     # eq. 8: predictions of s_2, s_3 (metadata) leave the loss; predicting x_1 from M stays.
     np.testing.assert_array_equal(after, [[0, 0, 1, 1, 1, 1, 1, 0]])
+
+
+def test_loss_mask_keeps_only_targets_that_are_masked_tokens():
+    # one chat [system s, user u, assistant a a <eot>] then a plain document of two tokens
+    tokens = np.array([[1, 2, 3, 4, 5, 7, 8, 0]])
+    segments = np.array([[1, 1, 1, 1, 1, 2, 2, 0]])
+    meta = np.zeros_like(tokens, bool)
+    trained = np.array([[0, 0, 1, 1, 1, 1, 1, 0]], bool)
+    got = shifted_targets(tokens, segments, meta, 1, False, trained)
+    # position t predicts t + 1: trained when t + 1 is in t's document and a masked token
+    np.testing.assert_array_equal(got.weights, [[0, 1, 1, 1, 0, 1, 0, 0]])
+    two_ahead = shifted_targets(tokens, segments, meta, 2, False, trained)
+    np.testing.assert_array_equal(two_ahead.weights, [[1, 1, 1, 0, 0, 0, 0, 0]])
+    everything = shifted_targets(tokens, segments, meta, 1, False, np.ones_like(trained))
+    np.testing.assert_array_equal(everything.weights,
+                                  shifted_targets(tokens, segments, meta, 1, False).weights)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from model.config import load_config
-from train.config import MeshConfig, RunConfig, TrainConfig, load_run_config
+from train.config import MeshConfig, RunConfig, TrainConfig, load_run_config, resume_changes
 from train.optim.config import MuonConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,7 +86,8 @@ def test_a_config_without_a_model_is_refused_by_both_loaders(tmp_path, text):
         # the presets are the repository's configs/*.yaml that define a model
         assert message.endswith("start from a preset that has one: "
                                 "configs/deepseek_v4_flash.yaml, configs/mimo_v2_flash.yaml, "
-                                "configs/sft_arith.yaml, configs/step35_flash.yaml, "
+                                "configs/sft_arith.yaml, configs/sft_chat_arith.yaml, "
+                                "configs/step35_flash.yaml, "
                                 "configs/tiny.yaml, configs/tiny_deepseek_v4.yaml, "
                                 "configs/tiny_mimo.yaml"), message
 
@@ -115,3 +116,16 @@ def test_mtp_weights_are_checked_against_the_model_by_the_run():
                                          r"has model.mtp.num_heads=1"):
         RunConfig(model=model, train=train)
     assert RunConfig(model=load_config(TINY, ["mtp.num_heads=2"]), train=train).train == train
+
+
+def test_a_field_added_since_a_checkpoint_counts_at_its_default():
+    """A checkpoint written before train.loss_mask existed resumes (its run trained on text,
+    which `auto` trains on entirely); a changed value is still refused by name."""
+    run = load_run_config(REPO / "configs" / "sft_arith.yaml")
+    saved = run.to_dict()
+    del saved["train"]["loss_mask"]
+    assert resume_changes(saved, run) == []
+    assert resume_changes(saved, load_run_config(REPO / "configs" / "sft_arith.yaml",
+                                                 ["train.loss_mask=all"])) == ["train.loss_mask"]
+    assert resume_changes(saved, load_run_config(REPO / "configs" / "sft_arith.yaml",
+                                                 ["train.steps=700"])) == []

@@ -1,4 +1,5 @@
-"""Documents for training: the embedded stdlib corpus and local `.txt` / `.jsonl` files.
+"""Documents for training: the embedded stdlib corpus and local `.txt` / `.jsonl` files (plain
+text, or chats rendered with the tokenizer's chat template: train/data/chat.py).
 
     docs = load_documents("stdlib")       # or "a.jsonl,books/*.txt", "arith,arith_multistep"
     train, heldout = split_documents(docs, 0.05)          # train.data.documents
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from train.data.arithmetic import arithmetic_documents
+from train.data.chat import chat_document
 from train.data.documents import Document
 from train.data.multistep import multistep_documents
 
@@ -105,8 +107,11 @@ def read_txt(path: Path, name: str) -> Iterator[Document]:
 
 
 def read_jsonl(path: Path, name: str) -> Iterator[Document]:
-    """One document per line: `{"text": ..., "type"?, "lang"?, "domain"?, "source"?}`; other
-    fields are ignored, `source` defaults to the file's name."""
+    """One document per line: plain text `{"text": ..., "type"?, "lang"?, "domain"?, "source"?}`
+    or a chat `{"messages": [...], "tools"?: [...]}` (train/data/chat.py). The file's first
+    record decides which; every record must then be of that kind. Other fields are ignored,
+    `source` defaults to the file's name."""
+    is_chat = None
     for number, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
@@ -115,10 +120,20 @@ def read_jsonl(path: Path, name: str) -> Iterator[Document]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{where}: malformed JSON ({err.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ValueError(f"{where}: expected an object with a string field 'text'")
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        is_chat = "messages" in record if is_chat is None else is_chat
         meta = {"source": name}
         meta.update({k: str(record[k]) for k in META_FIELDS if record.get(k) not in (None, "")})
+        if is_chat:
+            try:
+                yield chat_document(record, f"{name}:{number}", meta)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+            continue
+        if not isinstance(record.get("text"), str):
+            raise ValueError(f"{where}: expected an object with a string field 'text' (or a "
+                             "chat file, whose first record has 'messages')")
         if record["text"].strip():
             yield Document(f"{name}:{number}", record["text"], meta)
 

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Mapping
+from typing import Any, Mapping
 
 
 @dataclasses.dataclass(frozen=True)
 class Document:
     key: str  # location-independent (a relative path; jsonl: path:line): decides the split
-    text: str
+    text: str  # a chat: its messages' contents, one per line (what tokenizer training reads)
     meta: Mapping[str, str]  # subset of META_FIELDS
+    # A chat (train/data/chat.py): {"messages": [...], "tools": [...] or None}, which the
+    # pipeline renders with the tokenizer's chat template instead of encoding `text`.
+    chat: Mapping[str, Any] | None = None
 
 
 def heldout_score(key: str) -> float:

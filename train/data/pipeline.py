@@ -2,7 +2,8 @@
 
     data = make_dataset(cfg.data, tokenizer, seq_len=256, batch_size=8, split="train", seed=0,
                         shard_index=jax.process_index(), shard_count=jax.process_count())
-    batch = next(data)   # {tokens, segment_ids, positions, meta_mask}: numpy [batch, seq_len]
+    batch = next(data)   # {tokens, segment_ids, positions, meta_mask, loss_mask}: numpy
+                         # [batch, seq_len]
     state = data.get_state()   # JSON-serialisable; a fresh iterator + set_state(state) continues
                                # the stream exactly
 
@@ -29,8 +30,10 @@ import numpy as np
 from absl import flags
 from grain.experimental import WindowShuffleIterDataset
 
+from model.tokenizers.chat import ChatTokenizer, chat_tokenizer_for
 from model.tokenizers.text import TextTokenizer
 from train.config import DataConfig
+from train.data.chat import chat_example, trains_assistant_only
 from train.data.corpus import load_documents, meta_string
 from train.data.documents import Document, split_documents
 from train.data.packing import document_example, pack, pad_batch
@@ -75,12 +78,18 @@ def check_splits(data_cfg: DataConfig, documents: list[Document], *, heldout: bo
 
 
 class DocumentEncoder:
-    """Document -> {tokens, meta_mask} example (a picklable callable, for worker processes)."""
+    """Document -> {tokens, meta_mask, loss_mask} example (a picklable callable, for worker
+    processes). Chats are rendered by `chat` (train/data/chat.py), trained on their assistant
+    turns only if `assistant_only`."""
 
-    def __init__(self, tokenizer: TextTokenizer, meta_tokens: bool):
+    def __init__(self, tokenizer: TextTokenizer, meta_tokens: bool,
+                 chat: ChatTokenizer | None = None, assistant_only: bool = False):
         self.tokenizer, self.meta_tokens = tokenizer, meta_tokens
+        self.chat, self.assistant_only = chat, assistant_only
 
     def __call__(self, doc: Document) -> dict:
+        if doc.chat is not None:
+            return chat_example(self.chat, doc, self.assistant_only)
         tok = self.tokenizer
         meta = None
         if self.meta_tokens:
@@ -91,13 +100,18 @@ class DocumentEncoder:
 
 def build_dataset(data_cfg: DataConfig, tokenizer: TextTokenizer, *, seq_len: int,
                   batch_size: int, split: str, seed: int = 0, shard_index: int = 0,
-                  shard_count: int = 1, documents: list[Document] | None = None
-                  ) -> grain.IterDataset:
+                  shard_count: int = 1, documents: list[Document] | None = None,
+                  loss_mask: str = "auto") -> grain.IterDataset:
     """The pipeline as a grain IterDataset (see make_dataset). `documents` overrides
     `data_cfg.source` (already loaded documents)."""
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
     docs = load_documents(data_cfg.source) if documents is None else documents
+    # Decided on all the documents, so that every split and host reads the same way.
+    encode = DocumentEncoder(
+        tokenizer, data_cfg.meta_tokens,
+        chat_tokenizer_for(tokenizer) if any(d.chat is not None for d in docs) else None,
+        trains_assistant_only(loss_mask, docs))
     docs = split_shard(docs, data_cfg.heldout_fraction, split, shard_index, shard_count)
     train = split == "train"
     ds = grain.MapDataset.source(docs)
@@ -105,7 +119,7 @@ def build_dataset(data_cfg: DataConfig, tokenizer: TextTokenizer, *, seq_len: in
         # repeat() after shuffle: grain reshuffles every epoch (seed + epoch)
         ds = (ds.shuffle(seed=seed % 2**32) if data_cfg.shuffle else ds).repeat()
     # One background thread tokenises a few documents ahead (overlapping the train step).
-    examples = ds.map(DocumentEncoder(tokenizer, data_cfg.meta_tokens)).to_iter_dataset(
+    examples = ds.map(encode).to_iter_dataset(
         grain.ReadOptions(num_threads=1, prefetch_buffer_size=8))
     rows = pack(examples, seq_len)
     if train and data_cfg.shuffle:
@@ -167,13 +181,14 @@ def _restore_tuples(state):
 
 def make_dataset(data_cfg: DataConfig, tokenizer: TextTokenizer, *, seq_len: int,
                  batch_size: int, split: str, seed: int = 0, shard_index: int = 0,
-                 shard_count: int = 1, documents: list[Document] | None = None
-                 ) -> DataIterator:
-    """Iterator of numpy batches {tokens, segment_ids, positions (int32), meta_mask (bool)}, each
-    [batch_size, seq_len]; `get_state()` / `set_state()` checkpoint its position."""
+                 shard_count: int = 1, documents: list[Document] | None = None,
+                 loss_mask: str = "auto") -> DataIterator:
+    """Iterator of numpy batches {tokens, segment_ids, positions (int32), meta_mask, loss_mask
+    (bool)}, each [batch_size, seq_len]; `get_state()` / `set_state()` checkpoint its
+    position. `loss_mask`: `train.loss_mask` (train/data/chat.py)."""
     dataset = build_dataset(data_cfg, tokenizer, seq_len=seq_len, batch_size=batch_size,
                             split=split, seed=seed, shard_index=shard_index,
-                            shard_count=shard_count, documents=documents)
+                            shard_count=shard_count, documents=documents, loss_mask=loss_mask)
     pipeline = {"split": split, "seq_len": seq_len, "batch_size": batch_size, "seed": seed,
                 "shard_index": shard_index, "shard_count": shard_count,
                 "num_workers": data_cfg.num_workers}
