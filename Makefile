@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stepjax-installed
 
-.PHONY: test train rl sweep bench bench-torch clean-venv
+.PHONY: test train rl rl-compare sweep bench bench-torch clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,19 @@ RL_DIR ?= runs/rl_arith
 rl: $(STAMP)
 	$(PY) -m train --config configs/sft_arith.yaml --workdir $(SFT_DIR)
 	$(PY) -m rl --config configs/rl_arith.yaml --workdir $(RL_DIR) --init-from $(SFT_DIR) $(ARGS)
+
+# RL algorithms side by side on one SFT warm start (README, "Reinforcement learning"): one run
+# per algorithm in COMPARE_DIR/<algorithm>, then `python -m rl.compare` (table, JSON, plot).
+# Re-running resumes unfinished runs; ARGS go to every `python -m rl`.
+RL_ALGORITHMS ?= mis_po ppo grpo dapo dr_grpo
+COMPARE_DIR ?= runs/rl_compare
+rl-compare: $(STAMP)
+	$(PY) -m train --config configs/sft_arith.yaml --workdir $(SFT_DIR)
+	for algorithm in $(RL_ALGORITHMS); do \
+		$(PY) -m rl --config configs/rl_arith.yaml --workdir $(COMPARE_DIR)/$$algorithm \
+			--init-from $(SFT_DIR) rl.algorithm=$$algorithm $(ARGS) || exit 1; done
+	$(PY) -m rl.compare $(foreach a,$(RL_ALGORITHMS),$(a)=$(COMPARE_DIR)/$(a)) \
+		--json $(COMPARE_DIR)/compare.json --plot $(COMPARE_DIR)/compare.png
 
 # Ablation sweep (README, "Experiments"):
 # SWEEP=layout|gate|optimizer|balance|deepseek_v4|families; re-running skips
