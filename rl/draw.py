@@ -1,7 +1,7 @@
 """One draw of an RL iteration: P problems x N samples of the task mix, sampled and scored.
 
-    rollouts, rewards = trainer.draw(state, iteration)      # unpacks as before the mix
     drawn = trainer.draw(state, iteration, draw=1)
+    drawn.rollouts, drawn.rewards                            # [P * N] rows, their rewards
     drawn.tasks, drawn.correct, drawn.problems               # per row: task name, exact match
 
 Each row carries its task's name, so per-domain work (metrics now, a teacher per domain in
@@ -13,7 +13,7 @@ everything that belongs to them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -28,10 +28,6 @@ class Draw:
     correct: np.ndarray  # bool [P * N]: the task's rule verifier accepts the response
     tasks: np.ndarray  # str [P * N]: the task of each row
     problems: list  # [P * N]: the problem of each row
-
-    def __iter__(self) -> Iterator:
-        """`rollouts, rewards = draw`: the draw as the loop consumes it."""
-        return iter((self.rollouts, self.rewards))
 
     def metrics(self, names: Sequence[str]) -> dict[str, float]:
         """reward, accuracy, and reward/<task>, accuracy/<task> for the tasks `names`."""

@@ -66,6 +66,7 @@ from train.optim.schedules import learning_rate_schedule
 from train.state import TrainState, state_from_variables
 from train.telemetry.metrics import METRICS_FILE, MetricsWriter, read_metrics
 
+
 class RLState(flax.struct.PyTreeNode):
     actor: TrainState
     critic: TrainState | None  # None for GRPO
@@ -188,8 +189,8 @@ class RLTrainer:
     # ---- one iteration ----------------------------------------------------------------------
 
     def draw(self, state: RLState, iteration: int, draw: int = 0) -> Draw:
-        """P problems x N samples, sampled and scored -> a `Draw` (rl/draw.py) that unpacks as
-        (rollouts, rewards float32 [P * N]) and carries each row's task. The samples of a
+        """P problems x N samples, sampled and scored -> a `Draw` (rl/draw.py): rollouts,
+        rewards float32 [P * N] and each row's task. The samples of a
         problem are adjacent rows; the P problems are split between the tasks by weight. Draw 0
         is an iteration's first; each `draw` takes other problems and sampling keys,
         deterministically."""

@@ -228,7 +228,7 @@ def test_every_draw_of_a_mixed_run_honours_the_weights(tmp_path, monkeypatch):
         seen = []
         for iteration, draw in [(0, 0), (0, 1), (1, 0)]:
             drawn = trainer.draw(state, iteration, draw)
-            rollouts, rewards = drawn
+            rollouts, rewards = drawn.rollouts, drawn.rewards
             assert rollouts.tokens.shape[0] == rewards.shape[0] == 8
             # 3 arithmetic and 1 multi-step prompt, 2 adjacent samples each
             assert list(drawn.tasks) == ["arithmetic"] * 6 + ["multistep"] * 2
