@@ -111,9 +111,7 @@ def test_score_draw_scores_each_task_with_its_reward_and_verifier():
     rows = [(exact, problems[0]), (exact, problems[1]), (judged, problems[2]),
             (judged, problems[3])]
     drawn = score_draw(fake_rollouts(4), rows, ["0", "7", "2", "x"])
-    rollouts, rewards = drawn  # unpacks as the loop (and DAPO's filter) consume it
-    assert rollouts is drawn.rollouts and rewards is drawn.rewards
-    np.testing.assert_array_equal(rewards, np.float32([1.0, 0.0, 0.25, 0.25]))
+    np.testing.assert_array_equal(drawn.rewards, np.float32([1.0, 0.0, 0.25, 0.25]))
     np.testing.assert_array_equal(drawn.correct, [True, False, True, False])
     assert list(drawn.tasks) == ["exact", "exact", "judged", "judged"]
     assert drawn.metrics(["exact", "judged"]) == pytest.approx({
