@@ -94,7 +94,7 @@ def place_variables(variables: dict, actor_sharding: Any) -> dict:
 
 def rl_state_shardings(abstract: Any, actor_boxed: dict, critic_boxed: dict | None, mesh: Mesh,
                        model: ModelConfig, zero1: bool) -> Any:
-    """NamedShardings of an `RLState` (rl/loop.py), the structure of `abstract` (its
+    """NamedShardings of an `RLState` (rl/trainer.py), the structure of `abstract` (its
     `jax.eval_shape`). actor_boxed / critic_boxed: the boxed abstract variables of the policy
     and the value model (their logical axes); critic_boxed None without a critic."""
     def train_state(state, boxed, config):

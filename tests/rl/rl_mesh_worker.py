@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 from test_rl_loop import small_run  # noqa: E402
 
 import rl.loop as rl_loop  # noqa: E402
+import rl.trainer as rl_trainer  # noqa: E402
 import rl.tasks as rl_tasks  # noqa: E402
 from model.parallel.rules import use_mesh  # noqa: E402
 from train.telemetry.metrics import read_metrics  # noqa: E402
@@ -44,7 +45,7 @@ def odd_length_reward(texts, answers):
 
 def final_state(run, workdir: Path, devices):
     """The run's last checkpoint, restored into the shardings of its mesh over `devices`."""
-    trainer = rl_loop.RLTrainer(run, workdir, devices=devices)
+    trainer = rl_trainer.RLTrainer(run, workdir, devices=devices)
     try:
         with use_mesh(trainer.mesh):
             return trainer.initial_state()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from train_helpers import REPO
 
-import rl.loop as rl_loop
+import rl.trainer as rl_trainer
 import rl.tasks as rl_tasks
 from model.inference.decode import Decoder
 from model.inference.sampling import Sampling
@@ -264,14 +264,14 @@ def test_dynamic_sampling_and_overlong_shaping_in_the_loop(tmp_path, monkeypatch
     with L_cache = L_max = 1 all get the overlong penalty -1, which changes no group's spread;
     unnormalised advantages are then +-0.5 on every response token."""
     rewards_of_draw = {0: [1, 1, 0, 1], 1: [0, 0, 1, 0]}  # groups of 2 samples
-    drawn = rl_loop.RLTrainer.draw
+    drawn = rl_trainer.RLTrainer.draw
 
     def draw(self, state, iteration, draw=0):
         rewards = np.float32(rewards_of_draw[draw])
         return dataclasses.replace(drawn(self, state, iteration, draw), rewards=rewards,
                                    correct=rewards == 1)
 
-    monkeypatch.setattr(rl_loop.RLTrainer, "draw", draw)
+    monkeypatch.setattr(rl_trainer.RLTrainer, "draw", draw)
     run = small_run(iterations=1, algorithm="dr_grpo", dynamic_sampling=True, overlong_buffer=1,
                     max_new_tokens=1)
     summary = run_rl(run, tmp_path / "dapo")

@@ -22,7 +22,7 @@ import rl.tasks as rl_tasks
 from model.config import config_to_dict
 from rl.config import load_rl_config, rl_config_from_dict
 from rl.draw import Draw, score_draw
-from rl.loop import RLTrainer
+from rl.trainer import RLTrainer
 from rl.resume import resumed_config
 from rl.rewards import RuleVerifier, arithmetic_rewards
 from rl.rollout import Rollouts

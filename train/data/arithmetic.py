@@ -6,7 +6,7 @@
 
 A problem's split is decided by the SHA-256 of its key (`train.data.documents.heldout_score`),
 exactly like a training document's, so the SFT warm start (`train.data.source=arith`) never sees
-the held-out problems that RL evaluates on (`rl.loop`). The character tokenizer `arith_chars`
+the held-out problems that RL evaluates on (`rl.trainer`). The character tokenizer `arith_chars`
 (`model.tokenizers.arith_chars`) keeps every digit a separate token.
 """
 

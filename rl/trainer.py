@@ -1,0 +1,314 @@
+"""One RL run's machinery (report 5.2): `RLTrainer` builds the models, optimizers, decoder,
+tasks and mesh layouts once; `iteration()` does rollouts -> rewards -> advantages -> one epoch
+of actor and critic updates; `evaluate()` the held-out accuracy. `rl.loop.run_rl` drives it.
+
+Each iteration draws P training problems (deterministically from the seed and the iteration),
+samples N responses for each with the inference path (its own dtype: pi_infer), recomputes
+pi_old with the training path, scores the responses with each task's reward (rl/tasks.py; the
+prompts are split between the tasks by weight, rl/task_mix.py), bootstraps truncated
+ones with the critic (eq. 3), forms advantages (GAE, or group-normalised rewards for GRPO) and
+runs one epoch of actor and critic minibatch updates. Everything runs under `rl.mesh` with
+training's layouts (rl/parallel.py).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.inference.decode import Decoder
+from model.inference.sampling import Sampling
+from model.interop.workdir import Checkpointer, restore_target
+from model.interop.workdir_record import tokenizer_mismatch
+from model.lm import CausalLM, abstract_variables, init_variables, join_variables
+from model.parallel.rules import param_axes, replicated
+from model.tokenizers.text import load_tokenizer
+from model.weights import load_model
+from rl.config import RLRunConfig
+from rl.draw import Draw, score_draw
+from rl.dynamic_sampling import sample_batch
+from rl.evaluate import heldout_scores
+from rl.models import ValueModel, critic_variables_from_policy, shift_right, token_logprobs
+from rl.objectives import losses
+from rl.objectives.advantages import bootstrapped_rewards, gae, terminal_rewards
+from rl.objectives.kl import kl_estimate
+from rl.objectives.overlong import overlong_penalty
+from rl.parallel import (
+    check_rows_fit,
+    place_variables,
+    rl_mesh,
+    rl_state_shardings,
+    row_sharding,
+    sharded_jit,
+    variables_sharding,
+)
+from rl.resume import resumed_config
+from rl.rollout import Rollouts, collect_rollouts
+from rl.task_mix import sample_mix
+from rl.tasks import build_tasks
+from rl.update import make_actor_step, make_critic_step, minibatches
+from train.loop import TrainingError
+from train.optim.optimizer import build_optimizer
+from train.optim.schedules import learning_rate_schedule
+from train.state import TrainState, state_from_variables
+
+
+class RLState(flax.struct.PyTreeNode):
+    actor: TrainState
+    critic: TrainState | None  # None for GRPO
+    reference: Any  # params of the initial policy (KL anchor), {} when rl.kl_coef == 0
+    iteration: jax.Array  # int32 []: iterations completed
+
+
+class RLTrainer:
+    """The pieces of one RL run; `run_rl()` is the entry point (it prepares and locks the
+    workdir first)."""
+
+    def __init__(self, run: RLRunConfig, workdir: Path, init_from: str | None = None,
+                 devices: list | None = None):
+        self.workdir = Path(workdir)
+        self.mesh = rl_mesh(run.rl.mesh, devices)  # this command's: a resume may change it
+        self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.rl.keep_checkpoints)
+        self.resume_step = self.checkpoints.latest_step()
+        self.initial_variables = None
+        if self.resume_step is not None:
+            run = resumed_config(run, self.checkpoints.read_config(self.resume_step),
+                                 self.workdir)
+        elif init_from:
+            config, self.initial_variables = load_model(init_from, self.mesh)
+            run = run.with_model(config)
+        elif run.model is None:
+            raise TrainingError("no policy to start from: pass --init-from (a training workdir, "
+                                "model directory or HF checkpoint) or give a model: section")
+        self.run, rl = run, run.rl
+        check_rows_fit(rl, self.mesh)
+        self.tokenizer = load_tokenizer(rl.tokenizer)
+        # A policy trained with another tokenizer reads the prompts as noise: reward 0 throughout.
+        mismatch = init_from and self.resume_step is None and tokenizer_mismatch(
+            Path(init_from), self.tokenizer)
+        if mismatch:
+            raise TrainingError(f"--init-from: {mismatch}; set rl.tokenizer to the workdir's "
+                                "tokenizer or start from a policy trained with this one")
+        if self.tokenizer.get_vocab_size() > run.model.vocab_size:
+            raise TrainingError(f"tokenizer {rl.tokenizer!r} has {self.tokenizer.get_vocab_size()} "
+                                f"tokens but the model's vocab_size is {run.model.vocab_size}")
+        self.tasks = build_tasks(run.task)
+        self.prompt_ids = {p.prompt: self.tokenizer.encode(p.prompt).tolist()
+                           for task in self.tasks for p in task.train + task.heldout}
+        self.row_length = max(map(len, self.prompt_ids.values())) + rl.max_new_tokens
+
+        self.actor = CausalLM(run.model)
+        self.critic = ValueModel(run.model) if rl.uses_critic else None
+        boxed = abstract_variables(run.model)
+        # Only the main head is trained: the MTP heads are frozen (no loss reaches them).
+        self.actor_optimizer = build_optimizer(
+            param_axes(boxed), learning_rate=learning_rate_schedule(**rl.actor.schedule_settings()),
+            trained_mtp_heads=0, **rl.actor.optimizer_settings())
+        critic_boxed = None
+        if self.critic is not None:
+            critic_boxed = jax.eval_shape(lambda: init_variables(self.critic, jax.random.key(0)))
+            self.critic_optimizer = build_optimizer(
+                param_axes(critic_boxed),
+                learning_rate=learning_rate_schedule(**rl.critic.schedule_settings()),
+                **rl.critic.optimizer_settings())
+        self.decoder = Decoder(run.model.replace(compute_dtype=rl.inference_dtype),
+                               nn.meta.unbox(boxed), max_len=self.row_length)
+        self.abstract_state = jax.eval_shape(lambda: self._fresh_state(self._random_variables()))
+        shardings = self.state_sharding = rl_state_shardings(
+            self.abstract_state, boxed, critic_boxed, self.mesh, run.model, rl.mesh.zero1)
+        rows, metrics = row_sharding(self.mesh), replicated(self.mesh)
+        self._score = sharded_jit(lambda variables, tokens, segments: token_logprobs(
+            self.actor, variables, tokens, segments, rl.temperature),
+            (variables_sharding(shardings.actor), rows, rows), rows)
+        self._actor_step = sharded_jit(make_actor_step(self.actor, self.actor_optimizer, rl),
+                                       (shardings.actor, rows), (shardings.actor, metrics), (0,))
+        if self.critic is not None:
+            self._values = sharded_jit(self.critic.apply,
+                                       (variables_sharding(shardings.critic), rows, rows), rows)
+            self._critic_step = sharded_jit(make_critic_step(self.critic, self.critic_optimizer),
+                                            (shardings.critic, rows), (shardings.critic, metrics),
+                                            (0,))
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def _fresh_state(self, variables: dict) -> RLState:
+        rl = self.run.rl
+        actor = state_from_variables(variables, self.actor_optimizer, jax.random.key(rl.seed))
+        critic = None
+        if self.critic is not None:
+            critic_init = nn.meta.unbox(init_variables(self.critic, jax.random.key(rl.seed)))
+            critic_vars = critic_variables_from_policy(variables, critic_init)
+            critic = state_from_variables(critic_vars, self.critic_optimizer,
+                                          jax.random.key(rl.seed + 1))
+        reference = variables["params"] if rl.kl_coef else {}
+        return RLState(actor=actor, critic=critic, reference=reference,
+                       iteration=jnp.zeros((), jnp.int32))
+
+    def initial_state(self) -> RLState:
+        """A fresh state created in its shardings, or the latest checkpoint restored into them
+        (whatever mesh saved it)."""
+        if self.resume_step is not None:
+            state, _ = self.checkpoints.restore(
+                self.resume_step, restore_target(self.abstract_state, self.state_sharding))
+            return state
+        variables = place_variables(self.initial_variables or self._random_variables(),
+                                    self.state_sharding.actor)
+        return jax.jit(self._fresh_state, out_shardings=self.state_sharding)(variables)
+
+    def _random_variables(self) -> dict:
+        return nn.meta.unbox(init_variables(self.actor, jax.random.key(self.run.rl.seed)))
+
+    def save(self, state: RLState) -> None:
+        iteration = int(state.iteration)
+        self.checkpoints.save(iteration, state, {"iteration": iteration}, self.run.to_dict())
+
+    # ---- one iteration ----------------------------------------------------------------------
+
+    def draw(self, state: RLState, iteration: int, draw: int = 0) -> Draw:
+        """P problems x N samples, sampled and scored -> a `Draw` (rl/draw.py): rollouts,
+        rewards float32 [P * N] and each row's task. The samples of a
+        problem are adjacent rows; the P problems are split between the tasks by weight. Draw 0
+        is an iteration's first; each `draw` takes other problems and sampling keys,
+        deterministically."""
+        rl = self.run.rl
+        rng = np.random.default_rng([rl.seed, iteration] + ([draw] if draw else []))
+        rows = [row for row in sample_mix(self.tasks, rl.prompts_per_iteration, rng)
+                for _ in range(rl.samples_per_prompt)]
+        decoder = self.decoder.with_variables(_variables(state.actor))
+        key = jax.random.fold_in(jax.random.key(rl.seed), iteration)
+        if draw:
+            key = jax.random.fold_in(key, draw)
+        rollouts = collect_rollouts(
+            decoder, [self.prompt_ids[p.prompt] for _, p in rows], length=self.row_length,
+            max_new_tokens=rl.max_new_tokens, sampling=Sampling(rl.temperature, top_p=rl.top_p),
+            stop_id=self.tokenizer.eos_id, key=key)
+        return score_draw(rollouts, rows, [self.tokenizer.decode(r) for r in rollouts.responses])
+
+    def iteration(self, state: RLState, iteration: int) -> tuple[RLState, dict]:
+        """Rollouts -> rewards -> advantages -> one epoch of updates. -> (state, metrics).
+        `rewards` are the verifier's, `scored` the trained-on ones (plus DAPO's overlong
+        penalty); with dynamic sampling the batch takes several draws (rl/dynamic_sampling.py)."""
+        rl = self.run.rl
+        started = time.perf_counter()
+        drawn, scored, sampling = sample_batch(
+            lambda draw: self.draw(state, iteration, draw),
+            lambda drawn: drawn.rewards + overlong_penalty(
+                drawn.rollouts.response_lengths, rl.max_new_tokens, rl.overlong_buffer_tokens),
+            groups=rl.prompts_per_iteration, group_size=rl.samples_per_prompt,
+            dynamic=rl.samples_dynamically, max_draws=rl.max_draws)
+        rollouts, rewards = drawn.rollouts, drawn.rewards
+        rollout_seconds = time.perf_counter() - started
+        tokens, segments = jnp.asarray(rollouts.tokens), jnp.asarray(rollouts.segment_ids)
+        mask, infer_logp = jnp.asarray(rollouts.mask), jnp.asarray(rollouts.infer_logp)
+
+        old = self._score(_variables(state.actor), tokens, segments)  # pi_old: training path
+        ref_logp = (self._score({**_variables(state.actor), "params": state.reference}, tokens,
+                                segments)["logp"] if rl.kl_coef else old["logp"])
+        advantages, returns, values = self._advantages(state, rollouts, scored)
+        select = (losses.high_entropy_mask(old["entropy"], mask, rl.entropy_top_frac)
+                  if rl.entropy_top_frac < 1 else mask)
+        batch = jax.tree.map(np.asarray, {
+            "tokens": tokens, "segment_ids": segments, "mask": mask, "old_logp": old["logp"],
+            "infer_logp": infer_logp, "advantages": advantages, "ref_logp": ref_logp,
+            "select": select})
+        state, update_metrics = self._update(state, batch, returns, iteration)
+
+        _, _, filters = losses.mis_filters(old["logp"], infer_logp, mask, rl.token_bounds,
+                                           rl.traj_bounds)
+        lengths = rollouts.response_lengths
+        per_rollout_confidence = (jnp.sum(old["routing_confidence"] * mask, axis=1)
+                                  / jnp.maximum(jnp.sum(mask, axis=1), 1.0))
+        metrics = {
+            **drawn.metrics([task.name for task in self.tasks]),
+            "truncation_rate": float(rollouts.truncated.mean()),
+            "response_length": float(lengths.mean()),
+            "entropy": float(losses.masked_mean(old["entropy"], mask)),
+            "routing_confidence": float(per_rollout_confidence.mean()),
+            "routing_confidence_hist": np.asarray(per_rollout_confidence),  # TensorBoard only
+            "kl": float(kl_estimate(rl.kl_estimator, old["logp"], old["logp"], ref_logp, mask)),
+            **{k: float(v) for k, v in filters.items()}, **sampling,
+            **update_metrics,
+            "advantage_rms": float(jnp.sqrt(losses.masked_mean(advantages ** 2, mask))),
+            "rollout_seconds": rollout_seconds,
+            "rollout_tokens_per_sec": sampling.get("sampling/tokens_drawn", float(lengths.sum()))
+                                      / max(rollout_seconds, 1e-9),
+            "iteration_seconds": time.perf_counter() - started,
+        }
+        if rl.overlong_buffer_tokens:
+            metrics["overlong_penalty"] = float(np.mean(scored - rewards))
+        if values is not None:
+            metrics["value_mean"] = float(losses.masked_mean(values, mask))
+        return state, metrics
+
+    def _advantages(self, state: RLState, rollouts: Rollouts, rewards: np.ndarray):
+        """-> (advantages [B, T], critic targets [B, T] or None, V(s_t) [B, T] or None).
+        With a critic: eq. 3's bootstrapped rewards and GAE; without (GRPO, or
+        rl.advantages=group): group-normalised rewards."""
+        rl = self.run.rl
+        mask = jnp.asarray(rollouts.mask)
+        if self.critic is None:
+            group = losses.group_advantages(jnp.asarray(rewards), rl.samples_per_prompt,
+                                            scale=rl.divides_by_group_std)
+            return group[:, None] * mask, None, None
+        after = self._values(_variables(state.critic), jnp.asarray(rollouts.tokens),
+                             jnp.asarray(rollouts.segment_ids))
+        values = shift_right(after) * mask
+        last = rollouts.tokens.shape[1] - 1 - np.argmax(rollouts.mask[:, ::-1], axis=1)
+        final_values = after[jnp.arange(len(last)), jnp.asarray(last)]  # V(s_T)
+        scored = jnp.asarray(rewards)
+        if rl.truncation_bootstrap:
+            scored = bootstrapped_rewards(scored, jnp.asarray(rollouts.truncated), final_values)
+        advantages, returns = gae(terminal_rewards(scored, mask), values, mask, rl.gamma, rl.lam)
+        return advantages, returns, values
+
+    def _update(self, state: RLState, batch: dict, returns, iteration: int
+                ) -> tuple[RLState, dict]:
+        """One epoch: `rl.actor_minibatches` actor and `rl.critic_minibatches` critic updates."""
+        rl = self.run.rl
+        shuffle = np.random.default_rng([rl.seed, iteration, 1])
+        actor, actor_metrics = state.actor, []
+        for mb in minibatches(batch, rl.actor_minibatches, shuffle):
+            actor, m = self._actor_step(actor, mb)
+            actor_metrics.append(m)
+        critic, critic_metrics = state.critic, []
+        if self.critic is not None:
+            critic_batch = {k: batch[k] for k in ("tokens", "segment_ids", "mask")}
+            critic_batch["returns"] = np.asarray(returns)
+            for mb in minibatches(critic_batch, rl.critic_minibatches, shuffle):
+                critic, m = self._critic_step(critic, mb)
+                critic_metrics.append(m)
+        state = state.replace(actor=actor, critic=critic, iteration=state.iteration + 1)
+        return state, {**_mean_metrics(actor_metrics, "actor/"),
+                       **_mean_metrics(critic_metrics, "critic/")}
+
+    def evaluate(self, state: RLState) -> dict[str, float]:
+        """Held-out exact-match accuracy, pooled and per task: greedy and sampled (the rollout
+        temperature)."""
+        rl = self.run.rl
+        decoder = self.decoder.with_variables(_variables(state.actor))
+        common = dict(prompt_ids=self.prompt_ids, tokenizer=self.tokenizer,
+                      max_new_tokens=rl.max_new_tokens, batch_size=rl.batch_size)
+        return {
+            **heldout_scores(decoder, self.tasks, rl.eval_prompts, Sampling(), "eval/accuracy",
+                             **common),
+            **heldout_scores(decoder, self.tasks, rl.eval_prompts,
+                             Sampling(rl.temperature, top_p=rl.top_p), "eval/sample_accuracy",
+                             key=jax.random.key(rl.seed), **common),
+        }
+
+
+def _variables(state: TrainState) -> dict:
+    return join_variables(state.params, state.balance)
+
+
+def _mean_metrics(records: list[dict], prefix: str) -> dict[str, float]:
+    if not records:
+        return {}
+    return {prefix + k: float(np.mean([float(r[k]) for r in records])) for k in records[0]}
