@@ -17,8 +17,9 @@ iteration drew it first. Cost: K samples of every training problem, at the rollo
 
 Deterministic: problems in the tasks' order and each task's training order, `rows // K` problems
 per batch, each repeated K times in adjacent rows (the last batch filled with repeats of its last
-problem, whose extra results are dropped), batch b sampled with key fold_in(key(seed), 2^32 - 1, b)
-(the rollouts' keys are fold_in(key(seed), iteration)).
+problem, whose extra results are dropped); batch b samples with key fold_in(key(seed), KEY_STREAM,
+b), a stream the rollouts' keys fold_in(key(seed), iteration) never reach.
+
 A problem with no correct sample gets no budget (None here, +inf in `of`): the source leaves it
 open, and eq. 2's budget phase would otherwise need a length the policy never reached with a
 right answer; such problems mostly have a group accuracy below lambda anyway.
