@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stepjax-installed
 
-.PHONY: test train rl rl-compare sweep bench bench-torch clean-venv
+.PHONY: test train rl rl-compare rl-toggle sweep bench bench-torch clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,21 @@ rl-compare: $(STAMP)
 			--init-from $(SFT_DIR) rl.algorithm=$$algorithm $(ARGS) || exit 1; done
 	$(PY) -m rl.compare $(foreach a,$(RL_ALGORITHMS),$(a)=$(COMPARE_DIR)/$(a)) \
 		--json $(COMPARE_DIR)/compare.json --plot $(COMPARE_DIR)/compare.png
+
+# Kimi K2.5's Toggle (README, "Toggle"): an SFT warm start on the multi-step task, then the same
+# RL run with and without Toggle, compared by `python -m rl.compare` (response length against
+# accuracy). Re-running resumes unfinished runs; ARGS go to both `python -m rl`.
+TOGGLE_SFT_DIR ?= runs/sft_multistep
+TOGGLE_DIR ?= runs/rl_toggle
+rl-toggle: $(STAMP)
+	$(PY) -m train --config configs/sft_arith.yaml --workdir $(TOGGLE_SFT_DIR) \
+		train.data.source=arith_multistep
+	$(PY) -m rl --config configs/rl_toggle_multistep.yaml --workdir $(TOGGLE_DIR)/toggle \
+		--init-from $(TOGGLE_SFT_DIR) $(ARGS)
+	$(PY) -m rl --config configs/rl_toggle_multistep.yaml --workdir $(TOGGLE_DIR)/baseline \
+		--init-from $(TOGGLE_SFT_DIR) rl.toggle.enabled=false $(ARGS)
+	$(PY) -m rl.compare toggle=$(TOGGLE_DIR)/toggle baseline=$(TOGGLE_DIR)/baseline \
+		--json $(TOGGLE_DIR)/compare.json --plot $(TOGGLE_DIR)/compare.png
 
 # Ablation sweep (README, "Experiments"):
 # SWEEP=layout|gate|optimizer|balance|deepseek_v4|families; re-running skips

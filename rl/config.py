@@ -26,6 +26,9 @@ group-normalised rewards plus dynamic sampling and overlong reward shaping (its 
 of L_max = 20480, a fifth); `dr_grpo` (Liu et al. 2025) is PPO's clipped surrogate (`ppo_clip`,
 symmetric 0.2 as in GRPO) on unnormalised group advantages (reward - group mean) with the
 token-sum loss. Both papers train without a KL term: add `rl.kl_coef=0` to match them.
+
+`rl.toggle` (Kimi K2.5's token-budget RL, rl/objectives/toggle.py and rl/budget.py) works with
+every algorithm: `rl.toggle.enabled=true`.
 """
 
 from __future__ import annotations
@@ -80,6 +83,36 @@ class RLMeshConfig(MeshConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class ToggleConfig(Config):
+    """`rl.toggle`: Kimi K2.5's Toggle (its eq. 2). Iterations alternate in blocks of `period`
+    (m) between a budget phase, where a response longer than its problem's budget earns no
+    reward once the problem's group accuracy reaches `accuracy_threshold` (lambda), and an
+    unconstrained phase. A problem's budget is the `percentile` (rho, 0-100) of the lengths of
+    the correct ones among `budget_samples` (K) responses of the initial policy, estimated once
+    at the start. The source gives none of the four values; these defaults are ours (README,
+    "Toggle")."""
+
+    section = "rl.toggle"
+
+    enabled: bool = False
+    period: int = 10  # m: iterations per phase; phase 0 (budget) first
+    accuracy_threshold: float = 0.5  # lambda: the budget binds once group accuracy >= this
+    percentile: float = 50.0  # rho: the budget is this percentile of correct lengths
+    budget_samples: int | None = None  # K at estimation; null = rl.samples_per_prompt
+
+    def validate(self) -> None:
+        check_bool("enabled", self.enabled)
+        check_int("period", self.period, 1)
+        check_fraction("accuracy_threshold", self.accuracy_threshold)
+        if not isinstance(self.percentile, (int, float)) or isinstance(self.percentile, bool) \
+                or not 0 <= self.percentile <= 100:
+            raise ConfigError("percentile", f"must be a number in [0, 100], got "
+                              f"{self.percentile!r}")
+        if self.budget_samples is not None:
+            check_int("budget_samples", self.budget_samples, 1)
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig(LoopConfig):
     """The RL loop; `actor` and `critic` are each one model's optimizer (train/optim/config.py,
     warm-up then a constant rate). Seed, logging, checkpoints, progress and the compilation
@@ -131,6 +164,7 @@ class RLConfig(LoopConfig):
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     mesh: RLMeshConfig = RLMeshConfig()  # data=-1: every device data-parallel, as training
+    toggle: ToggleConfig = ToggleConfig()  # Kimi K2.5's token-budget phases (off by default)
 
     @property
     def batch_size(self) -> int:
@@ -162,6 +196,11 @@ class RLConfig(LoopConfig):
         if self.overlong_buffer is not None:
             return self.overlong_buffer
         return max(1, self.max_new_tokens // 5) if self.algorithm == "dapo" else 0
+
+    @property
+    def budget_samples(self) -> int:
+        """K of Toggle's budget estimation: `rl.toggle.budget_samples`, else N."""
+        return self.toggle.budget_samples or self.samples_per_prompt
 
     def validate(self) -> None:
         super().validate()
@@ -199,6 +238,12 @@ class RLConfig(LoopConfig):
                               f"{max(self.actor_minibatches, self.critic_minibatches)} minibatches")
         self._validate_switches()
         self._validate_warmups()
+        # Estimation decodes batches of rl.batch_size rows (the rollouts' shape: no new
+        # compilation, and the rows split over the mesh as the rollouts do).
+        if self.toggle.enabled and self.batch_size % self.budget_samples:
+            raise ConfigError("toggle.budget_samples", f"{self.budget_samples} must divide the "
+                              f"{self.batch_size} rollouts per iteration (rl.prompts_per_iteration"
+                              " x rl.samples_per_prompt)")
 
     def _validate_switches(self) -> None:
         for name in ("group_std", "dynamic_sampling"):

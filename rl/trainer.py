@@ -8,7 +8,8 @@ pi_old with the training path, scores the responses with each task's reward (rl/
 prompts are split between the tasks by weight, rl/task_mix.py), bootstraps truncated
 ones with the critic (eq. 3), forms advantages (GAE, or group-normalised rewards for GRPO) and
 runs one epoch of actor and critic minibatch updates. Everything runs under `rl.mesh` with
-training's layouts (rl/parallel.py).
+training's layouts (rl/parallel.py). With `rl.toggle`, the rewards pass through Kimi K2.5's
+Toggle (rl/objectives/toggle.py) on budgets estimated at the start (rl/budget.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from model.lm import CausalLM, abstract_variables, init_variables, join_variable
 from model.parallel.rules import param_axes, replicated
 from model.tokenizers.text import load_tokenizer
 from model.weights import load_model
+from rl.budget import BudgetTable, budget_table, toggled_rewards
 from rl.config import RLRunConfig
 from rl.draw import Draw, score_draw
 from rl.dynamic_sampling import sample_batch
@@ -78,6 +80,7 @@ class RLTrainer:
         self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.rl.keep_checkpoints)
         self.resume_step = self.checkpoints.latest_step()
         self.initial_variables = None
+        self.budgets: BudgetTable | None = None  # Toggle's, set by initial_state()
         if self.resume_step is not None:
             run = resumed_config(run, self.checkpoints.read_config(self.resume_step),
                                  self.workdir)
@@ -153,14 +156,19 @@ class RLTrainer:
 
     def initial_state(self) -> RLState:
         """A fresh state created in its shardings, or the latest checkpoint restored into them
-        (whatever mesh saved it)."""
+        (whatever mesh saved it). With `rl.toggle`, also sets `budgets`: estimated with the
+        fresh policy and saved, or read back on resume (rl/budget.py)."""
         if self.resume_step is not None:
             state, _ = self.checkpoints.restore(
                 self.resume_step, restore_target(self.abstract_state, self.state_sharding))
-            return state
-        variables = place_variables(self.initial_variables or self._random_variables(),
-                                    self.state_sharding.actor)
-        return jax.jit(self._fresh_state, out_shardings=self.state_sharding)(variables)
+        else:
+            variables = place_variables(self.initial_variables or self._random_variables(),
+                                        self.state_sharding.actor)
+            state = jax.jit(self._fresh_state, out_shardings=self.state_sharding)(variables)
+        if self.run.rl.toggle.enabled:
+            self.budgets = budget_table(self.workdir, self.resume_step is not None, self.run.rl,
+                                        self.tasks, lambda rows, key: self.sample(state, rows, key))
+        return state
 
     def _random_variables(self) -> dict:
         return nn.meta.unbox(init_variables(self.actor, jax.random.key(self.run.rl.seed)))
@@ -181,26 +189,31 @@ class RLTrainer:
         rng = np.random.default_rng([rl.seed, iteration] + ([draw] if draw else []))
         rows = [row for row in sample_mix(self.tasks, rl.prompts_per_iteration, rng)
                 for _ in range(rl.samples_per_prompt)]
-        decoder = self.decoder.with_variables(_variables(state.actor))
         key = jax.random.fold_in(jax.random.key(rl.seed), iteration)
         if draw:
             key = jax.random.fold_in(key, draw)
+        return self.sample(state, rows, key)
+
+    def sample(self, state: RLState, rows: list, key: jax.Array) -> Draw:
+        """rows [B] of (task, problem) -> one response each from the actor at the rollout
+        temperature, scored (`Draw`)."""
+        rl = self.run.rl
         rollouts = collect_rollouts(
-            decoder, [self.prompt_ids[p.prompt] for _, p in rows], length=self.row_length,
+            self.decoder.with_variables(_variables(state.actor)),
+            [self.prompt_ids[p.prompt] for _, p in rows], length=self.row_length,
             max_new_tokens=rl.max_new_tokens, sampling=Sampling(rl.temperature, top_p=rl.top_p),
             stop_id=self.tokenizer.eos_id, key=key)
         return score_draw(rollouts, rows, [self.tokenizer.decode(r) for r in rollouts.responses])
 
     def iteration(self, state: RLState, iteration: int) -> tuple[RLState, dict]:
         """Rollouts -> rewards -> advantages -> one epoch of updates. -> (state, metrics).
-        `rewards` are the verifier's, `scored` the trained-on ones (plus DAPO's overlong
-        penalty); with dynamic sampling the batch takes several draws (rl/dynamic_sampling.py)."""
+        `rewards` are the verifier's, `scored` the trained-on ones (`training_rewards`); with
+        dynamic sampling the batch takes several draws (rl/dynamic_sampling.py)."""
         rl = self.run.rl
         started = time.perf_counter()
         drawn, scored, sampling = sample_batch(
             lambda draw: self.draw(state, iteration, draw),
-            lambda drawn: drawn.rewards + overlong_penalty(
-                drawn.rollouts.response_lengths, rl.max_new_tokens, rl.overlong_buffer_tokens),
+            lambda drawn: self.training_rewards(drawn, iteration)[0],
             groups=rl.prompts_per_iteration, group_size=rl.samples_per_prompt,
             dynamic=rl.samples_dynamically, max_draws=rl.max_draws)
         rollouts, rewards = drawn.rollouts, drawn.rewards
@@ -242,10 +255,24 @@ class RLTrainer:
             "iteration_seconds": time.perf_counter() - started,
         }
         if rl.overlong_buffer_tokens:
-            metrics["overlong_penalty"] = float(np.mean(scored - rewards))
+            metrics["overlong_penalty"] = float(np.mean(
+                overlong_penalty(lengths, rl.max_new_tokens, rl.overlong_buffer_tokens)))
+        metrics.update(self.training_rewards(drawn, iteration)[1])
         if values is not None:
             metrics["value_mean"] = float(losses.masked_mean(values, mask))
         return state, metrics
+
+    def training_rewards(self, drawn: Draw, iteration: int) -> tuple[np.ndarray, dict]:
+        """A draw's rewards as trained on -> (float32 [B], Toggle's metrics or {}): the task's,
+        through Toggle (eq. 2) when `rl.toggle` is on, then plus DAPO's overlong penalty. In that
+        order because eq. 2 gates the outcome reward: multiplied after the penalty, an over-budget
+        response would also shed its (negative) length penalty and out-score a shorter one."""
+        rl = self.run.rl
+        rewards, metrics = drawn.rewards, {}
+        if rl.toggle.enabled:
+            rewards, metrics = toggled_rewards(drawn, self.budgets, rl, iteration)
+        return rewards + overlong_penalty(drawn.rollouts.response_lengths, rl.max_new_tokens,
+                                          rl.overlong_buffer_tokens), metrics
 
     def _advantages(self, state: RLState, rollouts: Rollouts, rewards: np.ndarray):
         """-> (advantages [B, T], critic targets [B, T] or None, V(s_t) [B, T] or None).
