@@ -30,8 +30,8 @@ from model.interop.workdir_record import tokenizer_mismatch
 from model.lm import CausalLM, abstract_variables, init_variables, join_variables
 from model.parallel.rules import param_axes, replicated
 from model.tokenizers.text import load_tokenizer
-from model.weights import load_model
 from rl.config import RLRunConfig
+from rl.distill.distillation import Distillation
 from rl.draw import Draw, score_draw
 from rl.dynamic_sampling import sample_batch
 from rl.evaluate import heldout_scores
@@ -40,6 +40,7 @@ from rl.objectives import losses
 from rl.objectives.advantages import bootstrapped_rewards, gae, terminal_rewards
 from rl.objectives.kl import kl_estimate
 from rl.objectives.overlong import overlong_penalty
+from rl.policies import load_policy
 from rl.parallel import (
     check_rows_fit,
     place_variables,
@@ -82,7 +83,7 @@ class RLTrainer:
             run = resumed_config(run, self.checkpoints.read_config(self.resume_step),
                                  self.workdir)
         elif init_from:
-            config, self.initial_variables = load_model(init_from, self.mesh)
+            config, self.initial_variables = load_policy(init_from, self.mesh)
             run = run.with_model(config)
         elif run.model is None:
             raise TrainingError("no policy to start from: pass --init-from (a training workdir, "
@@ -100,6 +101,7 @@ class RLTrainer:
             raise TrainingError(f"tokenizer {rl.tokenizer!r} has {self.tokenizer.get_vocab_size()} "
                                 f"tokens but the model's vocab_size is {run.model.vocab_size}")
         self.tasks = build_tasks(run.task)
+        self.distillation = Distillation.of_run(run, self.tokenizer, self.mesh)
         self.prompt_ids = {p.prompt: self.tokenizer.encode(p.prompt).tolist()
                            for task in self.tasks for p in task.train + task.heldout}
         self.row_length = max(map(len, self.prompt_ids.values())) + rl.max_new_tokens
@@ -127,8 +129,11 @@ class RLTrainer:
         self._score = sharded_jit(lambda variables, tokens, segments: token_logprobs(
             self.actor, variables, tokens, segments, rl.temperature),
             (variables_sharding(shardings.actor), rows, rows), rows)
-        self._actor_step = sharded_jit(make_actor_step(self.actor, self.actor_optimizer, rl),
-                                       (shardings.actor, rows), (shardings.actor, metrics), (0,))
+        self.teacher_heads = self.distillation.heads if self.distillation else ()
+        self._actor_step = sharded_jit(
+            make_actor_step(self.actor, self.actor_optimizer, rl,
+                            self.distillation.head_configs if self.distillation else ()),
+            (shardings.actor, rows, replicated(self.mesh)), (shardings.actor, metrics), (0,))
         if self.critic is not None:
             self._values = sharded_jit(self.critic.apply,
                                        (variables_sharding(shardings.critic), rows, rows), rows)
@@ -212,12 +217,16 @@ class RLTrainer:
         ref_logp = (self._score({**_variables(state.actor), "params": state.reference}, tokens,
                                 segments)["logp"] if rl.kl_coef else old["logp"])
         advantages, returns, values = self._advantages(state, rollouts, scored)
+        distilled, distill_metrics = {}, {}
+        if self.distillation is not None:  # the teacher term (rl/distill/)
+            advantages, distilled, distill_metrics = self.distillation.apply(
+                drawn, old["logp"], advantages)
         select = (losses.high_entropy_mask(old["entropy"], mask, rl.entropy_top_frac)
                   if rl.entropy_top_frac < 1 else mask)
         batch = jax.tree.map(np.asarray, {
             "tokens": tokens, "segment_ids": segments, "mask": mask, "old_logp": old["logp"],
             "infer_logp": infer_logp, "advantages": advantages, "ref_logp": ref_logp,
-            "select": select})
+            "select": select, **distilled})
         state, update_metrics = self._update(state, batch, returns, iteration)
 
         _, _, filters = losses.mis_filters(old["logp"], infer_logp, mask, rl.token_bounds,
@@ -234,7 +243,7 @@ class RLTrainer:
             "routing_confidence_hist": np.asarray(per_rollout_confidence),  # TensorBoard only
             "kl": float(kl_estimate(rl.kl_estimator, old["logp"], old["logp"], ref_logp, mask)),
             **{k: float(v) for k, v in filters.items()}, **sampling,
-            **update_metrics,
+            **update_metrics, **distill_metrics,
             "advantage_rms": float(jnp.sqrt(losses.masked_mean(advantages ** 2, mask))),
             "rollout_seconds": rollout_seconds,
             "rollout_tokens_per_sec": sampling.get("sampling/tokens_drawn", float(lengths.sum()))
@@ -275,7 +284,7 @@ class RLTrainer:
         shuffle = np.random.default_rng([rl.seed, iteration, 1])
         actor, actor_metrics = state.actor, []
         for mb in minibatches(batch, rl.actor_minibatches, shuffle):
-            actor, m = self._actor_step(actor, mb)
+            actor, m = self._actor_step(actor, mb, self.teacher_heads)
             actor_metrics.append(m)
         critic, critic_metrics = state.critic, []
         if self.critic is not None:
