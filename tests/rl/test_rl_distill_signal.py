@@ -12,13 +12,14 @@ here on hand-made log-probs, never against the code under test:
 """
 
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl.config import RLConfig, rl_config_from_dict
+from rl.config import RLConfig, load_rl_config, rl_config_from_dict
 from rl.distill.config import DistillConfig, TeacherConfig, task_teachers
 from rl.distill.full_vocab import reverse_kl
 from rl.distill.signal import distill_advantages, kept_weight_fraction, teacher_metrics
@@ -203,3 +204,20 @@ def test_a_task_teacher_wins_over_the_run_wide_one():
     assert task_teachers(wide, mix.tasks) == {
         "add": (TeacherConfig("runs/a"), "task.tasks.add.teacher"),
         "sub": (TeacherConfig("runs/w", "arith_chars"), "rl.distill.teacher")}
+
+
+def test_shipped_mopd_experiment_configs_load():
+    """configs/rl_mopd_arith.yaml, its baseline and its two teachers (`make mopd`)."""
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    mopd = load_rl_config(configs / "rl_mopd_arith.yaml")
+    assert mopd.rl.algorithm == "mopd" and mopd.rl.aggregation == "sequence_mean"
+    assert mopd.rl.distill == DistillConfig()  # the documented defaults, written out
+    teachers = task_teachers(mopd.rl.distill, mopd.task.tasks)
+    assert {task: t.checkpoint for task, (t, _) in teachers.items()} == {
+        "add": "runs/mopd/teacher_add", "sub": "runs/mopd/teacher_sub"}
+    mixed = load_rl_config(configs / "rl_mixed_arith.yaml")
+    assert (mixed.rl.algorithm, mixed.rl.distill.teacher_coef) == ("mis_po", 0.0)
+    assert [t.name for t in mixed.task.tasks] == [t.name for t in mopd.task.tasks]
+    for name, ops in (("add", "+"), ("sub", "-")):
+        [task] = load_rl_config(configs / f"rl_teacher_{name}.yaml").task.tasks
+        assert (task.name, task.ops, task.teacher.checkpoint) == (name, ops, "")
