@@ -6,8 +6,9 @@ Each iteration draws P training problems (deterministically from the seed and th
 samples N responses for each with the inference path (its own dtype: pi_infer), recomputes
 pi_old with the training path, scores the responses with each task's reward (rl/tasks.py; the
 prompts are split between the tasks by weight, rl/task_mix.py), bootstraps truncated
-ones with the critic (eq. 3), forms advantages (GAE, or group-normalised rewards for GRPO) and
-runs one epoch of actor and critic minibatch updates. Everything runs under `rl.mesh` with
+ones with the critic (eq. 3), forms advantages (GAE, or group-normalised rewards for GRPO; with
+teachers, plus the on-policy distillation term, rl/distill/) and runs one epoch of actor and
+critic minibatch updates. Everything runs under `rl.mesh` with
 training's layouts (rl/parallel.py).
 """
 
@@ -40,7 +41,6 @@ from rl.objectives import losses
 from rl.objectives.advantages import bootstrapped_rewards, gae, terminal_rewards
 from rl.objectives.kl import kl_estimate
 from rl.objectives.overlong import overlong_penalty
-from rl.policies import load_policy
 from rl.parallel import (
     check_rows_fit,
     place_variables,
@@ -50,6 +50,7 @@ from rl.parallel import (
     sharded_jit,
     variables_sharding,
 )
+from rl.policies import load_policy
 from rl.resume import resumed_config
 from rl.rollout import Rollouts, collect_rollouts
 from rl.task_mix import sample_mix
