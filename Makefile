@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stepjax-installed
 
-.PHONY: test train rl rl-compare rl-toggle sweep bench bench-torch clean-venv
+.PHONY: test train rl rl-compare rl-toggle mopd sweep bench bench-torch clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,29 @@ rl-toggle: $(STAMP)
 		--init-from $(TOGGLE_SFT_DIR) rl.toggle.enabled=false $(ARGS)
 	$(PY) -m rl.compare toggle=$(TOGGLE_DIR)/toggle baseline=$(TOGGLE_DIR)/baseline \
 		--json $(TOGGLE_DIR)/compare.json --plot $(TOGGLE_DIR)/compare.png
+
+# Multi-teacher on-policy distillation (README, "On-policy distillation"): from one SFT base, an
+# addition and a subtraction teacher (RL on one op each), then a student distilled from both by
+# MOPD and a mixed-task RL student for the same iterations, compared by `python -m rl.compare`.
+# ARGS go to the two students' runs (e.g. ARGS="rl.distill.signal=full_vocab").
+MOPD_DIR ?= runs/mopd
+MOPD_TEACHERS = task.tasks.add.teacher.checkpoint=$(MOPD_DIR)/teacher_add \
+	task.tasks.sub.teacher.checkpoint=$(MOPD_DIR)/teacher_sub
+MOPD_METRICS = eval/accuracy/add eval/accuracy/sub distill/kl/add distill/kl/sub \
+	response_length/add response_length/sub
+mopd: $(STAMP)
+	$(PY) -m train --config configs/sft_arith.yaml --workdir $(SFT_DIR)
+	for op in add sub; do \
+		$(PY) -m rl --config configs/rl_teacher_$$op.yaml --workdir $(MOPD_DIR)/teacher_$$op \
+			--init-from $(SFT_DIR) || exit 1; done
+	$(PY) -m rl --config configs/rl_mopd_arith.yaml --workdir $(MOPD_DIR)/student \
+		--init-from $(SFT_DIR) $(MOPD_TEACHERS) $(ARGS)
+	$(PY) -m rl --config configs/rl_mixed_arith.yaml --workdir $(MOPD_DIR)/mixed_rl \
+		--init-from $(SFT_DIR) $(MOPD_TEACHERS) $(ARGS)
+	$(PY) -m rl.compare teacher_add=$(MOPD_DIR)/teacher_add teacher_sub=$(MOPD_DIR)/teacher_sub \
+		mopd=$(MOPD_DIR)/student mixed_rl=$(MOPD_DIR)/mixed_rl \
+		$(foreach m,$(MOPD_METRICS),--metric $(m)) \
+		--json $(MOPD_DIR)/compare.json --plot $(MOPD_DIR)/compare.png
 
 # Ablation sweep (README, "Experiments"):
 # SWEEP=layout|gate|optimizer|balance|deepseek_v4|families; re-running skips

@@ -1,9 +1,11 @@
 """python -m rl --config configs/rl_arith.yaml --workdir DIR [--init-from DIR_or_HF] [key=value ...]
 
 Reinforcement learning with verifiable rewards (report 5.2): MIS-PO by default, or PPO, GRPO
-(DAPO-style), GSPO, DAPO and Dr. GRPO with `rl.algorithm=...`. `--init-from` takes the starting policy: a
-`python -m train` workdir (e.g. the SFT warm start of configs/sft_arith.yaml), a stepjax model
-directory or a Hugging Face Step 3.5 checkpoint. Re-running the same command resumes from the
+(DAPO-style), GSPO, DAPO and Dr. GRPO with `rl.algorithm=...`; on-policy distillation from a
+teacher per task (`task.tasks.<name>.teacher.checkpoint`, rl/distill/) under any of them or
+MiMo's MOPD (`rl.algorithm=mopd`). `--init-from` takes the starting policy: a
+`python -m train` workdir (e.g. the SFT warm start of configs/sft_arith.yaml), a `python -m rl`
+workdir (its actor), a stepjax model directory or a Hugging Face checkpoint. Re-running the same command resumes from the
 latest checkpoint in DIR (then --init-from is not needed). Writes DIR/metrics.jsonl,
 DIR/tensorboard/ and DIR/checkpoints/; SIGTERM/SIGINT save a checkpoint and exit cleanly.
 """
@@ -29,7 +31,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--workdir", required=True, metavar="DIR",
                         help="where checkpoints and metrics go; an existing run there is resumed")
     parser.add_argument("--init-from", metavar="DIR_or_HF", default=None,
-                        help="starting policy: training workdir, model directory or HF checkpoint")
+                        help="starting policy: training or RL workdir, model directory or HF "
+                             "checkpoint")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. rl.algorithm=ppo rl.iterations=20")
     return parser

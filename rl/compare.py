@@ -1,13 +1,16 @@
 """`python -m rl.compare`: RL runs side by side, from their metrics.jsonl files.
 
     python -m rl.compare mis_po=runs/rl_arith ppo=runs/ppo_arith grpo=runs/grpo_arith \\
-        [--json FILE.json] [--plot FILE.png]
+        [--metric eval/accuracy/add ...] [--json FILE.json] [--plot FILE.png]
 
 Prints a markdown table, one row per run: held-out exact match (greedy and sampled, at the
 first and the last evaluation), training reward and KL to the initial policy (means of the
 first and last ten logged iterations), response length, seconds per iteration and, for runs
-with DAPO's dynamic sampling, the batches drawn per iteration. `--plot` draws held-out accuracy,
-training reward, KL and response length against the iteration, one line per run.
+with DAPO's dynamic sampling, the batches drawn per iteration. Each `--metric NAME` (e.g. a
+per-task metric: `eval/accuracy/<task>`, `distill/kl/<task>`, `response_length/<task>`) adds
+the column "NAME last": its last value for an evaluation (`eval/...`), else the mean of the last
+ten logged iterations. `--plot` draws held-out accuracy, training reward, KL, response length
+and each `--metric` against the iteration, one line per run.
 """
 
 from __future__ import annotations
@@ -56,11 +59,17 @@ def series(records: list[dict], name: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(steps), np.asarray(values, np.float64)
 
 
-def summarize(records: list[dict]) -> dict[str, float | None]:
-    """Every COLUMNS entry of one run; None where the run logged no such metric, or only
+def metric_columns(names: Sequence[str]) -> tuple:
+    """The COLUMNS entries of `--metric` names: the last evaluation, or the last-ten mean."""
+    return tuple((f"{name} last", name, "last" if name.startswith("eval/") else "last_window")
+                 for name in names)
+
+
+def summarize(records: list[dict], columns: tuple = COLUMNS) -> dict[str, float | None]:
+    """Every `columns` entry of one run; None where the run logged no such metric, or only
     non-finite values where the column looks."""
     out: dict[str, float | None] = {}
-    for column, name, where in COLUMNS:
+    for column, name, where in columns:
         _, values = series(records, name)
         if not len(values):
             out[column] = None
@@ -73,8 +82,8 @@ def summarize(records: list[dict]) -> dict[str, float | None]:
     return out
 
 
-def markdown_table(summaries: dict[str, dict]) -> str:
-    columns = [c for c, _, _ in COLUMNS if any(s[c] is not None for s in summaries.values())]
+def markdown_table(summaries: dict[str, dict], columns: tuple = COLUMNS) -> str:
+    columns = [c for c, _, _ in columns if any(s[c] is not None for s in summaries.values())]
     lines = ["| run | iterations | " + " | ".join(columns) + " |",
              "|---|---|" + "---|" * len(columns)]
     for name, summary in summaries.items():
@@ -83,13 +92,17 @@ def markdown_table(summaries: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_runs(runs: dict[str, list[dict]], out: Path) -> None:
+def plot_runs(runs: dict[str, list[dict]], out: Path, panels: tuple = PANELS) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.3), squeeze=False)
-    for ax, (title, name) in zip(axes.flat, PANELS):
+    width = min(len(panels), len(PANELS))
+    height = -(-len(panels) // width)
+    fig, axes = plt.subplots(height, width, figsize=(4.2 * width, 3.3 * height), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (title, name) in zip(axes.flat, panels):
         for run, records in runs.items():
             steps, values = series(records, name)
             marker = "o" if name.startswith("eval/") else None
@@ -118,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=_run_argument, metavar="NAME=DIR",
                         help=f"an RL workdir (holding {METRICS_FILE}) and its label")
+    parser.add_argument("--metric", action="append", default=[], metavar="NAME",
+                        help="add a column (and a plot panel) for this metric, e.g. "
+                             "eval/accuracy/add; repeatable")
     parser.add_argument("--json", metavar="FILE.json", help="also write the table as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the runs' curves")
     args = parser.parse_args(argv)
@@ -134,13 +150,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"{name}: cannot read {path}: {err}")
         if not runs[name]:
             parser.error(f"{name}: {path} holds no metrics records")
-    summaries = {name: summarize(records) for name, records in runs.items()}
-    print(markdown_table(summaries))
+    columns = COLUMNS + metric_columns(args.metric)
+    summaries = {name: summarize(records, columns) for name, records in runs.items()}
+    print(markdown_table(summaries, columns))
     try:
         if args.json:
             Path(args.json).write_text(json.dumps(summaries, indent=1) + "\n")
         if args.plot:
-            plot_runs(runs, Path(args.plot))
+            plot_runs(runs, Path(args.plot), PANELS + tuple((m, m) for m in args.metric))
     except (OSError, ValueError) as err:
         parser.error(f"cannot write the output: {getattr(err, 'strerror', None) or err}")
     return 0

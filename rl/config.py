@@ -14,12 +14,12 @@ Baselines are presets of switches that work with every algorithm: a switch left 
 takes the algorithm's value, an explicit one wins (`rl.algorithm=dapo rl.dynamic_sampling=false`
 is DAPO without dynamic sampling).
 
-| switch (unset: the algorithm's) | dapo | dr_grpo | the others |
-|---|---|---|---|
-| `group_std`: group advantages / the group's std | true | false | true |
-| `loss_aggregation` (rl.objectives.losses) | token_mean | token_sum | token_mean |
-| `dynamic_sampling` (rl.dynamic_sampling) | true | false | false |
-| `overlong_buffer`: L_cache tokens (rl.objectives.overlong) | max_new_tokens // 5 | 0 | 0 |
+| switch (unset: the algorithm's) | dapo | dr_grpo | mopd | the others |
+|---|---|---|---|---|
+| `group_std`: group advantages / the group's std | true | false | true | true |
+| `loss_aggregation` (rl.objectives.losses) | token_mean | token_sum | sequence_mean | token_mean |
+| `dynamic_sampling` (rl.dynamic_sampling) | true | false | false | false |
+| `overlong_buffer`: L_cache tokens (rl.objectives.overlong) | max_new_tokens // 5 | 0 | 0 | 0 |
 
 `dapo` (Yu et al. 2025) is `grpo`'s loss (clip-higher `grpo_clip`, token-level mean) on
 group-normalised rewards plus dynamic sampling and overlong reward shaping (its L_cache = 4096
@@ -29,6 +29,9 @@ token-sum loss. Both papers train without a KL term: add `rl.kl_coef=0` to match
 
 `rl.toggle` (Kimi K2.5's token-budget RL, rl/objectives/toggle.py and rl/budget.py) works with
 every algorithm: `rl.toggle.enabled=true`.
+
+`mopd` is MiMo-V2-Flash's multi-teacher on-policy distillation (eqs. 7-9, rl/distill/): a
+teacher per task, `rl.distill` for its weights; it needs at least one teacher.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from model.config import (
     config_to_dict,
     read_yaml,
 )
+from rl.distill.config import DistillConfig, task_teachers
 from rl.objectives.kl import KL_ESTIMATORS
 from rl.objectives.losses import AGGREGATIONS
 from rl.task_config import TaskMixConfig, task_config_from_dict
@@ -60,8 +64,9 @@ from rl.task_mix import allocate_prompts
 from train.config import LoopConfig, MeshConfig, check_override_sections
 from train.optim.config import OptimizerConfig
 
-ALGORITHMS = ("mis_po", "ppo", "grpo", "gspo", "dapo", "dr_grpo")
-GROUP_ALGORITHMS = ("grpo", "dapo", "dr_grpo")  # always group advantages, no critic
+ALGORITHMS = ("mis_po", "ppo", "grpo", "gspo", "dapo", "dr_grpo", "mopd")
+# Always group advantages, no critic (MOPD: eq. 9's A_ORM are GRPO's advantages).
+GROUP_ALGORITHMS = ("grpo", "dapo", "dr_grpo", "mopd")
 ADVANTAGES = ("gae", "group")
 INFERENCE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -120,7 +125,7 @@ class RLConfig(LoopConfig):
 
     section = "rl"
 
-    algorithm: str = "mis_po"  # mis_po | ppo | grpo | gspo | dapo | dr_grpo
+    algorithm: str = "mis_po"  # mis_po | ppo | grpo | gspo | dapo | dr_grpo | mopd
     iterations: int = 100
     prompts_per_iteration: int = 256  # P (report 5.2.3, reasoning tasks)
     samples_per_prompt: int = 16  # N
@@ -165,6 +170,7 @@ class RLConfig(LoopConfig):
     keep_checkpoints: int = 2
     mesh: RLMeshConfig = RLMeshConfig()  # data=-1: every device data-parallel, as training
     toggle: ToggleConfig = ToggleConfig()  # Kimi K2.5's token-budget phases (off by default)
+    distill: DistillConfig = DistillConfig()  # on-policy distillation (rl/distill/)
 
     @property
     def batch_size(self) -> int:
@@ -185,7 +191,9 @@ class RLConfig(LoopConfig):
     def aggregation(self) -> str:
         if self.loss_aggregation is not None:
             return self.loss_aggregation
-        return "token_sum" if self.algorithm == "dr_grpo" else "token_mean"
+        # MOPD eq. 7: (1/|y|) sum_t within a response, then the mean over responses.
+        return {"dr_grpo": "token_sum", "mopd": "sequence_mean"}.get(self.algorithm,
+                                                                     "token_mean")
 
     @property
     def samples_dynamically(self) -> bool:
@@ -286,6 +294,10 @@ class RLRunConfig(Config):
                 raise ConfigError(f"task.tasks.{task.name}.weight", f"{task.weight} of "
                                   f"rl.prompts_per_iteration={self.rl.prompts_per_iteration} "
                                   "prompts rounds to none; raise the weight or the prompts")
+        if self.rl.algorithm == "mopd" and not task_teachers(self.rl.distill, self.task.tasks):
+            raise ConfigError("rl.distill.teacher.checkpoint", "rl.algorithm=mopd needs a "
+                              "teacher: give task.tasks.<name>.teacher.checkpoint per task or "
+                              "this run-wide one")
 
     def to_dict(self) -> dict:
         return {"model": None if self.model is None else config_to_dict(self.model),

@@ -30,10 +30,12 @@ class Draw:
     problems: list  # [P * N]: the problem of each row
 
     def metrics(self, names: Sequence[str]) -> dict[str, float]:
-        """reward, accuracy, and reward/<task>, accuracy/<task> for the tasks `names`."""
+        """reward, accuracy, and reward/<task>, accuracy/<task>, response_length/<task> (tokens
+        per response, the stop token included) for the tasks `names`."""
         return {"reward": float(self.rewards.mean()), "accuracy": float(self.correct.mean()),
-                **task_metrics(names, self.tasks, {"reward": self.rewards,
-                                                   "accuracy": self.correct})}
+                **task_metrics(names, self.tasks, {
+                    "reward": self.rewards, "accuracy": self.correct,
+                    "response_length": self.rollouts.response_lengths})}
 
     def select_rows(self, rows: np.ndarray) -> "Draw":
         """The draw restricted to `rows` (int indices [m] or bool [P * N]), rollouts included."""

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from model.config import ModelConfig, MTPConfig
 from model.lm import CausalLM
+from rl.distill.full_vocab import reverse_kl
 
 
 def shift_right(x):
@@ -24,7 +25,7 @@ def shift_right(x):
 
 
 def token_logprobs(model: CausalLM, variables, tokens, segment_ids, temperature: float = 1.0,
-                   chunk_size: int = 1024):
+                   chunk_size: int = 1024, teacher: tuple | None = None):
     """Policy log-probabilities of the given tokens, the entropy of each predictive
     distribution, and the per-token routing confidence Sigma_k (report 5.2.1).
 
@@ -32,32 +33,43 @@ def token_logprobs(model: CausalLM, variables, tokens, segment_ids, temperature:
     distribution token t was drawn from, at `temperature`) and `routing_confidence` (mean over
     MoE layers of the routed probability mass at the position that chose token t; 1 without
     MoE). Logits are formed `chunk_size` positions at a time (remat in the backward pass), so
-    no [B, T, V] array exists."""
+    no [B, T, V] array exists. `teacher` = (fn, hidden [B, T, D_t], teacher_id [B]) of the
+    full-vocabulary distillation signal (rl/distill/full_vocab.py) adds `reverse_kl` [B, T]:
+    KL(pi || pi_teacher) of the distribution token t was drawn from, in the same chunks."""
     out = model.apply(variables, tokens, segment_ids, compute_logits=False, num_mtp_heads=0)
     batch, length, dim = out.hidden.shape
-    hidden = out.hidden.reshape(-1, dim)
-    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], 1).reshape(-1)
-    chunk = min(chunk_size, hidden.shape[0])
-    pad = -hidden.shape[0] % chunk
-    hidden, targets = jnp.pad(hidden, ((0, pad), (0, 0))), jnp.pad(targets, (0, pad))
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], 1)
+    rows = [out.hidden, targets]
+    if teacher is not None:
+        teacher_fn, teacher_hidden, teacher_id = teacher
+        rows += [teacher_hidden, jnp.broadcast_to(teacher_id[:, None], (batch, length))]
+    chunk = min(chunk_size, batch * length)
+    pad = -batch * length % chunk
+    n = (batch * length + pad) // chunk
+    xs = [jnp.pad(x.reshape(batch * length, *x.shape[2:]),
+                  ((0, pad),) + ((0, 0),) * (x.ndim - 2)).reshape(n, chunk, *x.shape[2:])
+          for x in rows]
 
     @jax.checkpoint
-    def score(h, t):
+    def score(h, t, *teacher_chunk):
         logits = model.apply(variables, h, method=CausalLM.project) / temperature
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         logp = jnp.take_along_axis(log_probs, t[:, None], axis=-1)[:, 0]
         entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
-        return logp, entropy
+        if not teacher_chunk:
+            return logp, entropy
+        return logp, entropy, reverse_kl(log_probs, teacher_fn(*teacher_chunk))
 
-    n = hidden.shape[0] // chunk
-    logp, entropy = jax.lax.map(lambda xs: score(*xs),
-                                (hidden.reshape(n, chunk, dim), targets.reshape(n, chunk)))
+    scores = jax.lax.map(lambda chunk_xs: score(*chunk_xs), tuple(xs))
     unflat = lambda x: shift_right(x.reshape(-1)[:batch * length].reshape(batch, length))  # noqa: E731
     moe = out.aux.get("moe")
     confidence = (jnp.mean(moe["routing_confidence"], axis=0) if moe is not None
                   else jnp.ones((batch, length), jnp.float32))
-    return {"logp": unflat(logp), "entropy": unflat(entropy),
-            "routing_confidence": shift_right(confidence)}
+    result = {"logp": unflat(scores[0]), "entropy": unflat(scores[1]),
+              "routing_confidence": shift_right(confidence)}
+    if teacher is not None:
+        result["reverse_kl"] = unflat(scores[2])
+    return result
 
 
 def critic_config(config: ModelConfig) -> ModelConfig:

@@ -11,7 +11,8 @@
 A task's key is its name (metrics `reward/<name>`, `accuracy/<name>`, `eval/accuracy/<name>`)
 and, unless `kind` says otherwise, its kind: `arithmetic` (`a op b`, train/data/arithmetic.py) or
 `multistep` (`a op b op c` with a worked line, train/data/multistep.py). Its reward is the kind's
-rule `verifier` or a generative pairwise `judge` (report 5.2.2) with its `judge:` fields.
+rule `verifier` or a generative pairwise `judge` (report 5.2.2) with its `judge:` fields. Its
+`teacher:` (a checkpoint) is the task's teacher in on-policy distillation (rl/distill/).
 `heldout_fraction` holds out problems of every task by hash, as the SFT corpus does.
 """
 
@@ -31,6 +32,7 @@ from model.config import (
     check_open_fraction,
     check_positive,
 )
+from rl.distill.config import TeacherConfig
 from rl.rewards.template import DEFAULT_CHOICES, DEFAULT_TEMPLATE, template_error
 from train.data import multistep
 from train.data.arithmetic import OPERATORS
@@ -96,6 +98,7 @@ class TaskConfig(Config):
     ops: str = "+-"
     reward: str = "verifier"  # verifier | judge
     judge: JudgeConfig = JudgeConfig()
+    teacher: TeacherConfig = TeacherConfig()  # on-policy distillation (rl/distill/config.py)
 
     def validate(self) -> None:
         if not isinstance(self.name, str) or not TASK_NAME.fullmatch(self.name):

@@ -6,10 +6,11 @@ Each iteration draws P training problems (deterministically from the seed and th
 samples N responses for each with the inference path (its own dtype: pi_infer), recomputes
 pi_old with the training path, scores the responses with each task's reward (rl/tasks.py; the
 prompts are split between the tasks by weight, rl/task_mix.py), bootstraps truncated
-ones with the critic (eq. 3), forms advantages (GAE, or group-normalised rewards for GRPO) and
-runs one epoch of actor and critic minibatch updates. Everything runs under `rl.mesh` with
-training's layouts (rl/parallel.py). With `rl.toggle`, the rewards pass through Kimi K2.5's
-Toggle (rl/objectives/toggle.py) on budgets estimated at the start (rl/budget.py).
+ones with the critic (eq. 3), forms advantages (GAE, or group-normalised rewards for GRPO; with
+teachers, plus the on-policy distillation term, rl/distill/) and runs one epoch of actor and
+critic minibatch updates. Everything runs under `rl.mesh` with training's layouts
+(rl/parallel.py). With `rl.toggle`, the rewards pass through Kimi K2.5's Toggle
+(rl/objectives/toggle.py) on budgets estimated at the start (rl/budget.py).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from model.interop.workdir_record import tokenizer_mismatch
 from model.lm import CausalLM, abstract_variables, init_variables, join_variables
 from model.parallel.rules import param_axes, replicated
 from model.tokenizers.text import load_tokenizer
-from model.weights import load_model
 from rl.budget import BudgetTable, budget_table, toggled_rewards
 from rl.config import RLRunConfig
+from rl.distill.distillation import Distillation
 from rl.draw import Draw, score_draw
 from rl.dynamic_sampling import sample_batch
 from rl.evaluate import heldout_scores
@@ -51,6 +52,7 @@ from rl.parallel import (
     sharded_jit,
     variables_sharding,
 )
+from rl.policies import load_policy
 from rl.resume import resumed_config
 from rl.rollout import Rollouts, collect_rollouts
 from rl.task_mix import sample_mix
@@ -85,7 +87,7 @@ class RLTrainer:
             run = resumed_config(run, self.checkpoints.read_config(self.resume_step),
                                  self.workdir)
         elif init_from:
-            config, self.initial_variables = load_model(init_from, self.mesh)
+            config, self.initial_variables = load_policy(init_from, self.mesh)
             run = run.with_model(config)
         elif run.model is None:
             raise TrainingError("no policy to start from: pass --init-from (a training workdir, "
@@ -103,6 +105,7 @@ class RLTrainer:
             raise TrainingError(f"tokenizer {rl.tokenizer!r} has {self.tokenizer.get_vocab_size()} "
                                 f"tokens but the model's vocab_size is {run.model.vocab_size}")
         self.tasks = build_tasks(run.task)
+        self.distillation = Distillation.of_run(run, self.tokenizer, self.mesh)
         self.prompt_ids = {p.prompt: self.tokenizer.encode(p.prompt).tolist()
                            for task in self.tasks for p in task.train + task.heldout}
         self.row_length = max(map(len, self.prompt_ids.values())) + rl.max_new_tokens
@@ -130,8 +133,11 @@ class RLTrainer:
         self._score = sharded_jit(lambda variables, tokens, segments: token_logprobs(
             self.actor, variables, tokens, segments, rl.temperature),
             (variables_sharding(shardings.actor), rows, rows), rows)
-        self._actor_step = sharded_jit(make_actor_step(self.actor, self.actor_optimizer, rl),
-                                       (shardings.actor, rows), (shardings.actor, metrics), (0,))
+        self.teacher_heads = self.distillation.heads if self.distillation else ()
+        self._actor_step = sharded_jit(
+            make_actor_step(self.actor, self.actor_optimizer, rl,
+                            self.distillation.head_configs if self.distillation else ()),
+            (shardings.actor, rows, replicated(self.mesh)), (shardings.actor, metrics), (0,))
         if self.critic is not None:
             self._values = sharded_jit(self.critic.apply,
                                        (variables_sharding(shardings.critic), rows, rows), rows)
@@ -225,12 +231,16 @@ class RLTrainer:
         ref_logp = (self._score({**_variables(state.actor), "params": state.reference}, tokens,
                                 segments)["logp"] if rl.kl_coef else old["logp"])
         advantages, returns, values = self._advantages(state, rollouts, scored)
+        distilled, distill_metrics = {}, {}
+        if self.distillation is not None:  # the teacher term (rl/distill/)
+            advantages, distilled, distill_metrics = self.distillation.apply(
+                drawn, old["logp"], advantages)
         select = (losses.high_entropy_mask(old["entropy"], mask, rl.entropy_top_frac)
                   if rl.entropy_top_frac < 1 else mask)
         batch = jax.tree.map(np.asarray, {
             "tokens": tokens, "segment_ids": segments, "mask": mask, "old_logp": old["logp"],
             "infer_logp": infer_logp, "advantages": advantages, "ref_logp": ref_logp,
-            "select": select})
+            "select": select, **distilled})
         state, update_metrics = self._update(state, batch, returns, iteration)
 
         _, _, filters = losses.mis_filters(old["logp"], infer_logp, mask, rl.token_bounds,
@@ -247,7 +257,7 @@ class RLTrainer:
             "routing_confidence_hist": np.asarray(per_rollout_confidence),  # TensorBoard only
             "kl": float(kl_estimate(rl.kl_estimator, old["logp"], old["logp"], ref_logp, mask)),
             **{k: float(v) for k, v in filters.items()}, **sampling,
-            **update_metrics,
+            **update_metrics, **distill_metrics,
             "advantage_rms": float(jnp.sqrt(losses.masked_mean(advantages ** 2, mask))),
             "rollout_seconds": rollout_seconds,
             "rollout_tokens_per_sec": sampling.get("sampling/tokens_drawn", float(lengths.sum()))
@@ -302,7 +312,7 @@ class RLTrainer:
         shuffle = np.random.default_rng([rl.seed, iteration, 1])
         actor, actor_metrics = state.actor, []
         for mb in minibatches(batch, rl.actor_minibatches, shuffle):
-            actor, m = self._actor_step(actor, mb)
+            actor, m = self._actor_step(actor, mb, self.teacher_heads)
             actor_metrics.append(m)
         critic, critic_metrics = state.critic, []
         if self.critic is not None:

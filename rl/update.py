@@ -2,21 +2,25 @@
 one epoch over each iteration's rollouts, 4 actor and 12 critic minibatches).
 
 A minibatch is a dict of [b, T] arrays: `tokens`, `segment_ids`, `mask`, and for the actor
-`old_logp`, `infer_logp`, `advantages`, `ref_logp`, `select`; for the critic `returns`.
+`old_logp`, `infer_logp`, `advantages`, `ref_logp`, `select` (with the full-vocabulary
+distillation signal also `teacher_hidden` [b, T, D] and `teacher_id` [b], rl/distill/); for the
+critic `returns`.
 Updates with a non-finite loss or gradient are skipped, as in pre-training (train/step.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from model.config import ModelConfig
 from model.lm import CausalLM, join_variables
 from rl.config import RLConfig
+from rl.distill.full_vocab import teacher_log_probs_fn
 from rl.models import ValueModel, shift_right, token_logprobs
 from rl.objectives import losses
 from rl.objectives.kl import kl_estimate
@@ -28,12 +32,17 @@ CLIP_FIELDS = {"ppo": "ppo_clip", "dr_grpo": "ppo_clip", "grpo": "grpo_clip",
                "dapo": "grpo_clip"}
 
 
-def actor_loss(rl: RLConfig, logp, mb) -> tuple[jax.Array, dict]:
+def actor_loss(rl: RLConfig, logp, mb, reverse_kl=None) -> tuple[jax.Array, dict]:
     """The configured algorithm's loss (`rl.objectives.losses`), aggregated as
-    `rl.loss_aggregation` resolves, plus `rl.kl_coef` times the `rl.kl_estimator` KL."""
+    `rl.loss_aggregation` resolves, plus `rl.kl_coef` times the `rl.kl_estimator` KL, plus
+    (full-vocabulary distillation) `rl.distill.teacher_coef` times `reverse_kl` [b, T] on the
+    rows with a teacher, aggregated like the loss."""
     common = {"mask": mb["mask"], "select": mb["select"], "aggregation": rl.aggregation,
               "max_length": rl.max_new_tokens}
-    if rl.algorithm == "mis_po":
+    if rl.algorithm == "mopd":
+        loss, stats = losses.mopd_loss(logp, mb["infer_logp"], mb["advantages"],
+                                       ratio_bounds=rl.distill.ratio_bounds, **common)
+    elif rl.algorithm == "mis_po":
         loss, stats = losses.mis_po_loss(logp, mb["old_logp"], mb["infer_logp"],
                                          mb["advantages"], token_bounds=rl.token_bounds,
                                          traj_bounds=rl.traj_bounds, **common)
@@ -48,6 +57,11 @@ def actor_loss(rl: RLConfig, logp, mb) -> tuple[jax.Array, dict]:
     kl = kl_estimate(rl.kl_estimator, logp, mb["old_logp"], mb["ref_logp"], mb["mask"])
     if rl.kl_coef:
         loss = loss + rl.kl_coef * kl
+    if reverse_kl is not None:
+        rows = (mb["teacher_id"] >= 0).astype(jnp.float32)[:, None] * mb["mask"]
+        loss = loss + rl.distill.teacher_coef * losses.aggregate(
+            reverse_kl * rows, mb["mask"], rl.aggregation, rl.max_new_tokens)
+        stats = {**stats, "teacher_kl": losses.masked_mean(reverse_kl, rows)}
     return loss, {**stats, "kl": kl}
 
 
@@ -56,14 +70,23 @@ def _apply_update(state: TrainState, optimizer, loss, grads) -> tuple[TrainState
     return state, {"loss": loss, "grad_norm": stats["grad_norm"]}
 
 
-def make_actor_step(model: CausalLM, optimizer: optax.GradientTransformation, rl: RLConfig
-                    ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    def step(state: TrainState, mb: dict):
+def make_actor_step(model: CausalLM, optimizer: optax.GradientTransformation, rl: RLConfig,
+                    teacher_configs: Sequence[ModelConfig] = ()
+                    ) -> Callable[[TrainState, dict, tuple], tuple[TrainState, dict]]:
+    """-> step(state, minibatch, teacher heads) -> (state, metrics). `teacher_configs` (one per
+    teacher) and the heads' params (`rl.distill.full_vocab.head_params`, a tuple in the same
+    order, () without them) turn on the full-vocabulary distillation term."""
+    def step(state: TrainState, mb: dict, heads: tuple):
         def loss_fn(params):
             variables = join_variables(params, state.balance)
-            logp = token_logprobs(model, variables, mb["tokens"], mb["segment_ids"],
-                                  rl.temperature)["logp"]
-            return actor_loss(rl, logp, mb)
+            teacher = None
+            if heads:
+                fn = teacher_log_probs_fn(teacher_configs, heads, model.config.vocab_size,
+                                          rl.temperature)
+                teacher = (fn, mb["teacher_hidden"], mb["teacher_id"])
+            out = token_logprobs(model, variables, mb["tokens"], mb["segment_ids"],
+                                 rl.temperature, teacher=teacher)
+            return actor_loss(rl, out["logp"], mb, out.get("reverse_kl"))
 
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         state, metrics = _apply_update(state, optimizer, loss, grads)

@@ -14,6 +14,7 @@ leaves the denominator unchanged. Each loss returns (scalar loss, stats dict of 
 | `ppo_clip_loss` | -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = pi/pi_old |
 | `grpo_loss` (DAPO) | PPO-clip with clip-higher (0.2, 0.28) on group-normalised rewards |
 | `gspo_loss` (App. D, eq. 16) | MIS masks * -min(r_tau A, clip(r_tau, 1-eps, 1+eps) A) |
+| `mopd_loss` (MiMo MOPD, eqs. 7-8) | -w_t A logp, w_t = sg[pi/pi_infer] inside [eps_low, eps_high], else 0 |
 
 Every loss sums its per-token terms and divides them by the `aggregation`'s denominator
 (`rl.loss_aggregation`; n_i = response i's tokens, G = responses, L_max = `max_length`):
@@ -155,6 +156,24 @@ def gspo_loss(logp, old_logp, infer_logp, advantages, mask, clip=1e-4,
     loss = aggregate(-weights * surrogate, mask, aggregation, max_length)
     clipped_away = (ratio * advantages != surrogate).astype(jnp.float32)
     return loss, {**stats, "clip_frac": masked_mean(clipped_away, mask)}
+
+
+def mopd_loss(logp, infer_logp, advantages, mask, ratio_bounds, select=None,
+              aggregation="sequence_mean", max_length=None):
+    """MiMo-V2-Flash's MOPD surrogate (eqs. 7-8): per token -w_t * A_t * logp, with the
+    truncated importance weight w_t = sg[pi_theta / mu_theta] when eps_low <= pi_theta /
+    mu_theta <= eps_high (closed bounds, `ratio_bounds`) and 0 otherwise. pi_theta is the
+    policy being trained (`logp`, the training path), mu_theta the inference path that sampled
+    (`infer_logp`): w_t corrects the train-inference mismatch and drops the tokens where it is
+    large. Eq. 7 averages 1/|y| within a response, then over responses: `sequence_mean`."""
+    mask = mask.astype(jnp.float32)
+    ratio = jax.lax.stop_gradient(jnp.exp(jnp.where(mask > 0, logp - infer_logp, 0.0)))
+    keep = (ratio >= ratio_bounds[0]) & (ratio <= ratio_bounds[1])
+    weights = jnp.where(keep, ratio, 0.0) * mask * _select(select, mask)
+    advantages = jax.lax.stop_gradient(advantages)
+    loss = aggregate(weights * -logp * advantages, mask, aggregation, max_length)
+    return loss, {"w_kept_frac": masked_mean(keep.astype(jnp.float32), mask),
+                  "w_mean": masked_mean(jnp.where(keep, ratio, 0.0), mask)}
 
 
 def high_entropy_mask(entropy, mask, top_frac: float):

@@ -3,7 +3,7 @@
     judge = PairwiseJudge.from_checkpoint("runs/judge", length_penalty=0.5)
     rewards = judge.score(problems, responses)          # float32 [n]
 
-Any stepjax or Hugging Face checkpoint (`model.weights.load_model`) reads a rendered template
+Any stepjax or Hugging Face checkpoint (`rl.policies.load_policy`) reads a rendered template
 (question, response A, response B, "Which response is better? Answer A or B:") and its next-token
 distribution, restricted to the two choice tokens, is the confidence that A wins. As in 5.2.2
 every response is compared with a fixed reference: the problem's reference solution (the SFT
@@ -25,11 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ConfigError, ModelConfig
-from model.interop.workdir import latest_run_config
-from model.interop.workdir_record import tokenizer_mismatch
 from model.lm import CausalLM
-from model.tokenizers.text import TextTokenizer, load_tokenizer
-from model.weights import load_model
+from model.tokenizers.text import TextTokenizer
+from rl.policies import checkpoint_tokenizer, load_policy
 from rl.rewards.bradley_terry import bradley_terry_reward
 from rl.rewards.template import (DEFAULT_CHOICES, DEFAULT_TEMPLATE, literal_pieces, render,
                                  template_error)
@@ -80,10 +78,10 @@ class PairwiseJudge:
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path, tokenizer: str = "", **settings
                         ) -> "PairwiseJudge":
-        """A stepjax model directory, HF checkpoint or training workdir, and its tokenizer:
-        `tokenizer` names it (as `rl.tokenizer` does); "" takes the checkpoint's tokenizer.json
-        or the tokenizer a training workdir recorded."""
-        config, variables = load_model(checkpoint)
+        """A stepjax model directory, HF checkpoint, training or RL workdir, and its
+        tokenizer: `tokenizer` names it (as `rl.tokenizer` does); "" takes the checkpoint's own
+        (`rl.policies.checkpoint_tokenizer`)."""
+        config, variables = load_policy(checkpoint)
         return cls(config, variables, checkpoint_tokenizer(Path(checkpoint), tokenizer),
                    **settings)
 
@@ -138,23 +136,3 @@ def _single_token(tokenizer: TextTokenizer, choice: str) -> int:
         raise ConfigError("choices", f"{choice!r} is not one token of the judge's tokenizer "
                           f"{tokenizer.name!r} (it encodes to {ids.tolist()})")
     return int(ids[0])
-
-
-def checkpoint_tokenizer(checkpoint: Path, spec: str) -> TextTokenizer:
-    """The judge's tokenizer: `spec` if given, else the checkpoint's tokenizer.json, else the
-    one a training workdir recorded; a workdir trained with another is refused."""
-    if not spec and (checkpoint / "tokenizer.json").is_file():
-        spec = str(checkpoint)
-    elif not spec and (checkpoint / "checkpoints").is_dir():
-        spec = latest_run_config(checkpoint)[1].get("train", {}).get("data", {}).get("tokenizer")
-    if not spec:
-        raise ConfigError("tokenizer", f"{checkpoint} holds no tokenizer.json and is not a "
-                          "`python -m train` workdir; name the judge's tokenizer")
-    try:
-        tokenizer = load_tokenizer(spec)
-    except ValueError as err:  # its message names train.data.tokenizer
-        raise ConfigError("tokenizer", str(err).partition(": ")[2]) from None
-    mismatch = tokenizer_mismatch(checkpoint, tokenizer)
-    if mismatch:
-        raise ConfigError("tokenizer", mismatch)
-    return tokenizer

@@ -54,6 +54,26 @@ def test_table_values_match_hand_computed_means(tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_metric_columns_take_the_last_evaluation_or_the_last_ten_mean(tmp_path):
+    """Per-task columns (`--metric`): eval/ metrics at the last evaluation, others as the mean
+    of the last ten logged iterations; a run without the metric shows a gap."""
+    records = run_records([0.5] * 12, {0: (0.3, 0.1), 12: (0.5, 0.25)})
+    for r in records[1:]:
+        r["distill/kl/add"] = r["step"] / 10  # 0.1 .. 1.2
+    records[0]["eval/accuracy/add"], records[-1]["eval/accuracy/add"] = 0.2, 0.6
+    a = write_run(tmp_path / "a", records)
+    b = write_run(tmp_path / "b", run_records([0.5], {0: (0.1, 0.1)}))
+    out_json, out_png = tmp_path / "t.json", tmp_path / "t.png"
+    assert compare.main([f"mopd={a}", f"rl={b}", "--metric", "eval/accuracy/add", "--metric",
+                         "distill/kl/add", "--json", str(out_json), "--plot",
+                         str(out_png)]) == 0
+    table = json.loads(out_json.read_text())
+    assert table["mopd"]["eval/accuracy/add last"] == 0.6
+    assert table["mopd"]["distill/kl/add last"] == pytest.approx(sum(range(3, 13)) / 100)
+    assert table["rl"]["distill/kl/add last"] is None
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("args, message", [
     (["nodir"], "expected NAME=DIR"),
     (["x={missing}"], "x: no metrics.jsonl in"),

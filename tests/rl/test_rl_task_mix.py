@@ -116,7 +116,8 @@ def test_score_draw_scores_each_task_with_its_reward_and_verifier():
     assert list(drawn.tasks) == ["exact", "exact", "judged", "judged"]
     assert drawn.metrics(["exact", "judged"]) == pytest.approx({
         "reward": 0.375, "accuracy": 0.5, "reward/exact": 0.5, "accuracy/exact": 0.5,
-        "reward/judged": 0.25, "accuracy/judged": 0.5})
+        "reward/judged": 0.25, "accuracy/judged": 0.5,
+        "response_length/exact": 3.0, "response_length/judged": 3.0})  # 3 mask tokens a row
 
     kept = drawn.select_rows(np.array([False, True, True, False]))
     assert isinstance(kept, Draw) and list(kept.tasks) == ["exact", "judged"]
