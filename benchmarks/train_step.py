@@ -17,11 +17,12 @@ from the two measured parts (the step is a scan of forward/backward passes plus 
 
 import argparse
 import time
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
 
-from benchmarks.common import markdown_table, save
+from benchmarks.common import markdown_table, save, temp_bytes
 from model.tokenizers.text import load_tokenizer
 from train.config import load_run_config
 from train.data.pipeline import make_dataset
@@ -54,20 +55,9 @@ def measure(name: str, optimizer: str, steps: int) -> dict:
         return {k: np.stack([m[k] for m in micro]) for k in micro[0]}
 
     state = jax.jit(lambda: create_state(training.model, training.optimizer, cfg.seed))()
-    step_fn = jax.jit(make_train_step(training, run), donate_argnums=0)
-    start = time.perf_counter()
-    compiled = step_fn.lower(state, batch(), np.bool_(False)).compile()
-    compile_s = time.perf_counter() - start
-    state, metrics = compiled(state, batch(), np.bool_(False))  # warm-up
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        inputs = batch()
-        start = time.perf_counter()
-        state, metrics = compiled(state, inputs, np.bool_(False))
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-    step_s = float(np.median(times))
+    timed = timed_steps(training, run, state, batch, warmup=1, steps=steps)
+    state, metrics, compile_s = timed.state, timed.metrics, timed.compile_s
+    step_s = float(np.median(timed.step_seconds))
     update_s = optimizer_update_seconds(training, state, steps)
     tokens = cfg.batch_size * cfg.seq_len
     flops_per_token = train_flops_per_token(run.model, cfg.seq_len, run.trained_mtp_heads())
@@ -78,6 +68,36 @@ def measure(name: str, optimizer: str, steps: int) -> dict:
             "model_flops_per_token": flops_per_token,
             "achieved_flops": flops_per_token * tokens / step_s,
             "loss_after": float(metrics["loss"])}
+
+
+class TimedSteps(NamedTuple):
+    state: Any  # the state after the last step
+    metrics: dict  # of the last step
+    compile_s: float
+    losses: list[float]  # every step's loss, warm-up included
+    step_seconds: list[float]  # wall time of each step after the warm-up
+    temp_bytes: int | None  # XLA's planned scratch memory of the compiled step
+
+
+def timed_steps(training, run, state, next_batch: Callable[[], dict], *, warmup: int,
+                steps: int) -> TimedSteps:
+    """Compiles the jitted `train.step` once, runs `warmup` untimed steps then `steps` timed
+    ones (each waits for its metrics), on batches from `next_batch()` ([num_micro, micro, T]
+    arrays, see train/step.py). Also used by benchmarks.gpu_suite."""
+    step_fn = jax.jit(make_train_step(training, run), donate_argnums=0)
+    start = time.perf_counter()
+    compiled = step_fn.lower(state, next_batch(), np.bool_(False)).compile()
+    compile_s = time.perf_counter() - start
+    losses, times, metrics = [], [], {}
+    for index in range(warmup + steps):
+        inputs = next_batch()
+        start = time.perf_counter()
+        state, metrics = compiled(state, inputs, np.bool_(False))
+        jax.block_until_ready(metrics)
+        if index >= warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(float(metrics["loss"]))
+    return TimedSteps(state, metrics, compile_s, losses, times, temp_bytes(compiled))
 
 
 def optimizer_update_seconds(training, state, repeats: int) -> float:
