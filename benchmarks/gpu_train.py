@@ -1,7 +1,7 @@
 """Train step and decoding of `make gpu-check` (benchmarks.gpu_suite).
 
 Train: a run config (configs/gpu_1b.yaml on an accelerator) trained for a few dozen steps
-through the jitted `train.step` (benchmarks.train_step.timed_steps: forward, backward, Muon/AdamW,
+through the jitted `train.step` (benchmarks.step_timing: forward, backward, Muon/AdamW,
 router-bias update, monitors). tokens/s is the median over the steps after the warm-up; MFU =
 model FLOPs per trained token (`model.flops`, forward x 3, the trained MTP heads included) x
 tokens/s / the device's dense bf16 peak. Should the configured `attention_impl` fail, the step
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from benchmarks.gpu_checks import first_line
-from benchmarks.train_step import timed_steps
+from benchmarks.step_timing import timed_steps
 from model.inference.decode import Decoder
 from model.lm import join_variables
 from model.summary import count_params

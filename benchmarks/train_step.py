@@ -17,17 +17,16 @@ from the two measured parts (the step is a scan of forward/backward passes plus 
 
 import argparse
 import time
-from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
 
-from benchmarks.common import markdown_table, save, temp_bytes
+from benchmarks.common import markdown_table, save
+from benchmarks.step_timing import timed_steps
 from model.tokenizers.text import load_tokenizer
 from train.config import load_run_config
 from train.data.pipeline import make_dataset
 from train.state import build_training, create_state
-from train.step import make_train_step
 from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
 
 CONFIGS = {
@@ -68,36 +67,6 @@ def measure(name: str, optimizer: str, steps: int) -> dict:
             "model_flops_per_token": flops_per_token,
             "achieved_flops": flops_per_token * tokens / step_s,
             "loss_after": float(metrics["loss"])}
-
-
-class TimedSteps(NamedTuple):
-    state: Any  # the state after the last step
-    metrics: dict  # of the last step
-    compile_s: float
-    losses: list[float]  # every step's loss, warm-up included
-    step_seconds: list[float]  # wall time of each step after the warm-up
-    temp_bytes: int | None  # XLA's planned scratch memory of the compiled step
-
-
-def timed_steps(training, run, state, next_batch: Callable[[], dict], *, warmup: int,
-                steps: int) -> TimedSteps:
-    """Compiles the jitted `train.step` once, runs `warmup` untimed steps then `steps` timed
-    ones (each waits for its metrics), on batches from `next_batch()` ([num_micro, micro, T]
-    arrays, see train/step.py). Also used by benchmarks.gpu_suite."""
-    step_fn = jax.jit(make_train_step(training, run), donate_argnums=0)
-    start = time.perf_counter()
-    compiled = step_fn.lower(state, next_batch(), np.bool_(False)).compile()
-    compile_s = time.perf_counter() - start
-    losses, times, metrics = [], [], {}
-    for index in range(warmup + steps):
-        inputs = next_batch()
-        start = time.perf_counter()
-        state, metrics = compiled(state, inputs, np.bool_(False))
-        jax.block_until_ready(metrics)
-        if index >= warmup:
-            times.append(time.perf_counter() - start)
-        losses.append(float(metrics["loss"]))
-    return TimedSteps(state, metrics, compile_s, losses, times, temp_bytes(compiled))
 
 
 def optimizer_update_seconds(training, state, repeats: int) -> float:
