@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stepjax-installed
 
-.PHONY: test train rl rl-compare rl-toggle mopd sweep bench bench-torch clean-venv
+.PHONY: test train rl rl-compare rl-toggle mopd sweep bench bench-torch gpu-check clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -107,6 +107,16 @@ bench: $(STAMP)
 # stepjax against transformers' torch implementation on the same checkpoint (README, Performance).
 bench-torch: $(STAMP)
 	$(PY) -m benchmarks.vs_torch $(ARGS)
+
+# Accelerator check (README, "GPU"): every kernel against XLA, kernel and train-step timings,
+# MFU, decode speed -> GPU_OUT/gpu_report.json and .md. Runs the Python it is given (default:
+# .venv's if there is one, else $(PYTHON)) and installs nothing: accelerator images bring their
+# own JAX. Without an accelerator it is a short dry run. ARGS go to the suite, e.g.
+# ARGS="--train-override model.remat_policy=none".
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+GPU_OUT ?= benchmarks/results
+gpu-check:
+	$(GPU_PYTHON) -m benchmarks.gpu_suite --out $(GPU_OUT) $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -23,6 +23,48 @@ from model.ops.moe_dispatch import ExpertWeights
 from model.ops.swiglu import SwiGLUClamp, swiglu_activation
 
 
+def time_moe_layer(*, tokens: int, d_model: int, experts: int, top_k: int, expert_hidden: int,
+                   block_size: int, rounds: int, impls, dtype=jnp.float32) -> list[dict]:
+    """Forward + backward median seconds of the routed experts per `moe_impl` in `impls` and of
+    the dense SwiGLU of equal active FLOPs ("dense FFN"), interleaved; one record per case with
+    its GFLOP/s and its ratio to the dense time. Also used by benchmarks.gpu_suite."""
+    n, d, e, k, f = tokens, d_model, experts, top_k, expert_hidden
+    keys = jax.random.split(jax.random.key(0), 6)
+    x = jax.random.normal(keys[0], (n, d), dtype)
+    logits = jax.random.normal(keys[1], (n, e))
+    routing = route(logits, None, MoEConfig(num_experts=e, top_k=k, num_ep_groups=1))
+    experts_w = ExpertWeights(*((jax.random.normal(keys[2 + i], shape) * 0.02).astype(dtype)
+                                for i, shape in enumerate([(e, d, f), (e, d, f), (e, f, d)])))
+    dense = [(jax.random.normal(keys[5], shape) * 0.02).astype(dtype)
+             for shape in [(d, k * f), (d, k * f), (k * f, d)]]
+
+    def moe_loss(impl):
+        def loss(x, weights, indices, combine_weights):
+            y, _ = routed_experts(x, indices, combine_weights, ExpertWeights(*weights),
+                                  clamp=SwiGLUClamp(0.0), impl=impl, block_size=block_size)
+            return jnp.sum(y.astype(jnp.float32))
+        return loss
+
+    def dense_loss(x, weights, indices, combine_weights):
+        del indices, combine_weights
+        gate, up, down = weights  # through model.ops.linear, as the model's dense FFN
+        h = swiglu_activation(linear(x, gate), linear(x, up), SwiGLUClamp(0.0))
+        return jnp.sum(linear(h, down).astype(jnp.float32))
+
+    cases = {"dense FFN": (dense_loss, dense)}
+    cases.update({impl: (moe_loss(impl), tuple(experts_w)) for impl in impls})
+    steps = {name: jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+             for name, (loss, _) in cases.items()}
+    calls = {name: lambda step=steps[name], w=w: jax.block_until_ready(
+                 step(x, w, routing.indices, routing.weights))
+             for name, (_, w) in cases.items()}
+    seconds = interleaved(calls, rounds)
+
+    flops = 3 * 2 * n * k * 3 * d * f  # fwd + bwd (2x fwd) of three matmuls per routed copy
+    return [{"impl": name, "seconds": median, "gflops": flops / median / 1e9,
+             "vs_dense": median / seconds["dense FFN"]} for name, median in seconds.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -37,49 +79,15 @@ def main() -> None:
                         choices=["sorted", "ragged_dot"], help="MoE implementations to time")
     args = parser.parse_args()
 
-    n, d, e, k, f = args.tokens, args.d_model, args.experts, args.top_k, args.expert_hidden
-    keys = jax.random.split(jax.random.key(0), 6)
-    x = jax.random.normal(keys[0], (n, d))
-    logits = jax.random.normal(keys[1], (n, e))
-    routing = route(logits, None, MoEConfig(num_experts=e, top_k=k, num_ep_groups=1))
-    experts = ExpertWeights(*(jax.random.normal(keys[2 + i], shape) * 0.02 for i, shape in
-                              enumerate([(e, d, f), (e, d, f), (e, f, d)])))
-    dense = [jax.random.normal(keys[5], shape) * 0.02 for shape in [(d, k * f), (d, k * f),
-                                                                    (k * f, d)]]
-
-    def moe_loss(impl):
-        def loss(x, weights, indices, combine_weights):
-            y, _ = routed_experts(x, indices, combine_weights, ExpertWeights(*weights),
-                                  clamp=SwiGLUClamp(0.0), impl=impl, block_size=args.block_size)
-            return jnp.sum(y)
-        return loss
-
-    def dense_loss(x, weights, indices, combine_weights):
-        del indices, combine_weights
-        gate, up, down = weights  # through model.ops.linear, as the model's dense FFN
-        h = swiglu_activation(linear(x, gate), linear(x, up), SwiGLUClamp(0.0))
-        return jnp.sum(linear(h, down))
-
-    cases = {"dense FFN": (dense_loss, dense)}
-    cases.update({impl: (moe_loss(impl), tuple(experts)) for impl in args.impls})
-    steps = {name: jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-             for name, (loss, _) in cases.items()}
-    calls = {name: lambda step=steps[name], w=w: jax.block_until_ready(
-                 step(x, w, routing.indices, routing.weights))
-             for name, (_, w) in cases.items()}
-    seconds = interleaved(calls, args.rounds)
-
-    flops = 3 * 2 * n * k * 3 * d * f  # fwd + bwd (2x fwd) of three matmuls per routed copy
-    dense_seconds = seconds["dense FFN"]
-    records, rows = [], []
-    for name, median in seconds.items():
-        records.append({"impl": name, "seconds": median, "gflops": flops / median / 1e9,
-                        "vs_dense": median / dense_seconds})
-        rows.append([name, f"{median * 1e3:.1f}", f"{flops / median / 1e9:.1f}",
-                     f"{median / dense_seconds:.2f}x"])
+    records = time_moe_layer(tokens=args.tokens, d_model=args.d_model, experts=args.experts,
+                             top_k=args.top_k, expert_hidden=args.expert_hidden,
+                             block_size=args.block_size, rounds=args.rounds, impls=args.impls)
+    rows = [[r["impl"], f"{r['seconds'] * 1e3:.1f}", f"{r['gflops']:.1f}",
+             f"{r['vs_dense']:.2f}x"] for r in records]
     print(markdown_table(["impl", "fwd+bwd ms", "GFLOP/s", "vs dense"], rows))
-    save("moe_dispatch", {"tokens": n, "d_model": d, "experts": e, "top_k": k,
-                          "expert_hidden": f, "block_size": args.block_size,
+    save("moe_dispatch", {"tokens": args.tokens, "d_model": args.d_model,
+                          "experts": args.experts, "top_k": args.top_k,
+                          "expert_hidden": args.expert_hidden, "block_size": args.block_size,
                           "rounds": args.rounds, "records": records})
 
 

@@ -22,11 +22,11 @@ import jax
 import numpy as np
 
 from benchmarks.common import markdown_table, save
+from benchmarks.step_timing import timed_steps
 from model.tokenizers.text import load_tokenizer
 from train.config import load_run_config
 from train.data.pipeline import make_dataset
 from train.state import build_training, create_state
-from train.step import make_train_step
 from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
 
 CONFIGS = {
@@ -54,20 +54,9 @@ def measure(name: str, optimizer: str, steps: int) -> dict:
         return {k: np.stack([m[k] for m in micro]) for k in micro[0]}
 
     state = jax.jit(lambda: create_state(training.model, training.optimizer, cfg.seed))()
-    step_fn = jax.jit(make_train_step(training, run), donate_argnums=0)
-    start = time.perf_counter()
-    compiled = step_fn.lower(state, batch(), np.bool_(False)).compile()
-    compile_s = time.perf_counter() - start
-    state, metrics = compiled(state, batch(), np.bool_(False))  # warm-up
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        inputs = batch()
-        start = time.perf_counter()
-        state, metrics = compiled(state, inputs, np.bool_(False))
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-    step_s = float(np.median(times))
+    timed = timed_steps(training, run, state, batch, warmup=1, steps=steps)
+    state, metrics, compile_s = timed.state, timed.metrics, timed.compile_s
+    step_s = float(np.median(timed.step_seconds))
     update_s = optimizer_update_seconds(training, state, steps)
     tokens = cfg.batch_size * cfg.seq_len
     flops_per_token = train_flops_per_token(run.model, cfg.seq_len, run.trained_mtp_heads())

@@ -1,0 +1,120 @@
+"""What `make gpu-check` (benchmarks.gpu_suite) runs: the accelerator plan, sized to finish in
+about 8 minutes on one H100, and the dry run (tiny shapes, a couple of steps) for CPU.
+
+Every section has a time limit: a section stops starting new cases past it (a compile or a
+run already started is not interrupted) and a section starting after the overall budget is
+skipped; both are recorded. The attention timing shapes and the MoE layer come from the train
+config's model (one SWA and one full layer of it), so the kernels are timed at the shapes the
+train step runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from benchmarks.gpu_checks import AttentionCase, MoECase
+from benchmarks.gpu_timings import AttentionShape
+from model.config import ModelConfig
+
+SECTIONS = ("checks", "attention", "moe", "train", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    name: str
+    attention_checks: tuple[AttentionCase, ...]
+    moe_checks: tuple[MoECase, ...]
+    attention_lengths: tuple[int, ...]  # timed context lengths
+    attention_impls: tuple[str, ...]
+    attention_batch: int
+    attention_repeats: int
+    moe_tokens: int  # tokens of the timed MoE layer
+    moe_impls: tuple[str, ...]
+    moe_rounds: int
+    timing_dtype: str
+    train_config: str
+    train_overrides: tuple[str, ...]
+    train_warmup: int
+    train_steps: int
+    decode_prompt: int
+    decode_new_tokens: int
+    limits: dict  # section -> seconds after which it starts no new case
+    budget_s: float  # sections starting later than this are skipped
+
+    def with_changes(self, **changes) -> "Plan":
+        return dataclasses.replace(self, **changes)
+
+
+def attention_shapes(cfg: ModelConfig) -> list[AttentionShape]:
+    """One SWA and one full layer of `cfg`: (kind, query heads, KV heads, head dim, window)."""
+    shapes = []
+    for kind, layer_type, window in (("swa", "S", cfg.window), ("full", "F", None)):
+        geo = cfg.attention_geometry(layer_type)
+        shapes.append(AttentionShape(kind, geo.num_heads, geo.num_kv_heads, geo.head_dim, window))
+    return shapes
+
+
+# Tiny cases: float32, odd features on (segments, sink, the clamp); medium: bfloat16 at the
+# shapes of configs/gpu_1b.yaml's layers (D = 128, GQA 18/12 over 2 KV heads, W = 512).
+ACCELERATOR = Plan(
+    name="accelerator",
+    attention_checks=(
+        AttentionCase("tiny swa", 2, 128, 4, 2, 32, 32, True, True, "float32"),
+        AttentionCase("tiny full", 2, 128, 4, 2, 32, None, True, True, "float32"),
+        AttentionCase("medium swa", 1, 2048, 18, 2, 128, 512, True, False, "bfloat16"),
+        AttentionCase("medium full", 1, 2048, 12, 2, 128, None, False, False, "bfloat16"),
+    ),
+    moe_checks=(
+        MoECase("tiny", 64, 32, 8, 2, 16, 1.0, "float32"),
+        MoECase("medium", 4096, 1536, 32, 4, 512, 0.0, "bfloat16"),
+    ),
+    attention_lengths=(4096, 8192, 16384, 32768),
+    attention_impls=("xla", "cudnn", "pallas"),
+    attention_batch=1,
+    attention_repeats=5,
+    moe_tokens=32768,
+    moe_impls=("ragged_dot", "sorted", "pallas"),
+    moe_rounds=10,
+    timing_dtype="bfloat16",
+    train_config="configs/gpu_1b.yaml",
+    # The peak learning rate within the few steps run (speed does not depend on it; learning the
+    # data does, and the decode section's drafts are accepted only if it was learnt).
+    train_overrides=("train.warmup_steps=3",),
+    train_warmup=3,
+    train_steps=30,
+    decode_prompt=64,
+    decode_new_tokens=128,
+    limits={"checks": 120, "attention": 150, "moe": 45, "train": 240, "decode": 90},
+    budget_s=480,
+)
+
+# The same sections at sizes that run in seconds on CPU: configs/tiny.yaml shrunk to two layers
+# that keep its kinds (a full layer with a dense FFN, an SWA layer with MoE and clamps, an MTP
+# head); compiling the train step is most of a dry run.
+DRY_RUN = ACCELERATOR.with_changes(
+    name="dry run",
+    attention_checks=(
+        AttentionCase("tiny swa", 1, 64, 4, 2, 16, 16, True, True, "float32"),
+        AttentionCase("tiny full", 1, 64, 4, 2, 16, None, False, False, "float32"),
+    ),
+    moe_checks=(MoECase("tiny", 32, 16, 4, 2, 8, 1.0, "float32"),),
+    attention_lengths=(128,),
+    attention_repeats=2,
+    moe_tokens=128,
+    moe_rounds=2,
+    train_config="configs/tiny.yaml",
+    train_overrides=(
+        "model.num_layers=2", "model.layout=FS", "model.d_model=32", "model.window=8",
+        "model.head_dim=8", "model.dense_hidden=64", "model.moe.expert_hidden=16",
+        "model.moe.shared_hidden=16", "model.moe.num_experts=8", "model.moe.top_k=2",
+        "model.swiglu_limits=[0, 7.0]", "model.swiglu_limits_shared=[0, 16.0]",
+        "model.mtp.num_heads=1", "model.vocab_size=64", "train.seq_len=32", "train.batch_size=2",
+        "train.warmup_steps=1",
+    ),
+    train_warmup=1,
+    train_steps=2,
+    decode_prompt=8,
+    decode_new_tokens=8,
+    limits={"checks": 60, "attention": 30, "moe": 30, "train": 60, "decode": 30},
+    budget_s=120,
+)

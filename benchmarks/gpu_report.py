@@ -1,0 +1,139 @@
+"""`gpu_report.json` and `gpu_report.md` of `make gpu-check` (benchmarks.gpu_suite): the device,
+the versions, every section's records and the issue's targets, as data and as tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.common import markdown_table
+
+# Issue #20's targets for the GPU run, checked from the section records (`targets`).
+MFU_TARGET = 0.35  # train step of the ~1B config
+PALLAS_SWA_LENGTH = 16384  # Pallas SWA at least as fast as the best of xla / cudnn there
+RAGGED_VS_DENSE = 2.0  # ragged_dot MoE within 2x of the dense FFN of equal active FLOPs
+
+
+def _num(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def targets(sections: dict, device_run: bool) -> list[dict]:
+    """Each target: its value, the goal and whether it is met (None: not measured, or a dry
+    run, whose tiny shapes say nothing about the targets)."""
+    out = []
+    train = sections.get("train", {})
+    mfu = train.get("mfu")
+    out.append({"target": "train-step MFU (bf16 peak)", "value": mfu, "goal": f">= {MFU_TARGET}",
+                "met": None if mfu is None else mfu >= MFU_TARGET})
+    swa = {r["impl"]: r["fwd_bwd_ms"] for r in sections.get("attention", {}).get("records", [])
+           if r.get("status") == "done" and r["kind"] == "swa"
+           and r["length"] == PALLAS_SWA_LENGTH}
+    others = [swa[i] for i in ("xla", "cudnn") if i in swa]
+    ratio = swa["pallas"] / min(others) if "pallas" in swa and others else None
+    out.append({"target": f"Pallas SWA fwd+bwd at {PALLAS_SWA_LENGTH} / best of xla, cudnn",
+                "value": ratio, "goal": "<= 1.0", "met": None if ratio is None else ratio <= 1.0})
+    moe = {r["impl"]: r for r in sections.get("moe", {}).get("records", [])
+           if r.get("status") == "done"}
+    vs_dense = moe["ragged_dot"]["vs_dense"] if "ragged_dot" in moe else None
+    out.append({"target": "ragged_dot MoE time / dense FFN of equal active FLOPs",
+                "value": vs_dense, "goal": f"<= {RAGGED_VS_DENSE}",
+                "met": None if vs_dense is None else vs_dense <= RAGGED_VS_DENSE})
+    if not device_run:
+        out = [{**t, "met": None} for t in out]
+    return out
+
+
+def _checks_table(records: list[dict]) -> str:
+    rows = []
+    for r in records:
+        errors = r.get("errors") or {}
+        worst = max(errors, key=errors.get) if errors else None
+        rows.append([r["table"], r["impl"], r["case"], r["dtype"], r["status"],
+                     f"{worst} {errors[worst]:.2e}" if worst else "-",
+                     f"{r['tolerance']:.0e}", r.get("note", ""), r.get("shape", "")])
+    return markdown_table(["table", "impl", "case", "dtype", "status", "max error (worst array)",
+                           "tolerance", "note", "shape"], rows)
+
+
+def _attention_table(records: list[dict]) -> str:
+    rows = [[r["length"], r["kind"], r["impl"], r["status"], _num(r.get("fwd_bwd_ms")),
+             _num(r.get("tflops")), _pct(r.get("of_peak")), r.get("note", "")]
+            for r in records]
+    return markdown_table(["T", "kind", "impl", "status", "fwd+bwd ms", "TFLOP/s", "of peak",
+                           "note"], rows)
+
+
+def _moe_table(records: list[dict]) -> str:
+    rows = [[r["impl"], r["status"], _num(r.get("fwd_bwd_ms")), _num(r.get("gflops")),
+             _num(r.get("vs_dense")), r.get("note", "")] for r in records]
+    return markdown_table(["impl", "status", "fwd+bwd ms", "GFLOP/s", "vs dense", "note"], rows)
+
+
+def _train_lines(train: dict) -> list[str]:
+    if train.get("status") != "done":
+        return [f"- {f['attention_impl']}: {f['error']}" for f in train.get("failed", [])]
+    keys = ["config", "attention_impl", "moe_impl", "remat_policy", "compute_dtype", "optimizer",
+            "params", "active_params", "tokens_per_step", "compile_s", "step_s_median",
+            "tokens_per_s", "achieved_tflops", "mfu", "loss_first", "loss_last",
+            "step_scratch_gib", "process_peak_gib", "limit_gib"]
+    rows = [[k, _pct(train[k]) if k == "mfu" else _num(train.get(k), 4)] for k in keys]
+    lines = [markdown_table(["quantity", "value"], rows)]
+    lines += [f"- failed first with attention_impl={f['attention_impl']}: {f['error']}"
+              for f in train.get("failed", [])]
+    return lines
+
+
+def _decode_table(decode: dict) -> str:
+    rows = [[r["draft"], _num(r["tokens_per_s"], 4), _num(r["mean_accepted"]),
+             _num(r["speedup"]), _pct(r["chain_accuracy"])] for r in decode.get("records", [])]
+    return markdown_table(["drafted tokens", "decode tok/s", "tokens per pass", "speedup",
+                           "generated tokens on the chain"], rows)
+
+
+SECTION_TITLES = {"checks": "Correctness against the XLA reference",
+                  "attention": "Attention forward + backward",
+                  "moe": "MoE layer forward + backward", "train": "Train step",
+                  "decode": "Decoding (batch 1, greedy)"}
+
+
+def render_markdown(report: dict) -> str:
+    device = report["device"]
+    lines = [f"# stepjax GPU check ({report['plan']})", "",
+             f"- device: {device['count']} x {device['kind']} ({device['backend']}); "
+             f"bf16 peak {_num(device['peak_bf16_tflops'])} TFLOP/s"
+             + (f" ({device['peak_note']})" if device.get("peak_note") else ""),
+             f"- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+             f"- started {report['started']}, {report['seconds']:.0f} s in all; "
+             f"exit status {report['exit_status']}", "", "## Targets (issue #20)", "",
+             markdown_table(["target", "value", "goal", "met"],
+                            [[t["target"], _num(t["value"]), t["goal"],
+                              {True: "yes", False: "NO", None: "-"}[t["met"]]]
+                             for t in report["targets"]])]
+    renderers = {"checks": lambda s: [_checks_table(s.get("records", []))],
+                 "attention": lambda s: [_attention_table(s.get("records", []))],
+                 "moe": lambda s: [_moe_table(s.get("records", []))],
+                 "train": _train_lines, "decode": lambda s: [_decode_table(s)]}
+    for name, section in report["sections"].items():
+        lines += ["", f"## {SECTION_TITLES[name]}", "",
+                  f"{section['status']} ({section.get('seconds', 0):.0f} s)"
+                  + (f": {section['note']}" if section.get("note") else ""), ""]
+        if section.get("records") or name == "train" and section["status"] != "skipped":
+            lines += renderers[name](section)
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, out_dir: Path) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / "gpu_report.json", out_dir / "gpu_report.md"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    md_path.write_text(render_markdown(report))
+    return json_path, md_path

@@ -1,0 +1,144 @@
+"""Train step and decoding of `make gpu-check` (benchmarks.gpu_suite).
+
+Train: a run config (configs/gpu_1b.yaml on an accelerator) trained for a few dozen steps
+through the jitted `train.step` (benchmarks.step_timing: forward, backward, Muon/AdamW,
+router-bias update, monitors). tokens/s is the median over the steps after the warm-up; MFU =
+model FLOPs per trained token (`model.flops`, forward x 3, the trained MTP heads included) x
+tokens/s / the device's dense bf16 peak. Should the configured `attention_impl` fail, the step
+is measured again with `xla` and both outcomes are reported.
+
+Decode: the trained model continues a held-out row greedily at batch 1 (`model.inference`
+Decoder), without and with MTP speculation (drafts from the trained MTP heads, report 2.2):
+decode tokens/s, tokens committed per main-model pass, and the share of generated tokens that
+continue the row correctly (the model did learn on the device).
+
+Data: rows of one fixed random cycle over `CHAIN_TOKENS` token ids, x_{t+1} = next(x_t), each
+row from a random start (one document per row). A few dozen steps learn it, so the MTP head's
+drafts can be accepted; random tokens would leave nothing to accept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import jax
+import numpy as np
+
+from benchmarks.gpu_checks import first_line
+from benchmarks.step_timing import timed_steps
+from model.inference.decode import Decoder
+from model.lm import join_variables
+from model.summary import count_params
+from train.config import RunConfig, load_run_config
+from train.state import build_training, create_state
+from train.telemetry.mfu import train_flops_per_token
+
+CHAIN_TOKENS = 1024
+
+
+class ChainData:
+    """Batches ([num_micro, micro, T] arrays, train/step.py) and held-out rows of the cycle."""
+
+    def __init__(self, vocab_size: int, seq_len: int, batch_size: int, micro_batch: int,
+                 seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.cycle = self.rng.permutation(min(vocab_size, CHAIN_TOKENS)).astype(np.int32)
+        self.seq_len, self.micro = seq_len, micro_batch
+        self.num_micro = batch_size // micro_batch
+
+    def rows(self, count: int, length: int, rng: np.random.Generator | None = None) -> np.ndarray:
+        starts = (rng or self.rng).integers(0, self.cycle.size, count)
+        return self.cycle[(starts[:, None] + np.arange(length)) % self.cycle.size]
+
+    def batch(self) -> dict:
+        shape = (self.num_micro, self.micro, self.seq_len)
+        tokens = self.rows(self.num_micro * self.micro, self.seq_len).reshape(shape)
+        return {"tokens": tokens, "segment_ids": np.ones(shape, np.int32),
+                "positions": np.broadcast_to(np.arange(self.seq_len, dtype=np.int32), shape),
+                "meta_mask": np.zeros(shape, bool)}
+
+
+def device_memory() -> dict:
+    """Peak (over the whole process, earlier sections included) and limit of device 0's memory
+    in GiB, where the backend reports them (GPU/TPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return {name: stats[key] / 2**30 for name, key in (("process_peak_gib", "peak_bytes_in_use"),
+                                                       ("limit_gib", "bytes_limit"))
+            if key in stats}
+
+
+def measure_training(run: RunConfig, *, warmup: int, steps: int,
+                     peak_tflops: float | None) -> tuple[dict, object, ChainData]:
+    """(report record, final train state, the data) of `steps` timed steps after `warmup`."""
+    cfg = run.train
+    training = build_training(run)
+    data = ChainData(run.model.vocab_size, cfg.seq_len, cfg.batch_size, cfg.micro_batch(),
+                     cfg.seed)
+    state = jax.jit(lambda: create_state(training.model, training.optimizer, cfg.seed))()
+    timed = timed_steps(training, run, state, data.batch, warmup=warmup, steps=steps)
+    step_s = statistics.median(timed.step_seconds)
+    tokens = cfg.batch_size * cfg.seq_len
+    flops_per_token = train_flops_per_token(run.model, cfg.seq_len, run.trained_mtp_heads())
+    counts = count_params(run.model)
+    record = {
+        "status": "done", "attention_impl": run.model.attention_impl,
+        "moe_impl": run.model.moe_impl, "remat_policy": run.model.remat_policy,
+        "compute_dtype": run.model.compute_dtype, "optimizer": cfg.optimizer,
+        "params": counts["with_mtp"]["total"], "active_params": counts["with_mtp"]["active"],
+        "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "tokens_per_step": tokens,
+        "warmup_steps": warmup, "timed_steps": steps, "compile_s": timed.compile_s,
+        "step_s_median": step_s, "step_s_mean": statistics.fmean(timed.step_seconds),
+        "tokens_per_s": tokens / step_s, "model_flops_per_token": flops_per_token,
+        "achieved_tflops": flops_per_token * tokens / step_s / 1e12,
+        "mfu": (flops_per_token * tokens / step_s / (peak_tflops * 1e12)
+                if peak_tflops else None),
+        "loss_first": timed.losses[0], "loss_last": timed.losses[-1],
+        "skipped_updates": int(timed.state.skipped), "devices_used": 1,
+        "step_scratch_gib": None if timed.temp_bytes is None else timed.temp_bytes / 2**30,
+        **device_memory(),
+    }
+    return record, timed.state, data
+
+
+def train_section(config: str, overrides: list[str], *, warmup: int, steps: int,
+                  peak_tflops: float | None) -> tuple[dict, tuple | None]:
+    """(section record, (run, state, data) for decoding or None if no attempt trained)."""
+    base = load_run_config(config, [*overrides, "train.progress=false"])
+    failed = []
+    for impl in dict.fromkeys([base.model.attention_impl, "xla"]):
+        run = dataclasses.replace(base, model=base.model.replace(attention_impl=impl))
+        try:
+            record, state, data = measure_training(run, warmup=warmup, steps=steps,
+                                                   peak_tflops=peak_tflops)
+        except Exception as err:  # the configured kernel may fail; `xla` still gives a figure
+            failed.append({"attention_impl": impl, "error": first_line(err)})
+            continue
+        return {**record, "config": config, "overrides": overrides, "failed": failed}, \
+            (run, state, data)
+    return {"status": "error", "config": config, "overrides": overrides, "failed": failed}, None
+
+
+def decode_section(trained: tuple, *, prompt_len: int, new_tokens: int) -> dict:
+    run, state, data = trained
+    variables = join_variables(state.params, state.balance)
+    row = data.rows(1, prompt_len + new_tokens, np.random.default_rng(12345))[0]
+    prompt, truth = row[:prompt_len].tolist(), row[prompt_len:]
+    draft = run.trained_mtp_heads()  # only trained heads draft well
+    # One decoder (and one compile of its cache and prefill) for both: speculative=False runs
+    # plain decode steps on the same caches.
+    decoder = Decoder(run.model, variables, max_len=prompt_len + new_tokens + draft,
+                      draft=draft, prefill_chunk=prompt_len)
+    records, plain_rate = [], None
+    for speculative in dict.fromkeys([False, draft > 0]):
+        decoder.generate([prompt], min(8, new_tokens), speculative=speculative)  # compile
+        out = decoder.generate([prompt], new_tokens, speculative=speculative)
+        generated = np.asarray(out.tokens[0][:new_tokens])
+        rate = out.tokens_per_second
+        plain_rate = plain_rate or rate
+        records.append({"draft": draft if speculative else 0, "tokens_per_s": rate,
+                        "mean_accepted": out.mean_accepted, "forward_passes": out.forward_passes,
+                        "speedup": rate / plain_rate if plain_rate else None,
+                        "chain_accuracy": float(np.mean(generated == truth[:generated.size]))})
+    return {"status": "done", "batch": 1, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "records": records}

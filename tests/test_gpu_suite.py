@@ -1,0 +1,158 @@
+"""`make gpu-check` (benchmarks.gpu_suite) on CPU: its dry run writes both report files with
+every section, and its correctness checks really compare: two deliberately wrong
+implementations, added to the implementation tables, are caught where their bug shows and
+only there, while every real implementation passes.
+
+The dry run runs in a subprocess (the XLA flags and compilation cache of the tests'
+subprocesses, which compile about 3x faster; the wrong implementations are added to the tables
+there before the suite starts).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from train_helpers import REPO, SUBPROCESS_XLA_FLAGS
+
+from benchmarks import gpu_suite
+from model.ops.attention_cores import xla_attention
+from model.ops.moe_dispatch import sorted_block_ffn
+from model.ops.swiglu import SwiGLUClamp
+
+# One worker runs the whole module, so the dry run (a module fixture) runs once.
+pytestmark = pytest.mark.xdist_group("gpu_suite")
+SECTIONS = ["checks", "attention", "moe", "train", "decode"]
+ATTENTION_ARRAYS = {"out", "dq", "dk", "dv"}
+MOE_ARRAYS = {"out", "dx", "dgate", "dup", "ddown"}
+
+
+def attention_ignoring_window(q, k, v, *, window, segment_ids, sink):
+    """Wrong on purpose: full causal attention whatever the window."""
+    del window
+    return xla_attention(q, k, v, window=None, segment_ids=segment_ids, sink=sink)
+
+
+def moe_ignoring_clamp(x, indices, weights, clamp, block_size):
+    """Wrong on purpose: the SwiGLU clamp (report 4.1.3) left out."""
+    del clamp
+    return sorted_block_ffn(x, indices, weights, SwiGLUClamp(0.0), block_size)
+
+
+RUN_WITH_WRONG_IMPLEMENTATIONS = """
+import sys
+from model.ops.tables import ATTENTION, MOE
+ATTENTION.entries["window_ignored"] = "test_gpu_suite:attention_ignoring_window"
+MOE.entries["clamp_ignored"] = "test_gpu_suite:moe_ignoring_clamp"
+from benchmarks.gpu_suite import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, "XLA_FLAGS": SUBPROCESS_XLA_FLAGS, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+           "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
+    result = subprocess.run([sys.executable, "-c", RUN_WITH_WRONG_IMPLEMENTATIONS, "--dry-run",
+                             "--out", str(out)], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert (out / "gpu_report.json").exists(), result.stdout + result.stderr
+    return result, json.loads((out / "gpu_report.json").read_text()), \
+        (out / "gpu_report.md").read_text()
+
+
+def checks_by(report, table):
+    return {(r["impl"], r["case"]): r for r in report["sections"]["checks"]["records"]
+            if r["table"] == table}
+
+
+@pytest.mark.slow
+def test_dry_run_reports_every_section_and_fails_on_the_wrong_implementations(dry_run):
+    result, report, markdown = dry_run
+    assert result.returncode == 1, result.stderr  # the checks failed, as they must
+    assert report["plan"] == "dry run" and report["exit_status"] == 1
+    assert report["device"]["backend"] == "cpu" and report["device"]["peak_bf16_tflops"] is None
+    assert report["versions"]["jax"]
+    assert list(report["sections"]) == SECTIONS
+    statuses = {name: s["status"] for name, s in report["sections"].items()}
+    assert statuses == {"checks": "failed", "attention": "done", "moe": "done", "train": "done",
+                        "decode": "done"}
+    for title in ("## Targets", "## Correctness", "## Attention", "## MoE", "## Train step",
+                  "## Decoding"):
+        assert title in markdown
+    assert all(t["met"] is None for t in report["targets"])  # a dry run meets no target
+
+
+@pytest.mark.slow
+def test_real_implementations_pass_after_comparing_outputs_and_gradients(dry_run):
+    _, report, _ = dry_run
+    attention, moe = checks_by(report, "attention"), checks_by(report, "moe")
+    for impl in ("xla", "cudnn", "pallas"):
+        for case, arrays in (("tiny swa", ATTENTION_ARRAYS | {"dsink"}),
+                             ("tiny full", ATTENTION_ARRAYS)):
+            record = attention[(impl, case)]
+            assert record["status"] == "pass", record
+            assert set(record["errors"]) == arrays
+            assert all(np.isfinite(e) and e < record["tolerance"]
+                       for e in record["errors"].values())
+            assert record["compared"] > 0
+    assert attention[("pallas", "tiny swa")]["note"] == "Pallas interpret mode"
+    assert "XLA fallback" in attention[("cudnn", "tiny swa")]["note"]
+    for impl in ("sorted", "ragged_dot", "pallas"):
+        record = moe[(impl, "tiny")]
+        assert record["status"] == "pass" and set(record["errors"]) == MOE_ARRAYS, record
+    (ep,) = checks_by(report, "expert_parallel").values()
+    assert ep["status"] == "skipped" and "one device" in ep["note"]
+
+
+@pytest.mark.slow
+def test_wrong_implementations_are_caught_where_their_bug_shows(dry_run):
+    _, report, _ = dry_run
+    attention, moe = checks_by(report, "attention"), checks_by(report, "moe")
+    swa = attention[("window_ignored", "tiny swa")]
+    assert swa["status"] == "fail" and swa["errors"]["out"] > 10 * swa["tolerance"]
+    # Ignoring the window changes nothing where there is none.
+    assert attention[("window_ignored", "tiny full")]["status"] == "pass"
+    clamp = moe[("clamp_ignored", "tiny")]
+    assert clamp["status"] == "fail" and clamp["errors"]["out"] > 10 * clamp["tolerance"]
+    failed = {(r["impl"], r["case"]) for r in report["sections"]["checks"]["records"]
+              if r["status"] != "pass" and r["table"] != "expert_parallel"}
+    assert failed == {("window_ignored", "tiny swa"), ("clamp_ignored", "tiny")}
+
+
+@pytest.mark.slow
+def test_timings_train_and_decode_record_figures_or_reasons(dry_run):
+    _, report, _ = dry_run
+    sections = report["sections"]
+    attention = {(r["impl"], r["kind"]): r for r in sections["attention"]["records"]}
+    for kind in ("swa", "full"):
+        assert attention[("xla", kind)]["status"] == "done"
+        assert attention[("xla", kind)]["fwd_bwd_ms"] > 0
+        assert "interpret mode" in attention[("pallas", kind)]["note"]
+        assert "no cuDNN on CPU" in attention[("cudnn", kind)]["note"]
+    moe = {r["impl"]: r for r in sections["moe"]["records"]}
+    assert {moe[i]["status"] for i in ("dense FFN", "ragged_dot", "sorted")} == {"done"}
+    assert moe["dense FFN"]["vs_dense"] == 1.0 and moe["pallas"]["status"] == "skipped"
+    train = sections["train"]
+    assert train["tokens_per_s"] > 0 and train["timed_steps"] == 2
+    assert train["mfu"] is None  # no bf16 peak for a CPU
+    assert np.isfinite(train["loss_first"]) and np.isfinite(train["loss_last"])
+    decode = sections["decode"]["records"]
+    assert [r["draft"] for r in decode] == [0, 1]
+    assert all(r["tokens_per_s"] > 0 and 0 <= r["chain_accuracy"] <= 1 for r in decode)
+
+
+def test_bad_arguments_get_one_line_errors(capsys):
+    for argv, message in ((["--limit", "bogus=3"], "--limit: expected SECTION=SECONDS"),
+                          (["--limit", "train=soon"], "'soon' is not a number"),
+                          (["--train-override", "model.no_such_field=1"], "no_such_field")):
+        with pytest.raises(SystemExit) as exit_info:
+            gpu_suite.main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
