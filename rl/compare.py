@@ -6,7 +6,7 @@
 Prints a markdown table, one row per run: held-out exact match (greedy and sampled, at the
 first and the last evaluation), training reward and KL to the initial policy (means of the
 first and last ten logged iterations), response length, seconds per iteration and, for runs
-with DAPO's dynamic sampling, the batches drawn per iteration. Each `--metric NAME` (e.g. a
+with DAPO's dynamic sampling, the batches drawn per iteration and the reward over every group drawn. Each `--metric NAME` (e.g. a
 per-task metric: `eval/accuracy/<task>`, `distill/kl/<task>`, `response_length/<task>`) adds
 the column "NAME last": its last value for an evaluation (`eval/...`), else the mean of the last
 ten logged iterations. `--plot` draws held-out accuracy, training reward, KL, response length
@@ -42,6 +42,8 @@ COLUMNS = (
     ("response length last 10", "response_length", "last_window"),
     ("s / iteration", "iteration_seconds", "mean"),
     ("draws / iteration", "sampling/draws", "mean"),
+    # DAPO's `reward` is the kept groups'; the policy's own is over every group drawn.
+    ("drawn reward last 10", "sampling/drawn_reward", "last_window"),
 )
 PANELS = (("held-out exact match, greedy", "eval/accuracy"),
           ("held-out exact match, sampled", "eval/sample_accuracy"),
