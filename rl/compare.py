@@ -7,8 +7,8 @@ Prints a markdown table, one row per run: held-out exact match (greedy and sampl
 first and the last evaluation), training reward and KL to the initial policy (means of the
 first and last ten logged iterations), response length, seconds per iteration and, for runs
 with DAPO's dynamic sampling, the batches drawn per iteration and the reward over every group
-drawn. Each `--metric NAME` (e.g. a per-task metric: `eval/accuracy/<task>`, `distill/kl/<task>`, `response_length/<task>`) adds
-the column "NAME last": its last value for an evaluation (`eval/...`), else the mean of the last
+drawn. Each `--metric NAME` (e.g. a per-task metric: `eval/accuracy/<task>`,
+`distill/kl/<task>`, `response_length/<task>`) adds the column "NAME last": its last value for an evaluation (`eval/...`), else the mean of the last
 ten logged iterations. `--plot` draws held-out accuracy, training reward, KL, response length
 and each `--metric` against the iteration, one line per run.
 """
