@@ -9,8 +9,9 @@ first and last ten logged iterations), response length, seconds per iteration an
 with DAPO's dynamic sampling, the batches drawn per iteration and the reward over every group
 drawn. Each `--metric NAME` (e.g. a per-task metric: `eval/accuracy/<task>`,
 `distill/kl/<task>`, `response_length/<task>`) adds the column "NAME last": its last value
-for an evaluation (`eval/...`), else the mean of the last ten logged iterations. `--plot` draws held-out accuracy, training reward, KL, response length
-and each `--metric` against the iteration, one line per run.
+for an evaluation (`eval/...`), else the mean of the last ten logged iterations. `--plot`
+draws held-out accuracy, training reward, KL, response length and each `--metric` against the
+iteration, one line per run.
 """
 
 from __future__ import annotations
