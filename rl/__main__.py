@@ -5,9 +5,10 @@ Reinforcement learning with verifiable rewards (report 5.2): MIS-PO by default, 
 teacher per task (`task.tasks.<name>.teacher.checkpoint`, rl/distill/) under any of them or
 MiMo's MOPD (`rl.algorithm=mopd`). `--init-from` takes the starting policy: a
 `python -m train` workdir (e.g. the SFT warm start of configs/sft_arith.yaml), a `python -m rl`
-workdir (its actor), a stepjax model directory or a Hugging Face checkpoint. Re-running the same command resumes from the
-latest checkpoint in DIR (then --init-from is not needed). Writes DIR/metrics.jsonl,
-DIR/tensorboard/ and DIR/checkpoints/; SIGTERM/SIGINT save a checkpoint and exit cleanly.
+workdir (its actor), a stepjax model directory or a Hugging Face checkpoint. Re-running the
+same command resumes from the latest checkpoint in DIR (then --init-from is not needed).
+Writes DIR/metrics.jsonl, DIR/tensorboard/ and DIR/checkpoints/; SIGTERM/SIGINT save a
+checkpoint and exit cleanly.
 """
 
 import argparse
