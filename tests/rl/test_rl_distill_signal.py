@@ -216,7 +216,7 @@ def test_shipped_mopd_experiment_configs_load():
     assert {task: t.checkpoint for task, (t, _) in teachers.items()} == {
         "add": "runs/mopd/teacher_add", "sub": "runs/mopd/teacher_sub"}
     mixed = load_rl_config(configs / "rl_mixed_arith.yaml")
-    assert (mixed.rl.algorithm, mixed.rl.distill.teacher_coef) == ("mis_po", 0.0)
+    assert (mixed.rl.algorithm, mixed.rl.distill.teacher_coef) == ("ppo", 0.0)
     assert [t.name for t in mixed.task.tasks] == [t.name for t in mopd.task.tasks]
     for name, ops in (("add", "+"), ("sub", "-")):
         [task] = load_rl_config(configs / f"rl_teacher_{name}.yaml").task.tasks
