@@ -85,7 +85,8 @@ def test_a_config_without_a_model_is_refused_by_both_loaders(tmp_path, text):
         assert message.startswith(f"config file {str(path)!r} defines no model"), message
         # the presets are the repository's configs/*.yaml that define a model
         assert message.endswith("start from a preset that has one: "
-                                "configs/deepseek_v4_flash.yaml, configs/mimo_v2_flash.yaml, "
+                                "configs/deepseek_v4_flash.yaml, configs/gpu_1b.yaml, "
+                                "configs/mimo_v2_flash.yaml, "
                                 "configs/sft_arith.yaml, configs/sft_chat_arith.yaml, "
                                 "configs/step35_flash.yaml, "
                                 "configs/tiny.yaml, configs/tiny_deepseek_v4.yaml, "
