@@ -1,5 +1,10 @@
 """Small run configs and synthetic batches shared by the training tests."""
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +18,21 @@ TINY = REPO / "configs" / "tiny.yaml"
 FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False}  # jax.jit(..., compiler_options=...)
 # XLA_FLAGS of the tests' JAX subprocesses: LLVM -O0 as tests/conftest.py, and FAST_COMPILE.
 SUBPROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def run_device_worker(worker: Path, devices: int, *args: str) -> dict:
+    """Runs the script `worker` in a subprocess that sees `devices` CPU devices (the flag must
+    be set before JAX starts) and sharing the tests' compilation cache -> the JSON object its
+    last stdout line prints; a failing worker fails the test with the end of its stderr."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
+                        f"{SUBPROCESS_XLA_FLAGS}",
+           "JAX_COMPILATION_CACHE_DIR": str(
+               Path(tempfile.gettempdir()) / f"stepjax-test-xla-cache-{os.getuid()}")}
+    done = subprocess.run([sys.executable, str(worker), *args], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 # Every feature of tiny.yaml (F/S layout, dense + MoE layers, clamps, MTP) at test sizes.
 SMALL_MODEL = [

@@ -3,17 +3,12 @@ same run on one device, as a train step does in tests/train/test_parallel.py; `r
 checked and may change on resume. The 4-device runs happen in a subprocess
 (tests/rl/rl_mesh_worker.py) because the device count is fixed when JAX starts."""
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import jax
 import pytest
 from test_rl_loop import small_run
-from train_helpers import SUBPROCESS_XLA_FLAGS
+from train_helpers import run_device_worker
 
 from model.parallel.rules import abstract_mesh
 from rl.parallel import check_rows_fit, rl_mesh
@@ -38,14 +33,7 @@ MESH = "data=2,expert=2"
 
 
 def run_worker(*args: str) -> dict:
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {SUBPROCESS_XLA_FLAGS}",
-           "JAX_COMPILATION_CACHE_DIR": str(
-               Path(tempfile.gettempdir()) / f"stepjax-test-xla-cache-{os.getuid()}")}
-    done = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_device_worker(WORKER, 4, *args)
 
 
 @pytest.mark.slow

@@ -3,17 +3,12 @@ meshes equals the same step on one device, params are laid out as the rules tabl
 expert-parallel dispatch drops nothing under skewed routing. The 8-device runs happen in a
 subprocess (tests/parallel_worker.py) because the device count is fixed when JAX starts."""
 
-import json
 import math
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 from jax.sharding import PartitionSpec as P
-from train_helpers import SUBPROCESS_XLA_FLAGS, TINY
+from train_helpers import TINY, run_device_worker
 
 from model.parallel.rules import MESH_AXES, abstract_mesh, logical_to_spec
 from train.config import MeshConfig, load_run_config
@@ -44,14 +39,7 @@ EXPECTED = {
 
 
 def run_worker(*args: str) -> dict:
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {SUBPROCESS_XLA_FLAGS}",
-           "JAX_COMPILATION_CACHE_DIR": str(
-               Path(tempfile.gettempdir()) / f"stepjax-test-xla-cache-{os.getuid()}")}
-    done = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_device_worker(WORKER, 8, *args)
 
 
 def sizes_of(mesh: str) -> dict[str, int]:
