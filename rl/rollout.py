@@ -33,10 +33,11 @@ class Rollouts:
 
     def take(self, rows: np.ndarray) -> "Rollouts":
         """The given rows (int indices), in the order given."""
-        return Rollouts(**{f.name: ([value[i] for i in rows] if isinstance(value, list)
-                                    else value[rows])
-                           for f in dataclasses.fields(Rollouts)
-                           for value in [getattr(self, f.name)]})
+        def pick(value):
+            return [value[i] for i in rows] if isinstance(value, list) else value[rows]
+
+        return Rollouts(**{f.name: pick(getattr(self, f.name))
+                           for f in dataclasses.fields(Rollouts)})
 
 
 def concat_rollouts(parts: Sequence[Rollouts]) -> Rollouts:
