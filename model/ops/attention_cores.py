@@ -15,7 +15,8 @@ input-independent alternative to the head-wise gate).
 - `xla`: full layers build [T, T] scores (skipping most of the causally masked half); SWA
   layers run chunked local attention in O(T·W). Both reduce to `masked_attention`, whose kernel
   `model.ops.attention_vjp.grouped_attention` has a hand-written VJP laid out for XLA:CPU.
-- `cudnn`: `jax.nn.dot_product_attention` (cuDNN on NVIDIA GPUs, XLA elsewhere).
+- `cudnn`: `jax.nn.dot_product_attention` (cuDNN on NVIDIA GPUs for 16-bit inputs, XLA
+  elsewhere).
 - `pallas`: `pallas_kernels.flash_attention` (imported on first use).
 
 `model.ops.tables.ATTENTION` names the function of each `attention_impl`.
@@ -163,11 +164,25 @@ def with_values_padded(core: AttentionCore) -> AttentionCore:
     return padded
 
 
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def fused_attention_backend(q: jax.Array) -> str:
+    """`implementation` of `jax.nn.dot_product_attention` for q [B, T, H, D]: "cudnn" on an
+    NVIDIA GPU for the inputs its fused kernel takes (16-bit, D <= 128, a multiple of 8), else
+    "xla". Named explicitly: `implementation=None` always takes the XLA path (JAX 0.10-0.11,
+    "defaults to XLA for now"), which the first H200 run showed (README, "First GPU run")."""
+    head_dim = q.shape[-1]
+    takes = (q.dtype in CUDNN_DTYPES and head_dim <= CUDNN_MAX_HEAD_DIM and head_dim % 8 == 0)
+    return "cudnn" if jax.default_backend() == "gpu" and takes else "xla"
+
+
 def _dot_product_attention(q, k, v, mask, window, return_residual=False):
     return jax.nn.dot_product_attention(
         q, k, v, mask=mask, is_causal=True,
         local_window_size=None if window is None else (window - 1, 0),
-        return_residual=return_residual,
+        return_residual=return_residual, implementation=fused_attention_backend(q),
     )
 
 
@@ -208,7 +223,8 @@ _attention_with_sink.defvjp(_attention_with_sink_fwd, _attention_with_sink_bwd)
 
 
 def cudnn_attention(q, k, v, *, window, segment_ids, sink):
-    """`jax.nn.dot_product_attention`: cuDNN flash attention on NVIDIA GPUs, XLA elsewhere.
+    """`jax.nn.dot_product_attention`: cuDNN flash attention on NVIDIA GPUs for the inputs it
+    takes (`fused_attention_backend`), XLA elsewhere.
 
     The sink is folded in afterwards from the returned log-sum-exp (softmax with an extra
     exp(s) term = plain output * sigmoid(lse - s)), with a custom VJP because the kernel's lse
