@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import RopeScaling
+from model.ops.rope_tables import rotation_tables
 
 
 def _yarn(inv_freq: np.ndarray, rotary_dims: int, theta: float, s: RopeScaling):
@@ -71,8 +72,8 @@ def apply_rope(
         return x
     inv_freq, multiplier = rope_frequencies(rotary_dims, theta, scaling)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    cos = (jnp.cos(angles) * multiplier)[:, :, None, :]  # [B, T, 1, rotary_dims/2]
-    sin = (jnp.sin(angles) * multiplier)[:, :, None, :]
+    cos, sin = rotation_tables(angles, multiplier)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, rotary_dims/2]
     rot, rest = x[..., :rotary_dims].astype(jnp.float32), x[..., rotary_dims:]
     first, second = jnp.split(rot, 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from model.ops.rope_tables import rotation_tables
+
 
 def rotate_trailing_pairs(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """x: [B, T, ..., D]; positions: [B, T] (int or float); inv_freq: [R/2] -> [B, T, ..., D]
@@ -23,7 +25,7 @@ def rotate_trailing_pairs(x: jax.Array, positions: jax.Array, inv_freq: jax.Arra
         return x
     angles = positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)
     angles = angles.reshape(*angles.shape[:2], *([1] * (x.ndim - 3)), half)  # heads broadcast
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = rotation_tables(angles)
     keep, rot = x[..., :-2 * half], x[..., -2 * half:].astype(jnp.float32)
     pairs = rot.reshape(*rot.shape[:-1], half, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
