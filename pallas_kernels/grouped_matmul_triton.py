@@ -36,7 +36,9 @@ itself, with masks (`plgpu.load` / `plgpu.store` on whole-array refs).
   so compiled tiles must be powers of two >= 16 (checked); each tile is capped at its dimension
   rounded up to a power of two. Defaults (128 rows, 64 contract, 128 cols, 4 warps, 3 pipeline
   stages) are the common Triton matmul configuration for bf16 on Ampere/Hopper; 8 warps when an
-  output tile holds more than 128 x 128 accumulators. Not tuned on hardware. float32 inputs use
+  output tile holds more than 128 x 128 accumulators, fewer stages when one step's operand
+  tiles times the stages would pass SMEM_BUDGET (e.g. float32, or 256-row tiles). Not tuned on
+  hardware. float32 inputs use
   IEEE dots (Precision.HIGHEST, no TF32), accumulation is float32.
 
 Verified: interpret-mode results on CPU against float64 references, and the lowering to Triton
@@ -63,7 +65,8 @@ from pallas_kernels.grouped_common import (
 
 MIN_TILE = 16  # tl.dot needs at least 16 along every dimension
 DEFAULT_TILING = {"gpu": Tiling(128, 64, 128), "interpret": Tiling(128, 128, 128)}
-NUM_STAGES = 3
+NUM_STAGES = 3  # at most; fewer where the pipelined loads would not fit SMEM_BUDGET
+SMEM_BUDGET = 160 * 1024  # bytes of pipelined operand tiles (A100: 164 KiB per SM, H100: 228)
 WIDE_TILE = 128 * 128  # output tiles with more accumulators than this get 8 warps
 
 
@@ -102,13 +105,20 @@ def _prepare(lhs, rhs, tiling, interpret, m, k, n):
     return lhs.astype(dtype), rhs.astype(dtype), tiles, interpret, dtype
 
 
-def _call(kernel, *, name, grid, out_shape, args, out_init, interpret, out_tile):
+def num_stages(stage_bytes: int) -> int:
+    """Software-pipelining depth of the K (or row) loop: each stage holds one step's operand
+    tiles in shared memory, so deep pipelines of wide tiles would not fit."""
+    return max(1, min(NUM_STAGES, SMEM_BUDGET // stage_bytes))
+
+
+def _call(kernel, *, name, grid, out_shape, args, out_init, interpret, out_tile, stage_bytes):
     """pl.pallas_call over whole-array refs. out_init: an optional buffer aliased to the output
-    (tests fill it with NaN to prove every element is written); the kernel never sees it."""
+    (tests fill it with NaN to prove every element is written); the kernel never sees it.
+    out_tile: accumulators per program; stage_bytes: bytes of the operand tiles of one step."""
     params = None
     if not interpret:
         params = plgpu.CompilerParams(num_warps=4 if out_tile <= WIDE_TILE else 8,
-                                      num_stages=NUM_STAGES)
+                                      num_stages=num_stages(stage_bytes))
     aliases = {}
     if out_init is not None:
         aliases = {len(args): 0}
@@ -220,7 +230,8 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpr
                  out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), out_init=out_init,
                  args=(sched.visit_group, sched.visit_tile, sched.group_offsets,
                        sched.num_visits.reshape(1), lhs, rhs),
-                 interpret=interpret, out_tile=tiles.rows * tiles.cols)
+                 interpret=interpret, out_tile=tiles.rows * tiles.cols,
+                 stage_bytes=(tiles.rows + tiles.cols) * tiles.contract * dtype.itemsize)
 
 
 def tgmm(lhs, rhs, group_sizes, *, tiling=None, interpret=None, out_dtype=None,
@@ -248,4 +259,5 @@ def tgmm(lhs, rhs, group_sizes, *, tiling=None, interpret=None, out_dtype=None,
                  grid=(num_groups, pl.cdiv(k, tiles.contract), pl.cdiv(n, tiles.cols)),
                  out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
                  args=(offsets, lhs, rhs), out_init=out_init, interpret=interpret,
-                 out_tile=tiles.contract * tiles.cols)
+                 out_tile=tiles.contract * tiles.cols,
+                 stage_bytes=tiles.rows * (tiles.contract + tiles.cols) * dtype.itemsize)
