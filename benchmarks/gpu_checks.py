@@ -183,9 +183,6 @@ def moe_outputs(impl: Callable, case: MoECase, inputs: dict) -> dict:
 
 def unsupported(table: str, impl: str, backend: str) -> str | None:
     """Why `impl` cannot run on `backend` at all (known beforehand), or None."""
-    if table == "moe" and impl == "pallas" and backend == "gpu":
-        return ("Mosaic grouped matmuls are TPU kernels (pallas_kernels/grouped_matmul.py); "
-                "moe_impl=ragged_dot serves GPUs")
     if table == "attention" and impl == "pallas" and backend == "tpu":
         return "the flash-attention kernel is Triton (GPU) only; attention_impl=xla serves TPUs"
     return None
@@ -195,6 +192,8 @@ def kernel_note(impl: str, backend: str, hlo: str) -> str:
     """What actually ran behind `impl` here, from the compiled HLO where it can tell."""
     if backend == "cpu" and impl == "pallas":
         return "Pallas interpret mode"
+    if backend == "gpu" and impl == "pallas":  # flash attention and grouped matmuls alike
+        return "Pallas Triton kernels"
     if impl == "cudnn":
         if "__cudnn$fmha" in hlo:  # the custom call of XLA's cuDNN fused attention
             return "cuDNN fused attention"

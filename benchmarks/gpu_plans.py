@@ -54,8 +54,9 @@ def attention_shapes(cfg: ModelConfig) -> list[AttentionShape]:
     return shapes
 
 
-# Tiny cases: float32, odd features on (segments, sink, the clamp); medium: bfloat16 at the
-# shapes of configs/gpu_1b.yaml's layers (D = 128, GQA 18/12 over 2 KV heads, W = 512).
+# Tiny cases: float32, odd features on (segments, sink, the clamp; MoE widths off the kernel
+# tiles); medium: bfloat16 at the shapes of configs/gpu_1b.yaml's layers (D = 128, GQA 18/12
+# over 2 KV heads, W = 512).
 ACCELERATOR = Plan(
     name="accelerator",
     attention_checks=(
@@ -66,6 +67,8 @@ ACCELERATOR = Plan(
     ),
     moe_checks=(
         MoECase("tiny", 64, 32, 8, 2, 16, 1.0, "float32"),
+        # D and F not multiples of the Triton grouped matmuls' tiles (64 / 128): masked edges
+        MoECase("odd dims", 300, 200, 16, 2, 72, 7.0, "float32"),
         MoECase("medium", 4096, 1536, 32, 4, 512, 0.0, "bfloat16"),
     ),
     attention_lengths=(4096, 8192, 16384, 32768),

@@ -3,7 +3,9 @@
 - `flash_attention`: causal / sliding-window flash attention with segment ids and sinks
   (`attention_impl=pallas`);
 - `grouped_matmul`: grouped matmuls over row groups of one expert each (`moe_impl=pallas`,
-  through `model.ops.pallas_moe`);
+  through `model.ops.pallas_moe`), Mosaic kernels for TPU and the differentiable `gmm` that
+  picks a kernel family; `grouped_matmul_triton`: the same kernels in Triton for GPU;
+  `grouped_common`: their shared visit schedule and tile roles;
 - `reference`: plain-jnp versions of both, what the kernel tests compare against.
 
 The model reaches them through `model.ops.tables`. On CPU they run in interpret mode (slow, for

@@ -15,10 +15,10 @@ group's weights and keeping only its rows (row masking), so every visit is one d
 [tm, tk] x [tk, tn] matmul. Visits are listed group-major, which for contiguous groups is also
 tile-major, in a schedule of static size S = T + E - 1: the first non-empty group starts at row 0,
 and each later one adds at most one extra visit (its first tile may be shared). The schedule
-(`make_schedule`) is computed with jnp from group_sizes on device and handed to the kernel as
-scalar-prefetch operands (SMEM on TPU), which the BlockSpec index maps read to pick each step's
-lhs tile and expert weights. The grid's visit axis has the dynamic length `num_visits` <= S, so no
-step is spent on padding entries.
+(`pallas_kernels.grouped_common.make_schedule`) is computed with jnp from group_sizes on device
+and handed to the kernel as scalar-prefetch operands (SMEM on TPU), which the BlockSpec index
+maps read to pick each step's lhs tile and expert weights. The grid's visit axis has the dynamic
+length `num_visits` <= S, so no step is spent on padding entries.
 
 - gmm: grid (N tiles, visits, K tiles), K innermost with an f32 accumulator. At the last K step
   the tile's rows of this group are stored; the first visit to a row tile also zeroes the rest of
@@ -44,12 +44,11 @@ consecutive grid steps, and VMEM scratch accumulators. On TPU, tiles must obey M
 rule: tm a multiple of 8 and tk, tn multiples of 128, unless a tile spans its whole dimension
 (checked before lowering). Verified here: interpret-mode results on CPU, and that the kernels
 lower to Mosaic MLIR for TPU from a CPU host. Not verified: Mosaic compilation by libtpu and any
-run on a TPU. GPU is NOT served by these kernels: Triton and Mosaic GPU have no scalar prefetch
-and run grid steps concurrently, so the resident-output / sequential-accumulator pattern does
-not hold there. A GPU port needs one program per output tile looping over its row tile's groups
-(gmm) and one program per (group, K tile, N tile) looping over the group's row tiles (tgmm),
-with the schedule passed as ordinary int32 operands and masked loads. On GPU use
-`moe_impl=ragged_dot` (XLA's grouped matmul); these kernels raise there unless interpreted.
+run on a TPU. GPU is served by the Triton kernels of `pallas_kernels.grouped_matmul_triton`
+(same signatures and results; Triton has no scalar prefetch and runs grid programs concurrently,
+so they read the same schedule as ordinary int32 arrays and store with row masks). `gmm` below
+dispatches: `kernel="mosaic"` (TPU), `"triton"` (GPU), None for the backend's (Triton on GPU,
+Mosaic elsewhere); these Mosaic kernels raise on GPU unless interpreted.
 
 `interpret=None` means interpret mode when `jax.default_backend() == "cpu"` (slow; tests only).
 """
@@ -64,27 +63,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-
-class Tiling(NamedTuple):
-    """Tile sizes by role: rows (M), contraction (K) and output columns (N) of the forward gmm.
-
-    The backward passes reuse them by role: dlhs = gmm(dout, rhs^T) contracts over N (tile
-    `cols`) and produces K (tile `contract`); tgmm reduces over rows (tile `rows`).
-    """
-
-    rows: int
-    contract: int
-    cols: int
+from pallas_kernels import grouped_matmul_triton
+from pallas_kernels.grouped_common import (
+    Schedule,
+    Tiling,
+    dot_f32,
+    make_schedule,
+    matmul_precision,
+    resolve_interpret,
+    schedule_size,
+)
 
 
 # Per-backend defaults. TPU: 128-row tiles (the MXU width of v4/v5) and 512-wide K/N tiles keep
 # the double-buffered bf16 blocks plus the f32 accumulator near 2 MiB of VMEM. Not tuned on
 # hardware. Interpret mode: larger tiles mean fewer (slow) interpreted grid steps.
 DEFAULT_TILING = {"tpu": Tiling(128, 512, 512), "interpret": Tiling(128, 128, 128)}
-
-
-def resolve_interpret(interpret: bool | None) -> bool:
-    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
 
 
 def default_tiling(interpret: bool) -> Tiling:
@@ -96,8 +90,8 @@ def _check_backend(interpret: bool) -> None:
     # lowering for TPU from a CPU host (`.lower(lowering_platforms=("tpu",))`) must stay open.
     if not interpret and jax.default_backend() in ("gpu", "cuda", "rocm"):
         raise NotImplementedError(
-            "pallas grouped matmul: the kernels target TPU (Mosaic) and do not lower on GPU; "
-            "use moe_impl=ragged_dot on GPU (or interpret=True for testing)"
+            "pallas grouped matmul: the Mosaic kernels target TPU and do not lower on GPU; "
+            "use kernel='triton' there (the default on GPU), or interpret=True for testing"
         )
 
 
@@ -116,70 +110,7 @@ def _fit(tiles: Tiling, m: int, k: int, n: int) -> Tiling:
     return Tiling(min(tiles.rows, m), min(tiles.contract, k), min(tiles.cols, n))
 
 
-# ---- schedule --------------------------------------------------------------------------------
-
-
-class Schedule(NamedTuple):
-    """Visit list of a grouped matmul; arrays have the static length S = T + E - 1.
-
-    Visit s works on row tile `visit_tile[s]` for group `visit_group[s]`, whose rows are
-    [group_offsets[g], group_offsets[g + 1]). Group id E is the "null" group (rows past the last
-    group; an empty range). Entries at s >= num_visits repeat the last visit and are not run.
-    """
-
-    visit_group: jax.Array  # [S] int32
-    visit_tile: jax.Array  # [S] int32
-    group_offsets: jax.Array  # [E + 2] int32: starts of groups 0..E-1, total, total
-    num_visits: jax.Array  # [] int32
-
-
-def schedule_size(num_rows: int, row_tile: int, num_groups: int) -> int:
-    return pl.cdiv(num_rows, row_tile) + num_groups - 1
-
-
-def make_schedule(group_sizes: jax.Array, num_rows: int, row_tile: int, *,
-                  visit_empty_groups: bool) -> Schedule:
-    """Visits for gmm (`visit_empty_groups=False`: every row tile at least once, empty groups
-    never) or tgmm (`True`: every group at least once, row tiles without groups never)."""
-    group_sizes = group_sizes.astype(jnp.int32)
-    num_groups = group_sizes.shape[0]
-    num_tiles = pl.cdiv(num_rows, row_tile)
-    size = schedule_size(num_rows, row_tile, num_groups)
-
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
-    total = ends[-1]
-    nonempty = group_sizes > 0
-    first_tile = jnp.minimum(starts // row_tile, num_tiles - 1)
-    last_tile = jnp.where(nonempty, (ends - 1) // row_tile, first_tile)
-    per_group = jnp.where(nonempty, last_tile - first_tile + 1, int(visit_empty_groups))
-    group_visit_end = jnp.cumsum(per_group)
-    group_visits = group_visit_end[-1]
-    # gmm: tiles wholly past the last group get one null visit each (they must be zeroed).
-    covered_tiles = (total + row_tile - 1) // row_tile
-    null_visits = 0 if visit_empty_groups else num_tiles - covered_tiles
-    num_visits = (group_visits + null_visits).astype(jnp.int32)
-
-    s = jnp.minimum(jnp.arange(size, dtype=jnp.int32), num_visits - 1)
-    group = jnp.searchsorted(group_visit_end, s, side="right").astype(jnp.int32)
-    in_group = group < num_groups
-    g = jnp.minimum(group, num_groups - 1)
-    rank = s - (group_visit_end[g] - per_group[g])
-    tile = jnp.where(in_group, first_tile[g] + rank, covered_tiles + s - group_visits)
-    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), ends, total[None]]).astype(jnp.int32)
-    return Schedule(group, tile.astype(jnp.int32), offsets, num_visits)
-
-
 # ---- kernels ---------------------------------------------------------------------------------
-
-
-def _dot(x, y, contract, precision):
-    return jax.lax.dot_general(x, y, (contract, ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)
-
-
-def _precision(dtype):
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
 def _zero_where_not(keep, a):
@@ -208,7 +139,7 @@ def _gmm_kernel(visit_group, visit_tile, offsets, lhs_ref, rhs_ref, *refs, tm, t
             w = _zero_where_not(
                 jax.lax.broadcasted_iota(jnp.int32, w.shape, k_axis) + k_i * tk < k_dim, w)
         contract = ((1,), (1,)) if transpose_rhs else ((1,), (0,))
-        acc_ref[...] += _dot(x, w, contract, precision)
+        acc_ref[...] += dot_f32(x, w, contract, precision)
 
     tile = visit_tile[s]
     first_visit = jnp.logical_or(s == 0, visit_tile[jnp.maximum(s - 1, 0)] != tile)
@@ -250,7 +181,7 @@ def _tgmm_kernel(visit_group, visit_tile, offsets, lhs_ref, rhs_ref, *refs, tm, 
             return _zero_where_not(jnp.logical_and(rows >= lo, rows < hi), a)
 
         # x.T @ y as a contraction over the row (second-minor) dim of both operands.
-        acc_ref[...] += _dot(rows_of_group(x), rows_of_group(y), ((0,), (0,)), precision)
+        acc_ref[...] += dot_f32(rows_of_group(x), rows_of_group(y), ((0,), (0,)), precision)
 
     @pl.when(jnp.logical_or(s == last_s, visit_group[jnp.minimum(s + 1, last_s)] != g))
     def _():
@@ -312,7 +243,7 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpr
     rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
     init_specs, init_args, aliases = _aliased_init_spec(out_init)
     kernel = functools.partial(_gmm_kernel, tm=tm, tk=tk, k_dim=k, transpose_rhs=transpose_rhs,
-                               precision=_precision(dtype))
+                               precision=matmul_precision(dtype))
     itemsize = jnp.dtype(dtype).itemsize
     cost = pl.CostEstimate(
         flops=2 * m * k * n, transcendentals=0,
@@ -377,7 +308,7 @@ def tgmm(lhs, rhs, group_sizes, *, tiling=None, interpret=None, out_dtype=None,
         bytes_accessed=itemsize * (m * k * pl.cdiv(n, tn) + m * n * pl.cdiv(k, tk))
         + out_dtype.itemsize * num_groups * k * n)
     call = pl.pallas_call(
-        functools.partial(_tgmm_kernel, tm=tm, precision=_precision(dtype)),
+        functools.partial(_tgmm_kernel, tm=tm, precision=matmul_precision(dtype)),
         out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
@@ -400,14 +331,36 @@ def tgmm(lhs, rhs, group_sizes, *, tiling=None, interpret=None, out_dtype=None,
 # ---- differentiable gmm ----------------------------------------------------------------------
 
 
+KERNELS = ("mosaic", "triton")
+
+
+def resolve_kernel(kernel: str | None) -> str:
+    """"mosaic" (TPU) or "triton" (GPU); None picks by `jax.default_backend()`: Triton on GPU,
+    Mosaic elsewhere (so CPU interpret mode runs the TPU kernels unless told otherwise)."""
+    if kernel is None:
+        return "triton" if jax.default_backend() == "gpu" else "mosaic"
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS} or None, got {kernel!r}")
+    return kernel
+
+
+def kernel_calls(kernel: str):
+    """(gmm_call, tgmm) of a kernel family: same signatures, same results."""
+    if kernel == "triton":
+        return grouped_matmul_triton.gmm_call, grouped_matmul_triton.tgmm
+    return gmm_call, tgmm
+
+
 class _Config(NamedTuple):
     tiling: Tiling | None
     interpret: bool | None
+    kernel: str
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _gmm(lhs, rhs, group_sizes, config):
-    return gmm_call(lhs, rhs, group_sizes, tiling=config.tiling, interpret=config.interpret)
+    forward, _ = kernel_calls(config.kernel)
+    return forward(lhs, rhs, group_sizes, tiling=config.tiling, interpret=config.interpret)
 
 
 def _gmm_fwd(lhs, rhs, group_sizes, config):
@@ -417,12 +370,13 @@ def _gmm_fwd(lhs, rhs, group_sizes, config):
 def _gmm_bwd(config, residuals, dout):
     lhs, rhs, group_sizes = residuals
     tiling = config.tiling
+    forward, transposed = kernel_calls(config.kernel)
     # dlhs = dout [M, N] @ rhs[g].T: contracts N (tile `cols`), produces K (tile `contract`).
     back = None if tiling is None else Tiling(tiling.rows, tiling.cols, tiling.contract)
-    dlhs = gmm_call(dout, rhs, group_sizes, transpose_rhs=True, tiling=back,
-                    interpret=config.interpret, out_dtype=lhs.dtype)
-    drhs = tgmm(lhs, dout, group_sizes, tiling=tiling, interpret=config.interpret,
-                out_dtype=rhs.dtype)
+    dlhs = forward(dout, rhs, group_sizes, transpose_rhs=True, tiling=back,
+                   interpret=config.interpret, out_dtype=lhs.dtype)
+    drhs = transposed(lhs, dout, group_sizes, tiling=tiling, interpret=config.interpret,
+                      out_dtype=rhs.dtype)
     return dlhs, drhs, None
 
 
@@ -431,11 +385,13 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         tiling: Tiling | tuple[int, int, int] | None = None,
-        interpret: bool | None = None) -> jax.Array:
+        interpret: bool | None = None, kernel: str | None = None) -> jax.Array:
     """lhs [M, K] (rows sorted by group), rhs [E, K, N], group_sizes [E] int -> [M, N].
 
     Differentiable in lhs and rhs. tiling: (rows, contract, cols) tiles or None for the
-    backend default (`DEFAULT_TILING`).
+    kernel's default (`DEFAULT_TILING` here, `grouped_matmul_triton.DEFAULT_TILING`). kernel:
+    "mosaic" (TPU), "triton" (GPU) or None for the backend's (`resolve_kernel`).
     """
     tiling = None if tiling is None else Tiling(*tiling)
-    return _gmm(lhs, rhs, group_sizes.astype(jnp.int32), _Config(tiling, interpret))
+    config = _Config(tiling, interpret, resolve_kernel(kernel))
+    return _gmm(lhs, rhs, group_sizes.astype(jnp.int32), config)

@@ -19,6 +19,8 @@ import pytest
 from train_helpers import REPO, SUBPROCESS_XLA_FLAGS
 
 from benchmarks import gpu_suite
+from benchmarks.gpu_checks import kernel_note, unsupported
+from benchmarks.gpu_plans import ACCELERATOR
 from model.ops.attention_cores import xla_attention
 from model.ops.moe_dispatch import sorted_block_ffn
 from model.ops.swiglu import SwiGLUClamp
@@ -156,3 +158,13 @@ def test_bad_arguments_get_one_line_errors(capsys):
             gpu_suite.main(argv)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_pallas_is_checked_and_timed_on_gpu_and_tpu():
+    """Both kernel families have an accelerator: only CPU (interpret mode) keeps `pallas` MoE out
+    of the timings, and the checks run it everywhere; the flash-attention kernel is GPU only."""
+    for backend in ("gpu", "tpu", "cpu"):
+        assert unsupported("moe", "pallas", backend) is None
+    assert unsupported("attention", "pallas", "tpu") is not None
+    assert kernel_note("pallas", "gpu", "") == "Pallas Triton kernels"
+    assert "odd dims" in {case.label for case in ACCELERATOR.moe_checks}

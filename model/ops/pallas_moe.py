@@ -8,14 +8,16 @@
 
 `pallas_moe_ffn` has the `moe_impl` signature (`model.ops.tables`) and returns what `sorted` and
 `ragged_dot` return: per-copy outputs [N, k, D] and the per-expert statistics. The permutes are
-XLA gathers (their gradients are scatter-adds); only the expert matmuls are Pallas kernels, which
-target TPU (see `pallas_kernels.grouped_matmul` for what lowers where).
+XLA gathers (their gradients are scatter-adds); only the expert matmuls are Pallas kernels: Mosaic
+on TPU, Triton on GPU (`pallas_kernels.grouped_matmul.resolve_kernel`; see the kernel modules for
+what lowers where and what was verified).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from model.ops.moe_dispatch import (
     ExpertWeights,
@@ -25,7 +27,9 @@ from model.ops.moe_dispatch import (
     sort_copies,
 )
 from model.ops.swiglu import SwiGLUClamp, swiglu_activation
-from pallas_kernels.grouped_matmul import Tiling, default_tiling, gmm, resolve_interpret
+from pallas_kernels import grouped_matmul_triton
+from pallas_kernels.grouped_common import Tiling, resolve_interpret
+from pallas_kernels.grouped_matmul import default_tiling, gmm, resolve_kernel
 
 
 def permute(x: jax.Array, indices: jax.Array, num_experts: int) -> tuple[jax.Array, SortedCopies]:
@@ -56,27 +60,40 @@ def unpermute_combine(rows: jax.Array, copies: SortedCopies, combine_weights: ja
     return combine_copies(per_copy, combine_weights.astype(jnp.float32), out_dtype or rows.dtype)
 
 
+def moe_tiling(kernel: str, block_size: int, interpret: bool) -> Tiling:
+    """The grouped matmuls' tiles for `moe.block_size` rows: the kernel's default contract/cols
+    tiles, and block_size rows, rounded up where compiled kernels need it (Mosaic: a multiple of
+    8, the sublane count; Triton: a power of two >= 16, its tensor-shape rule)."""
+    if kernel == "triton":
+        tiles = grouped_matmul_triton.default_tiling(interpret)
+        rows = max(grouped_matmul_triton.MIN_TILE, pl.next_power_of_2(block_size))
+    else:
+        tiles = default_tiling(interpret)
+        rows = -(-block_size // 8) * 8
+    return tiles._replace(rows=block_size if interpret else rows)
+
+
 def pallas_moe_ffn(x, indices, weights: ExpertWeights, clamp: SwiGLUClamp, block_size, *,
                    tiling: Tiling | tuple[int, int, int] | None = None,
-                   interpret: bool | None = None):
+                   interpret: bool | None = None, kernel: str | None = None):
     """x [N, D], indices [N, k] -> (per-copy expert outputs [N, k, D], per-expert statistic
     sums of [E]; see `model.ops.moe_dispatch`). Copies of "no expert" (id E) give zero rows.
 
-    block_size is the row tile of the grouped matmuls (on TPU rounded up to a multiple of 8,
-    Mosaic's sublane count); `tiling`, if given, overrides all tiles (rows, contract, cols).
-    `interpret=None`: interpret mode on CPU.
+    block_size is the row tile of the grouped matmuls (`moe_tiling`); `tiling`, if given,
+    overrides all tiles (rows, contract, cols). `interpret=None`: interpret mode on CPU.
+    kernel: "mosaic" (TPU), "triton" (GPU) or None for the backend's.
     """
     num_experts = weights.gate.shape[0]
     top_k = indices.shape[1]
+    kernel = resolve_kernel(kernel)
     if tiling is None:
         interpret = resolve_interpret(interpret)
-        rows = block_size if interpret else -(-block_size // 8) * 8
-        tiling = default_tiling(interpret)._replace(rows=rows)
+        tiling = moe_tiling(kernel, block_size, interpret)
     rows, copies = permute(x, indices, num_experts)
     sizes = copies.group_sizes
 
     def grouped(lhs, rhs):
-        return gmm(lhs, rhs, sizes, tiling=tiling, interpret=interpret)
+        return gmm(lhs, rhs, sizes, tiling=tiling, interpret=interpret, kernel=kernel)
 
     h = swiglu_activation(grouped(rows, weights.gate), grouped(rows, weights.up), clamp)
     out = jnp.where((copies.row_expert < num_experts)[:, None], grouped(h, weights.down), 0)

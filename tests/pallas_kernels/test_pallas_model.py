@@ -1,16 +1,24 @@
-"""A tiny model with the Pallas kernels (interpret mode) equals the XLA paths: loss and grads."""
+"""A tiny model with the Pallas kernels (interpret mode) equals the XLA paths: loss and grads.
+
+`moe_impl=pallas` runs either kernel family: Mosaic (the CPU default) or Triton (the GPU
+default, chosen here by replacing the backend's choice).
+"""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import traverse_util
 from train_helpers import FAST_COMPILE
 
 from model import CausalLM, load_config
+from model.ops import pallas_moe
 
 
-def test_tiny_model_pallas_impls_match_xla():
+@pytest.mark.parametrize("moe_kernel", ["mosaic", "triton"])
+def test_tiny_model_pallas_impls_match_xla(monkeypatch, moe_kernel):
+    monkeypatch.setattr(pallas_moe, "resolve_kernel", lambda kernel: kernel or moe_kernel)
     overrides = ["num_layers=3", "layout=FSS", "num_dense_layers=1", "d_model=32", "head_dim=8",
                  "vocab_size=64", "window=5", "moe.num_experts=4", "moe.top_k=2",
                  "moe.expert_hidden=16", "moe.shared_hidden=16", "moe.num_ep_groups=1",
