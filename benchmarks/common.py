@@ -43,14 +43,21 @@ def time_compiled(compiled, *args, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def interleaved(steps: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+def interleaved(steps: dict[str, Callable[[], object]], rounds: int,
+                settle: int = 0) -> dict[str, float]:
     """Median seconds of each closure, called once per round in turn (after one warm-up call),
-    so that a slow patch of the shared machine hits every side alike."""
+    so that a slow patch of the shared machine hits every side alike. `settle` untimed calls
+    precede each timed one: for sides with their own allocators (JAX and torch in one process),
+    whose first call after the other side's reuses memory the other just freed and pays its page
+    faults again (measured at the medium vs_torch size: a JAX step right after a torch step took
+    8-9 s, the next one 5.7 s)."""
     for step in steps.values():
         step()
     times = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
+            for _ in range(settle):
+                step()
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)

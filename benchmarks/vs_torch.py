@@ -7,11 +7,12 @@ One random Step 3.5 checkpoint per size is written in the published layout
 torch through `transformers.AutoModel` (the `step3p5` text model) plus the checkpoint's
 `lm_head`. Both run forward + backward of the mean next-token cross-entropy on the same token
 batch in float32 (stepjax: the jitted loss of `train.step`; torch: eager, and `torch.compile`
-unless --no-compile), interleaved round by round so machine load hits every side alike; the
-losses must agree before anything is timed. A per-module breakdown times fwd+bwd of one layer
+unless --no-compile), interleaved round by round so machine load hits every side alike, each
+timed call after one untimed call of the same side (so each side runs on its own warmed
+allocator: `benchmarks.common.interleaved`); the losses must agree before anything is timed. A per-module breakdown times fwd+bwd of one layer
 of each kind (weights from the checkpoint) the same way. The machine's float32 matmul peak
 (`train.telemetry.mfu.measure_matmul_peak`, large and small shapes) turns FLOP/s into MFU.
-Results: `benchmarks/results/vs_torch.json` and a markdown table for README.
+Results: `benchmarks/results/vs_torch_<sizes>.json` and a markdown table for README.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def measure(size: str, rounds: int, compile_torch: bool, breakdown: bool) -> dic
     for name, loss in losses.items():
         if abs(loss - reference) > 1e-3 * max(1.0, abs(reference)):
             raise SystemExit(f"vs_torch: {name} loss {loss} differs from torch eager {reference}")
-    seconds = interleaved(sides, rounds)
+    seconds = interleaved(sides, rounds, settle=1)
     flops = train_flops_per_token(run.model, LENGTH, 0) * BATCH * LENGTH
     result = {"size": size, "tokens": BATCH * LENGTH, "train_flops": flops, "loss": reference,
               "torch_threads": torch.get_num_threads(), "step_s": seconds}
@@ -187,7 +188,8 @@ def measure(size: str, rounds: int, compile_torch: bool, breakdown: bool) -> dic
                                      {name: x for name, (_, x) in torch_steps.items()}, tokens)
         rows = {}
         for name, _, count in breakdown_modules(run):
-            pair = interleaved({"stepjax": jax_steps[name], "torch": torch_steps[name][0]}, rounds)
+            pair = interleaved({"stepjax": jax_steps[name], "torch": torch_steps[name][0]}, rounds,
+                               settle=1)
             rows[name] = {"layers": count, **{side: s for side, s in pair.items()}}
             print(f"[{size}] {name}: stepjax {1e3 * pair['stepjax']:.0f} ms, "
                   f"torch {1e3 * pair['torch']:.0f} ms", flush=True)
