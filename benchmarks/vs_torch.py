@@ -9,8 +9,9 @@ torch through `transformers.AutoModel` (the `step3p5` text model) plus the check
 batch in float32 (stepjax: the jitted loss of `train.step`; torch: eager, and `torch.compile`
 unless --no-compile), interleaved round by round so machine load hits every side alike, each
 timed call after one untimed call of the same side (so each side runs on its own warmed
-allocator: `benchmarks.common.interleaved`); the losses must agree before anything is timed. A per-module breakdown times fwd+bwd of one layer
-of each kind (weights from the checkpoint) the same way. The machine's float32 matmul peak
+allocator: `benchmarks.common.interleaved`); the losses must agree before anything is timed.
+A per-module breakdown times fwd+bwd of one layer of each kind (weights from the checkpoint)
+the same way. The machine's float32 matmul peak
 (`train.telemetry.mfu.measure_matmul_peak`, large and small shapes) turns FLOP/s into MFU.
 Results: `benchmarks/results/vs_torch_<sizes>.json` and a markdown table for README.
 """

@@ -94,3 +94,14 @@ def matmul_precision(dtype) -> jax.lax.Precision:
     """HIGHEST for float32 inputs (true float32 products: IEEE on Triton, no TF32), DEFAULT
     (one native pass) for bfloat16."""
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def gmm_shapes(lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool, out_dtype):
+    """(M, K, N, output dtype) of gmm(lhs [M, K], rhs [E, K, N], or [E, N, K] with
+    transpose_rhs); refuses operands that disagree on K."""
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if rhs.shape[2 if transpose_rhs else 1] != k:
+        raise ValueError(f"gmm: lhs {lhs.shape} and rhs {rhs.shape} disagree on K "
+                         f"(transpose_rhs={transpose_rhs})")
+    return m, k, n, jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))

@@ -68,6 +68,7 @@ from pallas_kernels.grouped_common import (
     Schedule,
     Tiling,
     dot_f32,
+    gmm_shapes,
     make_schedule,
     matmul_precision,
     resolve_interpret,
@@ -214,13 +215,8 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpr
     (e.g. shared by several calls). out_init: optional [M, N] buffer aliased to the output; its
     contents are never used (tests fill it with NaN to prove every element is written).
     """
-    m, k = lhs.shape
+    m, k, n, out_dtype = gmm_shapes(lhs, rhs, transpose_rhs, out_dtype)
     num_groups = rhs.shape[0]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    if rhs.shape[2 if transpose_rhs else 1] != k:
-        raise ValueError(f"gmm: lhs {lhs.shape} and rhs {rhs.shape} disagree on K "
-                         f"(transpose_rhs={transpose_rhs})")
-    out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
     lhs, rhs, tiles, interpret, dtype = _prepare(lhs, rhs, tiling, interpret, k, n)

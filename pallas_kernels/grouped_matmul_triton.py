@@ -58,6 +58,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.grouped_common import (
     Tiling,
     dot_f32,
+    gmm_shapes,
     make_schedule,
     matmul_precision,
     resolve_interpret,
@@ -210,13 +211,8 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpr
              out_dtype=None, schedule=None, out_init=None):
     """The Triton gmm without autodiff; arguments as `pallas_kernels.grouped_matmul.gmm_call`
     (schedule: `make_schedule(group_sizes, M, rows tile, visit_empty_groups=False)`)."""
-    m, k = lhs.shape
+    m, k, n, out_dtype = gmm_shapes(lhs, rhs, transpose_rhs, out_dtype)
     num_groups = rhs.shape[0]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    if rhs.shape[2 if transpose_rhs else 1] != k:
-        raise ValueError(f"gmm: lhs {lhs.shape} and rhs {rhs.shape} disagree on K "
-                         f"(transpose_rhs={transpose_rhs})")
-    out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
     lhs, rhs, tiles, interpret, dtype = _prepare(lhs, rhs, tiling, interpret, m, k, n)

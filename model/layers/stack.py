@@ -28,9 +28,9 @@ _REMAT_POLICIES = {
 # A segment of at most this many layers is scanned fully unrolled: its loop runs once, so XLA
 # slices the stacked params and residuals at static offsets and overlaps the layers' independent
 # ops instead of copying each layer's slice in and out of the stacks (vs_torch's 8-layer model,
-# segments of 1 and 3 layers: fwd+bwd 3.5-7% faster). Longer segments keep one period per
-# iteration: so few layers save little compile time in a loop, more do, and the compile time of
-# deep stacks stays flat in depth.
+# segments of 1 and 3 layers: fwd+bwd 3.5-7% faster). Unrolling so few layers costs little
+# compile time; longer segments keep one period per iteration, so deep stacks still compile in
+# a time flat in depth.
 FULLY_UNROLLED_LAYERS = 4
 
 

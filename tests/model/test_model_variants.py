@@ -30,6 +30,7 @@ from small_lm import (
 
 from model import CausalLM
 from model.layers.layer_plan import Segment, layer_kinds, plan_segments
+from model.layers.stack import scan_unroll
 
 # Under `pytest -n 2 --dist loadgroup` (make test) keep the small-model tests on one worker so
 # the baseline model (small_lm.baseline) is compiled once.
@@ -132,6 +133,9 @@ def test_repository_converter_agrees_with_the_test_converter(base):
 
 
 def test_scan_on_and_off_agree(base):
+    # The baseline scans both ways: its SSS segment fully unrolled, the rest as loops of one trip.
+    unrolls = [scan_unroll(seg) for seg in plan_segments(layer_kinds(base.cfg))]
+    assert 3 in unrolls and 1 in unrolls, unrolls
     cfg_off = base.cfg.replace(scan_layers=False)
     params = with_layers(base.params, unscan(base.params["layers"], base.cfg))
     balance = with_layers(base.balance, unscan(base.balance["layers"], base.cfg))
