@@ -80,9 +80,12 @@ ACCELERATOR = Plan(
     moe_rounds=10,
     timing_dtype="bfloat16",
     train_config="configs/gpu_1b.yaml",
-    # The peak learning rate within the few steps run (speed does not depend on it; learning the
-    # data does, and the decode section's drafts are accepted only if it was learnt).
-    train_overrides=("train.warmup_steps=3",),
+    # warmup_steps: the peak learning rate within the few steps run (speed does not depend on it;
+    # learning the data does, and the decode section's drafts are accepted only if it was
+    # learnt). moe_impl: the Pallas Triton grouped matmuls (configs/gpu_1b.yaml keeps
+    # `ragged_dot`, which XLA:GPU expands densely; the train section falls back to it if the
+    # kernels fail).
+    train_overrides=("train.warmup_steps=3", "model.moe_impl=pallas"),
     train_warmup=3,
     train_steps=30,
     decode_prompt=64,

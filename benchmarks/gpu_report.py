@@ -80,16 +80,19 @@ def _moe_table(records: list[dict]) -> str:
 
 def _train_lines(train: dict) -> list[str]:
     if train.get("status") != "done":
-        return [f"- {f['attention_impl']}: {f['error']}" for f in train.get("failed", [])]
+        return [f"- {_kernels(f)}: {f['error']}" for f in train.get("failed", [])]
     keys = ["config", "attention_impl", "moe_impl", "remat_policy", "compute_dtype", "optimizer",
             "params", "active_params", "tokens_per_step", "compile_s", "step_s_median",
             "tokens_per_s", "achieved_tflops", "mfu", "loss_first", "loss_last",
             "step_scratch_gib", "process_peak_gib", "limit_gib"]
     rows = [[k, _pct(train[k]) if k == "mfu" else _num(train.get(k), 4)] for k in keys]
     lines = [markdown_table(["quantity", "value"], rows)]
-    lines += [f"- failed first with attention_impl={f['attention_impl']}: {f['error']}"
-              for f in train.get("failed", [])]
+    lines += [f"- failed first with {_kernels(f)}: {f['error']}" for f in train.get("failed", [])]
     return lines
+
+
+def _kernels(attempt: dict) -> str:
+    return f"attention_impl={attempt['attention_impl']}, moe_impl={attempt['moe_impl']}"
 
 
 def _decode_table(decode: dict) -> str:

@@ -4,8 +4,9 @@ Train: a run config (configs/gpu_1b.yaml on an accelerator) trained for a few do
 through the jitted `train.step` (benchmarks.step_timing: forward, backward, Muon/AdamW,
 router-bias update, monitors). tokens/s is the median over the steps after the warm-up; MFU =
 model FLOPs per trained token (`model.flops`, forward x 3, the trained MTP heads included) x
-tokens/s / the device's dense bf16 peak. Should the configured `attention_impl` fail, the step
-is measured again with `xla` and both outcomes are reported.
+tokens/s / the device's dense bf16 peak. Should the configured kernels fail, the step is
+measured again with one switch at a time set to its XLA fallback (`attention_impl=xla`,
+`moe_impl=ragged_dot`), then both, and every failed attempt is reported.
 
 Decode: the trained model continues a held-out row greedily at batch 1 (`model.inference`
 Decoder), without and with MTP speculation (drafts from the trained MTP heads, report 2.2):
@@ -101,18 +102,32 @@ def measure_training(run: RunConfig, *, warmup: int, steps: int,
     return record, timed.state, data
 
 
+FALLBACKS = ("xla", "ragged_dot")  # (attention_impl, moe_impl) that XLA itself lowers
+
+
+def kernel_attempts(attention: str, moe: str) -> list[tuple[str, str]]:
+    """(attention_impl, moe_impl) pairs to try in order: the configured pair, then each switch
+    alone at its fallback, then both; no pair twice."""
+    fallback_attention, fallback_moe = FALLBACKS
+    pairs = [(attention, moe), (attention, fallback_moe), (fallback_attention, moe),
+             (fallback_attention, fallback_moe)]
+    return list(dict.fromkeys(pairs))
+
+
 def train_section(config: str, overrides: list[str], *, warmup: int, steps: int,
                   peak_tflops: float | None) -> tuple[dict, tuple | None]:
     """(section record, (run, state, data) for decoding or None if no attempt trained)."""
     base = load_run_config(config, [*overrides, "train.progress=false"])
     failed = []
-    for impl in dict.fromkeys([base.model.attention_impl, "xla"]):
-        run = dataclasses.replace(base, model=base.model.replace(attention_impl=impl))
+    for attention, moe in kernel_attempts(base.model.attention_impl, base.model.moe_impl):
+        run = dataclasses.replace(base, model=base.model.replace(attention_impl=attention,
+                                                                 moe_impl=moe))
         try:
             record, state, data = measure_training(run, warmup=warmup, steps=steps,
                                                    peak_tflops=peak_tflops)
-        except Exception as err:  # the configured kernel may fail; `xla` still gives a figure
-            failed.append({"attention_impl": impl, "error": first_line(err)})
+        except Exception as err:  # a configured kernel may fail; the fallbacks still give a figure
+            failed.append({"attention_impl": attention, "moe_impl": moe,
+                           "error": first_line(err)})
             continue
         return {**record, "config": config, "overrides": overrides, "failed": failed}, \
             (run, state, data)

@@ -168,3 +168,28 @@ def test_pallas_is_checked_and_timed_on_gpu_and_tpu():
     assert unsupported("attention", "pallas", "tpu") is not None
     assert kernel_note("pallas", "gpu", "") == "Pallas Triton kernels"
     assert "odd dims" in {case.label for case in ACCELERATOR.moe_checks}
+
+
+def test_train_section_falls_back_one_kernel_switch_at_a_time(monkeypatch):
+    """A failing Pallas MoE leaves Pallas attention in place: the next attempt changes only the
+    MoE to `ragged_dot`, and the failed attempt is reported with both switches."""
+    from benchmarks import gpu_train
+
+    tried = []
+
+    def measure(run, **_):
+        pair = (run.model.attention_impl, run.model.moe_impl)
+        tried.append(pair)
+        if pair[1] == "pallas":
+            raise RuntimeError("Triton compilation failed")
+        return {"status": "done", "attention_impl": pair[0], "moe_impl": pair[1]}, "state", "data"
+
+    monkeypatch.setattr(gpu_train, "measure_training", measure)
+    record, trained = gpu_train.train_section(
+        "configs/gpu_1b.yaml", ["model.moe_impl=pallas"], warmup=1, steps=1, peak_tflops=None)
+    assert tried == [("pallas", "pallas"), ("pallas", "ragged_dot")]
+    assert (record["attention_impl"], record["moe_impl"]) == ("pallas", "ragged_dot")
+    assert record["failed"] == [{"attention_impl": "pallas", "moe_impl": "pallas",
+                                 "error": "RuntimeError: Triton compilation failed"}]
+    assert trained[1:] == ("state", "data")
+    assert gpu_train.kernel_attempts("xla", "sorted") == [("xla", "sorted"), ("xla", "ragged_dot")]
