@@ -105,3 +105,13 @@ def gmm_shapes(lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool, out_dtype):
         raise ValueError(f"gmm: lhs {lhs.shape} and rhs {rhs.shape} disagree on K "
                          f"(transpose_rhs={transpose_rhs})")
     return m, k, n, jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+
+
+def tgmm_shapes(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype):
+    """(M, K, N, E, output dtype) of tgmm(lhs [M, K], rhs [M, N], group_sizes [E]); refuses
+    operands that disagree on M."""
+    m, k = lhs.shape
+    if rhs.shape[0] != m:
+        raise ValueError(f"tgmm: lhs {lhs.shape} and rhs {rhs.shape} disagree on rows")
+    out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+    return m, k, rhs.shape[1], group_sizes.shape[0], out_dtype

@@ -73,6 +73,7 @@ from pallas_kernels.grouped_common import (
     matmul_precision,
     resolve_interpret,
     schedule_size,
+    tgmm_shapes,
 )
 
 
@@ -274,12 +275,7 @@ def tgmm(lhs, rhs, group_sizes, *, tiling=None, interpret=None, out_dtype=None,
     the forward gmm's: rows reduce, `contract` tiles K and `cols` tiles N. Empty groups give 0.
     schedule / out_init: as in `gmm_call` (with `visit_empty_groups=True`).
     """
-    m, k = lhs.shape
-    n = rhs.shape[1]
-    num_groups = group_sizes.shape[0]
-    if rhs.shape[0] != m:
-        raise ValueError(f"tgmm: lhs {lhs.shape} and rhs {rhs.shape} disagree on rows")
-    out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+    m, k, n, num_groups, out_dtype = tgmm_shapes(lhs, rhs, group_sizes, out_dtype)
     if m == 0:
         return jnp.zeros((num_groups, k, n), out_dtype)
     lhs, rhs, tiles, interpret, dtype = _prepare(lhs, rhs, tiling, interpret, k, n)

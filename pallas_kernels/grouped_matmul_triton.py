@@ -62,6 +62,7 @@ from pallas_kernels.grouped_common import (
     make_schedule,
     matmul_precision,
     resolve_interpret,
+    tgmm_shapes,
 )
 
 MIN_TILE = 16  # tl.dot needs at least 16 along every dimension
@@ -235,12 +236,7 @@ def tgmm(lhs, rhs, group_sizes, *, tiling=None, interpret=None, out_dtype=None,
     """lhs [M, K], rhs [M, N] -> [E, K, N]: out[g] = lhs[rows of g].T @ rhs[rows of g]; 0 for
     an empty group. Arguments as `pallas_kernels.grouped_matmul.tgmm`; of a schedule only the
     group offsets are used (the kernel walks each group's rows itself)."""
-    m, k = lhs.shape
-    n = rhs.shape[1]
-    num_groups = group_sizes.shape[0]
-    if rhs.shape[0] != m:
-        raise ValueError(f"tgmm: lhs {lhs.shape} and rhs {rhs.shape} disagree on rows")
-    out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+    m, k, n, num_groups, out_dtype = tgmm_shapes(lhs, rhs, group_sizes, out_dtype)
     if m == 0:
         return jnp.zeros((num_groups, k, n), out_dtype)
     lhs, rhs, tiles, interpret, dtype = _prepare(lhs, rhs, tiling, interpret, m, k, n)

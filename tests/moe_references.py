@@ -1,9 +1,13 @@
 """Independent float64 numpy references of the router, SwiGLU and routed experts (explicit
 loops; docs/architecture.md "Exact semantics", report eq. 1 and 4.1.3), routing comparisons
-and a fast-compiling jit, shared by tests/model/test_moe_router.py, test_moe_routed_experts.py and test_moe_module.py.
+and a fast-compiling jit, shared by tests/model/test_moe_router.py, test_moe_routed_experts.py and test_moe_module.py;
+grouped-matmul operands for the Pallas kernel tests (tests/pallas_kernels/test_pallas_moe*.py).
 Nothing here imports `model/`."""
 
+import zlib
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # Tests compile many small programs; LLVM optimisation level 0 halves XLA:CPU compile time and
@@ -145,3 +149,17 @@ def assert_routes_equal(got, expected, rtol=1e-5):
         assert set(g) == set(e), f"token {n}: experts {sorted(g)} != {sorted(e)}"
         for expert in e:
             np.testing.assert_allclose(g[expert], e[expert], rtol=rtol, atol=1e-6)
+
+
+# ---- grouped matmul operands ------------------------------------------------------------------
+
+
+def grouped_matmul_operands(name: str, case: tuple, dtype):
+    """(lhs [M, K], rhs [E, K, N], group_sizes [E] int32, dout [M, N]) for a case
+    (group sizes, M, K, N), drawn from a generator seeded by the case's name."""
+    sizes, m, k, n = case
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    lhs = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    rhs = jnp.asarray(rng.normal(size=(len(sizes), k, n)) / np.sqrt(k), dtype)
+    dout = jnp.asarray(rng.normal(size=(m, n)), dtype)
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32), dout

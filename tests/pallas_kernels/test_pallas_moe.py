@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_references import grouped_matmul_operands
 
 from model.layers.moe import routed_experts
 from model.ops.moe_dispatch import ExpertWeights, finalize_statistics
@@ -140,12 +141,7 @@ GMM_CASES = {
 
 
 def _gmm_case(name, dtype):
-    sizes, m, k, n = GMM_CASES[name]
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
-    lhs = jnp.asarray(rng.normal(size=(m, k)), dtype)
-    rhs = jnp.asarray(rng.normal(size=(len(sizes), k, n)) / np.sqrt(k), dtype)
-    dout = jnp.asarray(rng.normal(size=(m, n)), dtype)
-    return lhs, rhs, jnp.asarray(sizes, jnp.int32), dout
+    return grouped_matmul_operands(name, GMM_CASES[name], dtype)
 
 
 @functools.lru_cache(maxsize=None)

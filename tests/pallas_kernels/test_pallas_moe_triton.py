@@ -9,12 +9,12 @@ Tiles are tiny (8 rows, 16 wide) so groups straddle row tiles and M, K, N leave 
 """
 
 import functools
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_references import grouped_matmul_operands
 
 from model.layers.moe import routed_experts
 from model.ops import pallas_moe
@@ -64,12 +64,7 @@ def rel_error(actual, expected) -> float:
 
 
 def case_arrays(name, dtype):
-    sizes, m, k, n = CASES[name]
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
-    lhs = jnp.asarray(rng.normal(size=(m, k)), dtype)
-    rhs = jnp.asarray(rng.normal(size=(len(sizes), k, n)) / np.sqrt(k), dtype)
-    dout = jnp.asarray(rng.normal(size=(m, n)), dtype)
-    return lhs, rhs, jnp.asarray(sizes, jnp.int32), dout
+    return grouped_matmul_operands(name, CASES[name], dtype)
 
 
 @functools.lru_cache(maxsize=None)
