@@ -156,7 +156,7 @@ class RLTrainer:
             critic_vars = critic_variables_from_policy(variables, critic_init)
             critic = state_from_variables(critic_vars, self.critic_optimizer,
                                           jax.random.key(rl.seed + 1))
-        reference = variables["params"] if rl.kl_coef else {}
+        reference = variables["params"] if rl.kl_weight else {}
         return RLState(actor=actor, critic=critic, reference=reference,
                        iteration=jnp.zeros((), jnp.int32))
 
@@ -229,7 +229,7 @@ class RLTrainer:
 
         old = self._score(_variables(state.actor), tokens, segments)  # pi_old: training path
         ref_logp = (self._score({**_variables(state.actor), "params": state.reference}, tokens,
-                                segments)["logp"] if rl.kl_coef else old["logp"])
+                                segments)["logp"] if rl.kl_weight else old["logp"])
         advantages, returns, values = self._advantages(state, rollouts, scored)
         distilled, distill_metrics = {}, {}
         if self.distillation is not None:  # the teacher term (rl/distill/)
@@ -255,7 +255,7 @@ class RLTrainer:
             "entropy": float(losses.masked_mean(old["entropy"], mask)),
             "routing_confidence": float(per_rollout_confidence.mean()),
             "routing_confidence_hist": np.asarray(per_rollout_confidence),  # TensorBoard only
-            "kl": float(kl_estimate(rl.kl_estimator, old["logp"], old["logp"], ref_logp, mask)),
+            "kl": float(kl_estimate(rl.kl_method, old["logp"], old["logp"], ref_logp, mask)),
             **{k: float(v) for k, v in filters.items()}, **sampling,
             **update_metrics, **distill_metrics,
             "advantage_rms": float(jnp.sqrt(losses.masked_mean(advantages ** 2, mask))),
