@@ -11,7 +11,8 @@ gradient with respect to log pi_theta, derived by hand), never from the code und
 - Kimi K2.5 (eq. 1): J = (1/N) sum_j sum_i [Clip(r, 0.5, 2) (R_j - mean R) - 0.1 (log r)^2],
   r = pi_theta / pi_infer, the clip a gradient mask (N: the tokens generated), no KL.
 The loss is -J. r = pi_theta / pi_old for the clipped surrogates (pi_old: the training path's
-recomputation), and the reference's log-probs differ from both.
+recomputation), and the reference's log-probs differ from both. Kimi K2.5's mask, penalty and
+`select` are also checked by hand on three tokens.
 """
 
 import math
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 from rl.config import RLConfig
-from rl.objectives.losses import group_advantages
+from rl.objectives import losses
 from rl.update import actor_loss
 
 GROUP, L_MAX = 4, 5
@@ -102,7 +103,7 @@ def f32(x):
 @pytest.mark.parametrize("algorithm", ["grpo", "dapo", "dr_grpo", "kimi_k25"])
 def test_default_objective_is_the_papers(algorithm):
     rl = RLConfig(algorithm=algorithm, samples_per_prompt=GROUP, max_new_tokens=L_MAX)
-    advantages = group_advantages(f32(REWARDS), GROUP, scale=rl.divides_by_group_std)
+    advantages = losses.group_advantages(f32(REWARDS), GROUP, scale=rl.divides_by_group_std)
     mb = {"mask": f32(MASK), "select": f32(MASK), "old_logp": f32(OLD), "infer_logp": f32(INFER),
           "ref_logp": f32(REF), "advantages": advantages[:, None] * f32(MASK)}
     loss, grad = jax.jit(jax.value_and_grad(lambda lp: actor_loss(rl, lp, mb)[0]))(f32(LOGP))
@@ -114,3 +115,29 @@ def test_default_objective_is_the_papers(algorithm):
     bounds = {"kimi_k25": (0.5, 2.0), "dapo": (0.8, 1.28)}.get(algorithm, (0.8, 1.2))
     outside = (np.exp(log_r) < bounds[0]) | (np.exp(log_r) > bounds[1])
     assert 3 <= outside.sum() <= len(log_r) - 3
+
+
+def test_kimi_k25_mask_penalty_and_select_by_hand():
+    """Ratios 0.4, 1.5, 2.5 to pi_infer with A = 1, tau = 0.1: only 1.5 is inside [0.5, 2] and
+    gets the policy gradient r A; the penalty's -2 tau log r reaches all three. `select`
+    removes a token from the policy-gradient term only."""
+    ratio = np.array([[0.4, 1.5, 2.5]])
+    infer = np.full((1, 3), -1.0)
+    logp, adv, mask = infer + np.log(ratio), np.ones((1, 3)), np.ones((1, 3))
+    log_r = np.log(ratio)[0]
+
+    def loss_and_grad(select):
+        fn = lambda lp: losses.kimi_k25_loss(lp, f32(infer), f32(adv), f32(mask),  # noqa: E731
+                                             select=f32(select))
+        (loss, stats), grad = jax.value_and_grad(fn, has_aux=True)(f32(logp))
+        return float(loss), np.asarray(grad)[0], stats
+
+    loss, grad, stats = loss_and_grad(mask)
+    # Clip keeps its value outside the bounds: 0.5 and 2.0
+    assert loss == pytest.approx(-(0.5 + 1.5 + 2.0 - 0.1 * (log_r ** 2).sum()) / 3, rel=1e-6)
+    np.testing.assert_allclose(grad, -(np.array([0, 1.5, 0]) - 0.2 * log_r) / 3, rtol=1e-5)
+    assert float(stats["ratio_kept_frac"]) == pytest.approx(1 / 3)
+    assert float(stats["log_ratio_sq_mean"]) == pytest.approx((log_r ** 2).mean(), rel=1e-5)
+    loss, grad, _ = loss_and_grad(np.array([[1.0, 0.0, 1.0]]))
+    assert loss == pytest.approx(-(0.5 + 2.0 - 0.1 * (log_r ** 2).sum()) / 3, rel=1e-6)
+    np.testing.assert_allclose(grad, 0.2 * log_r / 3, rtol=1e-5)
