@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from routing_checks import check_recorded_routes
 from train_helpers import REPO
 
 from model.config import load_config
@@ -60,9 +61,17 @@ def test_config_covers_the_mimo_features():
 
 
 @jax.jit
-def _full_forward(tokens):
-    out = CausalLM(CFG).apply(VARIABLES, tokens)
-    return out.logits, out.mtp_logits
+def _full_forward(tokens, routes=None):
+    """-> (logits, MTP logits, the routed experts, replay_mismatch or None), replaying `routes`
+    [L_moe, B, T, k] if given."""
+    out = CausalLM(CFG).apply(VARIABLES, tokens, routed_experts=routes)
+    moe = out.aux["moe"]
+    return out.logits, out.mtp_logits, moe["routed_experts"], moe.get("replay_mismatch")
+
+
+def routed_forward(tokens, routes):
+    logits, _, routed, mismatch = _full_forward(tokens, routes)
+    return logits, routed, mismatch
 
 
 def full_forward(rows):
@@ -71,7 +80,7 @@ def full_forward(rows):
     tokens = np.zeros((len(rows), MAX_LEN), np.int32)
     for b, row in enumerate(rows):
         tokens[b, :len(row)] = row
-    logits, mtp_logits = _full_forward(jnp.asarray(tokens))
+    logits, mtp_logits, _, _ = _full_forward(jnp.asarray(tokens))
     return np.asarray(logits), [np.asarray(m) for m in mtp_logits], tokens
 
 
@@ -80,8 +89,8 @@ CACHED = CausalLM(CFG, KVCacheSpec(MAX_LEN, DRAFT))
 
 @jax.jit
 def _backbone(cache, tokens, positions):
-    (normed, h), mutated = CACHED.apply({**VARIABLES, "cache": cache}, tokens, positions,
-                                        method=CausalLM.decode_chunk, mutable=["cache"])
+    (normed, h, _), mutated = CACHED.apply({**VARIABLES, "cache": cache}, tokens, positions,
+                                           method=CausalLM.decode_chunk, mutable=["cache"])
     return CACHED.apply(VARIABLES, normed, method=CausalLM.project), h, mutated["cache"]
 
 
@@ -213,8 +222,11 @@ NEW_TOKENS = 20  # row 0 ends at position 31: its rings wrap three times
 
 
 def test_greedy_generation_equals_full_forward_argmax():
-    out = decoder().generate(PROMPTS, NEW_TOKENS)
+    """... and records the experts the full forward chooses, which it replays exactly
+    (tests/routing_checks.py)."""
+    out = decoder().generate(PROMPTS, NEW_TOKENS, record_routing=True)
     assert out.tokens == greedy_reference(PROMPTS, NEW_TOKENS)
+    check_recorded_routes(routed_forward, PROMPTS, out, MAX_LEN)
 
 
 def test_greedy_speculative_equals_greedy():
