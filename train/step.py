@@ -97,7 +97,9 @@ def make_train_step(training: Training, run: RunConfig
         def accumulate(grads, micro):
             (loss, (parts, aux)), g = grad_and_aux(model, run, state.params, state.balance,
                                                    micro, mask_meta, counts, num_micro)
-            return jax.tree.map(jnp.add, grads, g), (loss, parts, aux.get("moe", {}))
+            # the experts of every token (aux moe.routed_experts) are not a monitor
+            moe = {k: v for k, v in aux.get("moe", {}).items() if k != "routed_experts"}
+            return jax.tree.map(jnp.add, grads, g), (loss, parts, moe)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         grads, (losses, parts, moe_aux) = jax.lax.scan(accumulate, zeros, batch)
