@@ -50,6 +50,15 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
 ATTENTION_AUX = frozenset({"gate_mean", "indexer_loss"})  # per-layer aux of the attention
 
 
+def learned_routing_mean(cfg: ModelConfig, per_layer: jax.Array) -> jax.Array:
+    """Per-MoE-layer values [L_moe, ...] (as `aux["moe"]` stacks them) -> their mean over the
+    layers whose routing is learned, not hashed [...] (0 without such layers)."""
+    learned = [n for n, i in enumerate(cfg.moe_layer_indices()) if not cfg.is_hash_layer(i)]
+    if not learned:
+        return jnp.zeros(per_layer.shape[1:], jnp.float32)
+    return jnp.mean(per_layer[jnp.asarray(learned)], axis=0)
+
+
 def balance_groups(cfg: ModelConfig) -> int:
     """G of eq. 1: the real expert-parallel groups under a mesh with an `expert` axis, else
     `moe.num_ep_groups` (the EP degree a single-device run stands in for)."""

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig, MTPConfig
-from model.lm import CausalLM
+from model.lm import CausalLM, learned_routing_mean
 from rl.distill.full_vocab import reverse_kl
 
 
@@ -75,17 +75,9 @@ def token_logprobs(model: CausalLM, variables, tokens, segment_ids, temperature:
     if teacher is not None:
         result["reverse_kl"] = unflat(scores[2])
     if routes is not None:
-        result["replay_mismatch"] = learned_layer_mean(model.config, moe["replay_mismatch"])
+        result["replay_mismatch"] = learned_routing_mean(model.config, moe["replay_mismatch"])
     return result
 
-
-def learned_layer_mean(config: ModelConfig, per_layer) -> jax.Array:
-    """[L_moe, B, T] per MoE layer -> [B, T] mean over the layers with learned routing (a
-    hash-routed layer's choice is its table's: nothing to compare); 0 without such layers."""
-    learned = [n for n, i in enumerate(config.moe_layer_indices()) if not config.is_hash_layer(i)]
-    if not learned:
-        return jnp.zeros(per_layer.shape[1:], jnp.float32)
-    return jnp.mean(per_layer[jnp.asarray(learned)], axis=0)
 
 
 def critic_config(config: ModelConfig) -> ModelConfig:
