@@ -1,5 +1,5 @@
-"""Every import path README documents still resolves, and to the code in its room (a documented
-path that moved is a re-export, never a second copy)."""
+"""Every import path the docs (README.md, docs/) document still resolves, and to the code in its
+room (a documented path that moved is a re-export, never a second copy)."""
 
 import importlib
 import subprocess
