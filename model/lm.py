@@ -68,7 +68,8 @@ def balance_groups(cfg: ModelConfig) -> int:
 
 def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
     """Stacks per-layer aux into: `moe` (dict of [L_moe, ...] arrays, including the per-layer
-    `balance_loss` of eq. 1 and the `routed_experts` [L_moe, B, T, k] each layer used), `balance_loss` (its mean over MoE layers, scalar, with gradient
+    `balance_loss` of eq. 1 and the `routed_experts` [L_moe, B, T, k] each layer used),
+    `balance_loss` (its mean over MoE layers, scalar, with gradient
     through `expert_prob`), `sequence_balance_loss` (DeepSeek-V4's, mean over the MoE layers
     with learned routing), `attention_gate_mean` (tuple of [H] per layer, headwise),
     `indexer_loss` (mean over the CSA layers)."""

@@ -134,8 +134,7 @@ class MoE(nn.Module):
                                           routing.indices.reshape(batch, length, -1))),
             **stats,
         }
-        if replayed_experts is not None:
-            recorded = jnp.all(replayed_experts >= 0, axis=-1).reshape(-1)
-            mismatch = recorded & choices_differ(routing.own_choice, routing.indices)
+        if replayed_experts is not None:  # (an unrecorded token's own choice is its choice)
+            mismatch = choices_differ(routing.own_choice, routing.indices)
             aux["replay_mismatch"] = mismatch.astype(jnp.float32).reshape(batch, length)
         return y, aux

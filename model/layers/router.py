@@ -5,7 +5,7 @@ Selection uses the biased scores s + b (b: the non-trainable loss-free balancing
 combine weights are the *unbiased* scores of the chosen experts, renormalised to sum 1 and
 multiplied by the routed scaling factor.
 
-Replayed routing (docs/architecture.md, "Routing replay"): the experts may come from outside, as
+Replayed routing (docs/architecture.md, "Exact semantics"): the experts may come from outside, as
 MiMo-V2-Flash's Rollout Routing Replay (R3) uses the rollout's choice in the training forward and
 DeepSeek-V4's anticipatory routing (report 4.2.3) the choice of parameters some steps old. Only
 the choice is replayed: the combine weights are the current router's unbiased scores at the
