@@ -79,7 +79,6 @@ def token_logprobs(model: CausalLM, variables, tokens, segment_ids, temperature:
     return result
 
 
-
 def critic_config(config: ModelConfig) -> ModelConfig:
     """The value model's backbone: the policy's architecture without MTP heads."""
     return config.replace(mtp=MTPConfig(num_heads=0, share_output_head=False))

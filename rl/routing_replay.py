@@ -27,14 +27,13 @@ import jax.numpy as jnp
 from rl.objectives.losses import masked_mean
 
 
-def recorded_tokens(routed_experts: jax.Array) -> jax.Array:
-    """[B, L_moe, T, k] -> float32 [B, T]: 1 on the tokens the rollout routed."""
-    return (routed_experts[:, 0, :, 0] >= 0).astype(jnp.float32)
-
-
-def replay_metrics(mismatch: jax.Array, routed_experts: jax.Array) -> dict[str, jax.Array]:
-    """mismatch [B, T] (share of learned layers whose own top-k differs, `token_logprobs`) and
-    the replayed experts [B, L_moe, T, k] -> {topk_mismatch, token_mismatch} scalars."""
-    recorded = recorded_tokens(routed_experts)
+def replay_metrics(mismatch: jax.Array, routed_experts: jax.Array, mask: jax.Array
+                   ) -> dict[str, jax.Array]:
+    """mismatch [B, T] (share of learned layers whose own top-k differs, `token_logprobs`), the
+    replayed experts [B, L_moe, T, k] and the response mask [B, T] -> {topk_mismatch,
+    token_mismatch} scalars over the recorded tokens of the rows with a response (a padding
+    row of a minibatch, rl/update.py, has none)."""
+    rows = jnp.any(mask > 0, axis=1, keepdims=True)
+    recorded = ((routed_experts[:, 0, :, 0] >= 0) & rows).astype(jnp.float32)
     return {"topk_mismatch": masked_mean(mismatch, recorded),
             "token_mismatch": masked_mean((mismatch > 0).astype(jnp.float32), recorded)}

@@ -280,7 +280,7 @@ class RLTrainer:
         if routes is not None:
             distilled = {**distilled, "routed_experts": routes}
             off_policy.update({f"replay/{k}": v for k, v in
-                               replay_metrics(old["replay_mismatch"], routes).items()})
+                               replay_metrics(old["replay_mismatch"], routes, mask).items()})
         batch = jax.tree.map(np.asarray, {
             "tokens": tokens, "segment_ids": segments, "mask": mask, "old_logp": old["logp"],
             "infer_logp": infer_logp, "advantages": advantages, "ref_logp": ref_logp,

@@ -92,7 +92,8 @@ def make_actor_step(model: CausalLM, optimizer: optax.GradientTransformation, rl
             loss, stats = actor_loss(rl, out["logp"], mb, out.get("reverse_kl"))
             if routes is not None:
                 stats.update({f"replay_{k}": v
-                              for k, v in replay_metrics(out["replay_mismatch"], routes).items()})
+                              for k, v in replay_metrics(out["replay_mismatch"], routes,
+                                                         mb["mask"]).items()})
             return loss, stats
 
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)

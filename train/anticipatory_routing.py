@@ -114,9 +114,10 @@ class RoutingHistory:
         self.kept.clear()
 
 
-def routes_function(model: CausalLM):
+def routes_function(model: CausalLM, batch_sharding):
     """-> jitted f(params, balance, batch) = the experts every MoE layer chooses for each
-    micro-batch, [num_micro, micro, L_moe, T, k] (rows second, like the batch's arrays)."""
+    micro-batch, [num_micro, micro, L_moe, T, k], laid out like the batch's arrays (rows
+    second, `batch_sharding`)."""
     def routes(params, balance, batch):
         def one(micro):
             out = model.apply(join_variables(params, balance), micro["tokens"],
@@ -126,18 +127,18 @@ def routes_function(model: CausalLM):
 
         return jax.lax.map(one, {k: batch[k] for k in ("tokens", "segment_ids", "positions")})
 
-    return jax.jit(routes)
+    return jax.jit(routes, out_shardings=batch_sharding)
 
 
 class AnticipatoryRouting:
     """The switch of one run: spike detection, windows, routing history (module docstring)."""
 
-    def __init__(self, config: AnticipatoryRoutingConfig, model: CausalLM, workdir: Path,
-                 write: bool):
+    def __init__(self, config: AnticipatoryRoutingConfig, model: CausalLM, batch_sharding,
+                 workdir: Path, write: bool):
         self.config, self.path, self.write = config, Path(workdir) / EVENTS_FILE, write
         self.detector = SpikeDetector(config.spike_factor, config.spike_window)
         self.history = RoutingHistory(config.delta_steps)
-        self.routes = routes_function(model)
+        self.routes = routes_function(model, batch_sharding)
         self.events = (json.loads(self.path.read_text())["events"] if self.path.is_file()
                        else [])
 

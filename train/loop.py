@@ -113,6 +113,8 @@ class Trainer:
                     f"{', '.join(changed)}; use another --workdir or restore those values")
         self.mesh = make_mesh(run.mesh)
         check_batch_fits(run, self.mesh)
+        if run.train.anticipatory_routing.enabled:
+            check_anticipatory_routing(run)
         self.tokenizer = load_tokenizer(run.train.data.tokenizer)
         # Read once: the train stream and every held-out evaluation split this list. Checked
         # here, before any model work, so a bad split or changed data fails in seconds.
@@ -135,15 +137,15 @@ class Trainer:
             raise TrainingError(f"tokenizer has {vocab} tokens but model.vocab_size="
                                 f"{run.model.vocab_size}; raise model.vocab_size")
         self.training = build_training(run)
-        self.anticipatory = None
-        if run.train.anticipatory_routing.enabled:
-            check_anticipatory_routing(run)
-            self.anticipatory = AnticipatoryRouting(run.train.anticipatory_routing,
-                                                    self.training.model, self.workdir, is_lead())
         self.abstract_state = abstract_state(self.training, run.train.seed)
         self.state_sharding = named(self.mesh, state_specs(
             self.abstract_state, self.training.variable_axes, self.mesh, run))
         self.batch_sharding = named(self.mesh, batch_spec(self.mesh))
+        self.anticipatory = None
+        if run.train.anticipatory_routing.enabled:
+            self.anticipatory = AnticipatoryRouting(
+                run.train.anticipatory_routing, self.training.model, self.batch_sharding,
+                self.workdir, is_lead())
         self._eval_step = None
         self.data = make_dataset(
             run.train.data, self.tokenizer, seq_len=run.train.seq_len,

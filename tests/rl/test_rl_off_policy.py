@@ -13,6 +13,7 @@ from model.config import ConfigError
 from rl.draw import Draw
 from rl.objectives.truncated_is import tis_weights
 from rl.rollout import Rollouts
+from rl.routing_replay import replay_metrics
 from rl.staleness import RolloutBuffer
 from rl.tasks import build_tasks
 from rl.trainer import RLTrainer
@@ -37,6 +38,18 @@ def test_tis_weights_match_a_float64_loop():
     assert 0 < truncated < total  # both sides of the cap occur
     assert float(stats["tis/truncation_rate"]) == pytest.approx(truncated / total)
     assert float(stats["tis/mean_weight"]) == pytest.approx(expected.sum() / total, rel=1e-5)
+
+
+def test_replay_metrics_count_the_recorded_tokens_of_real_rows():
+    """Row 0: tokens 0-2 recorded, their learned-layer mismatch shares 0, 0.5, 1 (token 3, not
+    recorded, is ignored whatever it says); row 1 has no response (a minibatch's padding row)."""
+    mismatch = np.float32([[0.0, 0.5, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    routes = np.zeros((2, 3, 4, 2), np.int32)
+    routes[0, :, 3] = -1
+    mask = np.float32([[0, 1, 1, 0], [0, 0, 0, 0]])
+    got = replay_metrics(mismatch, routes, mask)
+    assert float(got["topk_mismatch"]) == pytest.approx(0.5)  # (0 + 0.5 + 1) / 3
+    assert float(got["token_mismatch"]) == pytest.approx(2 / 3)
 
 
 def fake_draw(tasks, iteration: int, rows: int = 4, length: int = 6) -> Draw:
