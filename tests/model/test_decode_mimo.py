@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from routing_checks import check_recorded_routes
+from routing_checks import check_recorded_routes, model_forward
 from train_helpers import REPO
 
 from model.config import load_config
@@ -60,18 +60,7 @@ def test_config_covers_the_mimo_features():
     assert CFG.window + DRAFT < len(SEQUENCES[0]) // 2
 
 
-@jax.jit
-def _full_forward(tokens, routes=None):
-    """-> (logits, MTP logits, the routed experts, replay_mismatch or None), replaying `routes`
-    [L_moe, B, T, k] if given."""
-    out = CausalLM(CFG).apply(VARIABLES, tokens, routed_experts=routes)
-    moe = out.aux["moe"]
-    return out.logits, out.mtp_logits, moe["routed_experts"], moe.get("replay_mismatch")
-
-
-def routed_forward(tokens, routes):
-    logits, _, routed, mismatch = _full_forward(tokens, routes)
-    return logits, routed, mismatch
+_full_forward = model_forward(CFG, VARIABLES)  # (tokens, routes=None): tests/routing_checks.py
 
 
 def full_forward(rows):
@@ -226,7 +215,7 @@ def test_greedy_generation_equals_full_forward_argmax():
     (tests/routing_checks.py)."""
     out = decoder().generate(PROMPTS, NEW_TOKENS, record_routing=True)
     assert out.tokens == greedy_reference(PROMPTS, NEW_TOKENS)
-    check_recorded_routes(routed_forward, PROMPTS, out, MAX_LEN)
+    check_recorded_routes(_full_forward, PROMPTS, out, MAX_LEN)
 
 
 def test_greedy_speculative_equals_greedy():

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from routing_checks import check_recorded_routes
+from routing_checks import check_recorded_routes, model_forward
 from train_helpers import SMALL_V4, TINY_V4
 
 from model.config import load_config
@@ -34,18 +34,7 @@ def test_config_covers_every_v4_feature():
     assert CFG.moe.hash_layers == 1 and CFG.mtp.attention_type == "W"
 
 
-@jax.jit
-def _full_forward(tokens, routes=None):
-    """-> (logits, MTP logits, the routed experts, replay_mismatch or None), replaying `routes`
-    [L_moe, B, T, k] if given."""
-    out = CausalLM(CFG).apply(VARIABLES, tokens, routed_experts=routes)
-    moe = out.aux["moe"]
-    return out.logits, out.mtp_logits, moe["routed_experts"], moe.get("replay_mismatch")
-
-
-def routed_forward(tokens, routes):
-    logits, _, routed, mismatch = _full_forward(tokens, routes)
-    return logits, routed, mismatch
+_full_forward = model_forward(CFG, VARIABLES)  # (tokens, routes=None): tests/routing_checks.py
 
 
 def full_forward(rows):
@@ -169,7 +158,7 @@ def test_greedy_generation_equals_full_forward_argmax():
     (tests/routing_checks.py)."""
     out = decoder().generate(PROMPTS, 14, record_routing=True)
     assert out.tokens == greedy_reference(PROMPTS, 14)
-    check_recorded_routes(routed_forward, PROMPTS, out, MAX_LEN)
+    check_recorded_routes(_full_forward, PROMPTS, out, MAX_LEN)
 
 
 def test_greedy_speculative_equals_greedy():

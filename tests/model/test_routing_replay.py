@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from routing_checks import check_recorded_routes, forward_routes
+from routing_checks import check_recorded_routes, model_forward
 from tiny_preset import REPO
 
 from model.config import load_config
@@ -40,9 +40,11 @@ def variables(scan: bool):
     return nn.meta.unbox(init_variables(CausalLM(config(scan)), jax.random.key(4)))
 
 
+@functools.cache
 def forward(scan: bool):
-    """(tokens [B, T], routes [L_moe, B, T, k] or None) -> (logits, routed, mismatch or None)."""
-    return lambda tokens, routes: forward_routes(config(scan), variables(scan), tokens, routes)
+    """(tokens [B, T], routes [L_moe, B, T, k] or None) -> (logits, MTP logits, routed,
+    mismatch or None)."""
+    return model_forward(config(scan), variables(scan))
 
 
 @pytest.mark.parametrize("scan", [True, False])
@@ -53,16 +55,16 @@ def test_replaying_a_forwards_own_routes_reproduces_it_exactly(scan):
     cfg = config(scan)
     assert cfg.moe_layer_indices() == [1, 2, 3] and cfg.is_hash_layer(1)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, LENGTH)), jnp.int32)
-    logits, routes, mismatch = forward(scan)(tokens, None)
+    logits, _, routes, mismatch = forward(scan)(tokens)
     assert mismatch is None and routes.shape == (3, 2, LENGTH, 2) and routes.dtype == jnp.int32
-    replayed_logits, replayed_routes, mismatch = forward(scan)(tokens, routes)
+    replayed_logits, _, replayed_routes, mismatch = forward(scan)(tokens, routes)
     np.testing.assert_array_equal(np.asarray(replayed_logits), np.asarray(logits))
     np.testing.assert_array_equal(np.asarray(replayed_routes), np.asarray(routes))
     assert float(jnp.sum(mismatch)) == 0
 
     other = (routes + 1) % cfg.moe.num_experts  # every token: another expert pair
     other = other.at[2, 1, 4:].set(-1)  # ... except the end of row 1 in the last layer
-    other_logits, used, mismatch = forward(scan)(tokens, other)
+    other_logits, _, used, mismatch = forward(scan)(tokens, other)
     assert not np.allclose(np.asarray(other_logits), np.asarray(logits), atol=1e-3)
     np.testing.assert_array_equal(np.asarray(used[0]), np.asarray(routes[0]))  # hash: the table
     np.testing.assert_array_equal(np.asarray(used[1]), np.asarray(other[1]))
