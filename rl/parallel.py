@@ -105,7 +105,8 @@ def rl_state_shardings(abstract: Any, actor_boxed: dict, critic_boxed: dict | No
     actor = train_state(abstract.actor, actor_boxed, model)
     critic = (None if abstract.critic is None
               else train_state(abstract.critic, critic_boxed, critic_config(model)))
+    waiting = ({"buffer": jax.tree.map(lambda _: replicated(mesh), abstract.buffer)}
+               if hasattr(abstract, "buffer") else {})
     return abstract.replace(actor=actor, critic=critic,
                             reference=actor.params if abstract.reference else {},
-                            iteration=replicated(mesh),
-                            buffer=jax.tree.map(lambda _: replicated(mesh), abstract.buffer))
+                            iteration=replicated(mesh), **waiting)

@@ -11,9 +11,9 @@ initial policy before iteration 0 (staleness 0..k-1). Each iteration's batch hol
 problems it holds without staleness (the draw is keyed by the batch's iteration); only the
 policy that sampled them differs. k = 0 is the on-policy loop.
 
-The k waiting batches live in `RLState.buffer` (`RolloutBuffer.empty`: slot i mod k holds the
-batch of iteration i), so a checkpoint keeps them and a resumed run trains on exactly the
-batches the straight run would: per row the rollout arrays, the rewards, the verifier's
+The k waiting batches live in the RL state (`StaleRLState.buffer`, rl/trainer.py; slot i mod k
+holds the batch of iteration i), so a checkpoint keeps them and a resumed run trains on exactly
+the batches the straight run would: per row the rollout arrays, the rewards, the verifier's
 verdict, the task and the problem (indices), and per slot the iteration whose policy drew it.
 
 Partial rollouts (an over-long trajectory continued by the next iteration's policy) are not
@@ -36,7 +36,7 @@ ROLLOUT_ARRAYS = ("tokens", "segment_ids", "mask", "infer_logp", "truncated", "r
 
 class RolloutBuffer:
     """The waiting batches of a run: `max_staleness` slots of a run of `iterations` iterations
-    over `tasks` (`rl/tasks.py`), kept in the buffer arrays of `RLState.buffer`."""
+    over `tasks` (`rl/tasks.py`), kept in the buffer arrays of `StaleRLState.buffer`."""
 
     def __init__(self, tasks, max_staleness: int, iterations: int):
         self.slots, self.iterations = max_staleness, iterations

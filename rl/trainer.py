@@ -75,7 +75,13 @@ class RLState(flax.struct.PyTreeNode):
     critic: TrainState | None  # None for GRPO
     reference: Any  # params of the initial policy (KL anchor), {} when rl.kl_coef == 0
     iteration: jax.Array  # int32 []: iterations completed
-    buffer: Any = flax.struct.field(default_factory=dict)  # waiting batches (rl/staleness.py)
+
+
+class StaleRLState(RLState):
+    """`RLState` of a run with `rl.max_staleness` (an on-policy run keeps the plain layout, so
+    its checkpoints stay those of earlier versions)."""
+
+    buffer: dict  # the waiting batches (rl/staleness.py)
 
 
 class RLTrainer:
@@ -167,14 +173,14 @@ class RLTrainer:
             critic_vars = critic_variables_from_policy(variables, critic_init)
             critic = state_from_variables(critic_vars, self.critic_optimizer,
                                           jax.random.key(rl.seed + 1))
-        reference = variables["params"] if rl.kl_coef else {}
-        buffer = {}
-        if rl.max_staleness:
-            routes = (len(self.run.model.moe_layer_indices()), self.run.model.moe.top_k)
-            buffer = RolloutBuffer.empty(rl.max_staleness, rl.batch_size, self.row_length,
-                                         routes if rl.routing_replay else None)
-        return RLState(actor=actor, critic=critic, reference=reference,
-                       iteration=jnp.zeros((), jnp.int32), buffer=buffer)
+        common = dict(actor=actor, critic=critic, reference=variables["params"] if rl.kl_coef
+                      else {}, iteration=jnp.zeros((), jnp.int32))
+        if not rl.max_staleness:
+            return RLState(**common)
+        routes = (len(self.run.model.moe_layer_indices()), self.run.model.moe.top_k)
+        return StaleRLState(**common, buffer=RolloutBuffer.empty(
+            rl.max_staleness, rl.batch_size, self.row_length,
+            routes if rl.routing_replay else None))
 
     def initial_state(self) -> RLState:
         """A fresh state created in its shardings, or the latest checkpoint restored into them
@@ -191,7 +197,7 @@ class RLTrainer:
         if rl.toggle.enabled:
             self.budgets = budget_table(self.workdir, self.resume_step is not None, rl,
                                         self.tasks, lambda rows, key: self.sample(state, rows, key))
-        if self.resume_step is None:  # bounded staleness: the initial policy's batches
+        if rl.max_staleness and self.resume_step is None:  # the initial policy's batches
             state = state.replace(buffer=self.batches.fill(
                 state.buffer, lambda batch: self._draw_batch(state, batch)[0]))
         return state
@@ -251,8 +257,9 @@ class RLTrainer:
         rl = self.run.rl
         started = time.perf_counter()
         buffer, drawn, drawn_at, sampling = self.batches.next(
-            state.buffer, iteration, lambda batch: self._draw_batch(state, batch))
-        state = state.replace(buffer=buffer)
+            getattr(state, "buffer", {}), iteration, lambda batch: self._draw_batch(state, batch))
+        if rl.max_staleness:
+            state = state.replace(buffer=buffer)
         scored = self.training_rewards(drawn, iteration)[0]
         rollouts, rewards = drawn.rollouts, drawn.rewards
         tokens, segments = jnp.asarray(rollouts.tokens), jnp.asarray(rollouts.segment_ids)
