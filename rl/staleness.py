@@ -24,9 +24,9 @@ are scored as they are (with a critic, eq. 3 bootstraps them).
 
 from __future__ import annotations
 
-import numpy as np
-
 from typing import Callable
+
+import numpy as np
 
 from rl.draw import Draw
 from rl.rollout import Rollouts
@@ -43,7 +43,7 @@ class RolloutBuffer:
         self.tasks = list(tasks)
         self.task_index = {task.name: n for n, task in enumerate(self.tasks)}
         self.problem_index = {task.name: {p.key: n for n, p in enumerate(task.train)}
-                              for task in self.tasks}
+                              for task in self.tasks} if max_staleness else {}
 
     @staticmethod
     def empty(slots: int, rows: int, length: int, routes: tuple | None) -> dict:
