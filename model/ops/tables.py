@@ -41,7 +41,7 @@ class ImplementationTable:
 # (`model.ops.attention_cores.AttentionCore`).
 ATTENTION = ImplementationTable("attention_impl", {
     "xla": "model.ops.attention_cores:xla_attention",
-    "cudnn": "model.ops.attention_cores:cudnn_attention",
+    "cudnn": "model.ops.cudnn_attention:cudnn_attention",
     "pallas": "pallas_kernels.flash_attention:flash_attention_core",
 })
 

@@ -29,12 +29,12 @@ from attention_references import (
 from model.ops import attention_vjp
 from model.ops.attention_cores import (
     MIN_CHUNK,
-    cudnn_attention,
     dense_attention,
     local_attention,
     masked_attention,
     xla_attention,
 )
+from model.ops.cudnn_attention import cudnn_attention
 from model.ops.tables import ATTENTION, MOE
 
 # ---- attention cores ------------------------------------------------------------------------

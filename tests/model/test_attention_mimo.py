@@ -32,7 +32,8 @@ from flax.linen import meta
 
 from model.config import AttentionTypeConfig, ModelConfig, MTPConfig
 from model.layers.attention import Attention
-from model.ops.attention_cores import cudnn_attention, with_values_padded, xla_attention
+from model.ops.attention_cores import with_values_padded, xla_attention
+from model.ops.cudnn_attention import cudnn_attention
 from pallas_kernels.flash_attention import flash_attention
 
 D_MODEL, WINDOW = 32, 7
