@@ -434,11 +434,15 @@ def _flash_fwd(q, k, v, segment_ids, sink, cfg: _Config):
 def _flash_bwd(cfg: _Config, residuals, d_out):
     q, k, v, segment_ids, sink, out, lse = residuals
     dq, dk, dv, delta = _backward(q, k, v, segment_ids, out, lse, d_out, cfg)
-    d_sink = None
-    if sink is not None:  # -sum_{b,i} exp(sink_h - lse_{b,h,i}) delta_{b,i,h} (module docstring)
-        sink_mass = jnp.exp(sink.astype(jnp.float32)[None, :, None] - lse[:, :, : cfg.seq_len])
-        d_sink = -jnp.sum(sink_mass * jnp.swapaxes(delta, 1, 2), axis=(0, 2)).astype(sink.dtype)
+    d_sink = None if sink is None else sink_gradient(sink, lse[:, :, : cfg.seq_len], delta)
     return dq, dk, dv, None, d_sink
+
+
+def sink_gradient(sink, lse, delta):
+    """dL/dsink_h = -sum_{b,i} exp(sink_h - lse_{b,h,i}) delta_{b,i,h} (module docstring).
+    sink [H]; lse [B, H, T] natural log-sum-exp including the sink; delta [B, T, H]."""
+    sink_mass = jnp.exp(sink.astype(jnp.float32)[None, :, None] - lse)
+    return -jnp.sum(sink_mass * jnp.swapaxes(delta, 1, 2), axis=(0, 2)).astype(sink.dtype)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
