@@ -506,8 +506,3 @@ def flash_attention(q, k, v, *, window=None, segment_ids=None, sink=None, block_
         interpret=interpret, backend=backend, poison=bool(debug_poison_outputs),
     )
     return _flash(q, k, v, segment_ids, sink, cfg)
-
-
-def flash_attention_core(q, k, v, *, window, segment_ids, sink):
-    """The attention-core signature of `attention_impl` (entry "pallas" of the model's table)."""
-    return flash_attention(q, k, v, window=window, segment_ids=segment_ids, sink=sink)

@@ -177,11 +177,12 @@ def _pad(x, length: int):
 
 
 def _with_sink(out, lse, sink):
-    """Folds the sink into the kernel's output and natural log-sum-exp [B, H, T]."""
+    """Folds the sink into the kernel's output [B, T, H, Dv] and natural log-sum-exp
+    [B, H, T_padded] (T_padded >= T)."""
     if sink is None:
         return out, lse
     lse_sink = jnp.logaddexp(lse, sink.astype(jnp.float32)[None, :, None])
-    factor = jnp.exp(lse - lse_sink)  # Z / (Z + e^sink)
+    factor = jnp.exp(lse - lse_sink)[:, :, : out.shape[1]]  # Z / (Z + e^sink)
     out = (out.astype(jnp.float32) * jnp.swapaxes(factor, 1, 2)[..., None]).astype(out.dtype)
     return out, lse_sink
 
@@ -212,7 +213,7 @@ def _flash_bwd(cfg: MosaicConfig, residuals, d_out):
     segments = None if segment_ids is None else _pad(segment_ids.astype(jnp.int32), length)
     dq, dk, dv = backward(_pad(q, length), _pad(k, length), _pad(v, length),
                           _pad(d_out.astype(q.dtype), length), lse * mc.LOG2E,
-                          _pad(jnp.swapaxes(delta, 1, 2), length), segments, cfg)
+                          jnp.swapaxes(_pad(delta, length), 1, 2), segments, cfg)
     seq = cfg.seq_len
     d_sink = None if sink is None else sink_gradient(sink, lse[:, :, :seq], delta)
     return dq[:, :seq], dk[:, :seq], dv[:, :seq], None, d_sink

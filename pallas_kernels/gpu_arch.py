@@ -1,8 +1,8 @@
 """Which NVIDIA GPU JAX runs on: kernel families are chosen by compute capability (Mosaic GPU
 kernels use Hopper's wgmma and TMA, so they need sm90; Triton kernels run on any CUDA GPU).
 
-`backend` and `capability` arguments let callers (and tests) ask about a device other than the
-one present, e.g. the rules for an H100 on a CPU-only machine.
+Callers pass the capability on, so the rules can be asked about a device other than the one
+present (e.g. an H100's on a CPU-only machine).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ def compute_capability() -> tuple[int, int] | None:
     return int(major), int(minor or 0)
 
 
-def is_hopper(capability: tuple[int, int] | None = None) -> bool:
-    """True on sm90 (H100, H200, H20): where the Mosaic GPU (wgmma) kernels run."""
-    capability = compute_capability() if capability is None else capability
+def is_hopper(capability: tuple[int, int] | None) -> bool:
+    """True for sm90 (H100, H200, H20): where the Mosaic GPU (wgmma) kernels run."""
     return capability == HOPPER

@@ -77,7 +77,7 @@ class Attention(nn.Module):
             core = ATTENTION.resolve(cfg.attention_impl)
             if cfg.attention_impl == "pallas" and mesh_size() > 1:
                 core = shard_attention_core(core)  # XLA does not partition a pallas_call
-            if cfg.attention_impl != "xla" and geo.v_head_dim != geo.head_dim:
+            if cfg.attention_impl == "cudnn" and geo.v_head_dim != geo.head_dim:
                 core = with_values_padded(core)
             y = core(q, k, v, window=window, segment_ids=segment_ids, sink=sink)  # [B, T, H, Dv]
 

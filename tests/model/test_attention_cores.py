@@ -136,7 +136,7 @@ def test_attention_core_dispatcher(impl):
 def test_implementation_tables_name_the_kernels():
     from model.ops.moe_dispatch import sorted_block_ffn
     from model.ops.pallas_moe import pallas_moe_ffn
-    from pallas_kernels.flash_attention import flash_attention_core
+    from pallas_kernels.attention import flash_attention_core
 
     assert ATTENTION.resolve("pallas") is flash_attention_core
     assert ATTENTION.resolve("xla") is xla_attention
