@@ -1,10 +1,10 @@
 """Attention cores behind `attention_impl`: same semantics, different kernels
 (docs/architecture.md, "Implementation tables").
 
-All cores take q: [B, T, H, D], k/v: [B, T, K, D] with H = K * G (GQA: the G query heads of a
-group share one KV head, never materialised as repeats) and return [B, T, H, D] in q.dtype.
-`xla` also takes values of another head dim Dv (MiMo-V2-Flash: D = 192, Dv = 128) and returns
-[B, T, H, Dv]; the kernels of the others get them through `with_values_padded`.
+All cores take q: [B, T, H, D], k: [B, T, K, D], v: [B, T, K, Dv] with H = K * G (GQA: the G
+query heads of a group share one KV head, never materialised as repeats) and return
+[B, T, H, Dv] in q.dtype. Dv may differ from D (MiMo-V2-Flash: D = 192, Dv = 128); kernels
+that need one head dim get zero-padded values (`with_values_padded`).
 
 Masking (docs/architecture.md, "Exact semantics"): query i sees key j iff j <= i,
 i - j < window (window=None: full causal) and segment_ids[i] == segment_ids[j] (packed

@@ -26,7 +26,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from model.ops.attention_cores import xla_attention
+from model.ops.attention_cores import with_values_padded, xla_attention
 from pallas_kernels.gpu_arch import HOPPER, compute_capability
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -109,7 +109,11 @@ _attention_with_sink.defvjp(_attention_with_sink_fwd, _attention_with_sink_bwd)
 def cudnn_attention(q, k, v, *, window, segment_ids, sink):
     """The `cudnn` attention core (module docstring): cuDNN where `cudnn_fallback_reason` is
     None, the `xla` core on a GPU where it is not, `jax.nn.dot_product_attention`'s XLA path
-    off GPUs (segment ids as an explicit mask there)."""
+    off GPUs (segment ids as an explicit mask there). Values narrower than the keys (MiMo's
+    Dv < D) are zero-padded to D, which the fused kernel needs, and the output cut back."""
+    if v.shape[-1] != q.shape[-1]:
+        return with_values_padded(cudnn_attention)(q, k, v, window=window,
+                                                   segment_ids=segment_ids, sink=sink)
     reason = cudnn_fallback_reason(q, segment_ids)
     implementation = "cudnn" if reason is None else "xla"
     if reason is not None and jax.default_backend() == "gpu":
