@@ -17,12 +17,12 @@ from pallas_kernels import gpu_arch
 from pallas_kernels.flash_attention import flash_attention
 
 
-def _mosaic(q, k, v, *, window, segment_ids, sink):
+def mosaic_attention(q, k, v, *, window, segment_ids, sink):
     from pallas_kernels.flash_attention_mgpu import mgpu_flash_attention
     return mgpu_flash_attention(q, k, v, window=window, segment_ids=segment_ids, sink=sink)
 
 
-def _triton(q, k, v, *, window, segment_ids, sink):
+def triton_attention(q, k, v, *, window, segment_ids, sink):
     v_head_dim = v.shape[-1]
     if v_head_dim != q.shape[-1]:  # one head dim: zero columns give zero outputs, sliced away
         v = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - v_head_dim)])
@@ -30,7 +30,7 @@ def _triton(q, k, v, *, window, segment_ids, sink):
     return out[..., :v_head_dim]
 
 
-KERNELS = {"mosaic": _mosaic, "triton": _triton}
+KERNELS = {"mosaic": mosaic_attention, "triton": triton_attention}
 
 
 def kernel_family(q, k, v, capability: tuple[int, int] | None) -> str:
