@@ -1,5 +1,5 @@
 """`gpu_report.json` and `gpu_report.md` of `make gpu-check` (benchmarks.gpu_suite): the device,
-the versions, every section's records and the issue's targets, as data and as tables."""
+the versions, every section's records and the targets, as data and as tables."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from benchmarks import gpu_attention_report as attention_report
 from benchmarks.gpu_attention_targets import attention_targets
 from benchmarks.gpu_v4_layers import v4_targets
 
-# Issue #20's targets for the GPU run, checked from the section records (`targets`).
+# The GPU run's targets, checked from the section records (`targets`).
 MFU_TARGET = 0.35  # train step of the ~1B config
 PALLAS_SWA_LENGTH = 16384  # Pallas SWA at least as fast as the best of xla / cudnn there
 RAGGED_VS_DENSE = 2.0  # ragged_dot MoE within 2x of the dense FFN of equal active FLOPs
