@@ -3,8 +3,7 @@ what its fused kernel can express; the `xla` core otherwise.
 
 On an NVIDIA GPU the core names `implementation="cudnn"` itself: `implementation=None` always
 takes the XLA path (JAX 0.10-0.11, "defaults to XLA for now"), which the first H200 run showed
-(docs/kernels.md). What cuDNN expresses, checked per call by `cudnn_fallback_reason`
-:
+(docs/kernels.md). What cuDNN expresses, checked per call by `cudnn_fallback_reason`:
 - 16-bit inputs (bfloat16, float16);
 - no segment ids: the public API takes packed documents only as an explicit [B, 1, T, T] mask,
   which cuDNN applies as a dense bias (O(T^2) memory: out of memory at 32k on an H200);
