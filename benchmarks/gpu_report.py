@@ -111,6 +111,8 @@ def render_markdown(report: dict) -> str:
              f"- device: {device['count']} x {device['kind']} ({device['backend']}); "
              f"bf16 peak {_num(device['peak_bf16_tflops'])} TFLOP/s"
              + (f" ({device['peak_note']})" if device.get("peak_note") else ""),
+             *([f"- Mosaic GPU flash attention: {device['mosaic_attention']}"]
+               if device.get("mosaic_attention") else []),
              f"- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
              f"- started {report['started']}, {report['seconds']:.0f} s in all; "
              f"exit status {report['exit_status']}", "", "## Targets", "",

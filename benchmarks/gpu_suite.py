@@ -52,7 +52,9 @@ from benchmarks.gpu_train import train_section
 from benchmarks.gpu_v4_layers import run_v4_layers as v4_layers
 from benchmarks.pallas_attention import peak_for
 from model.config import ModelConfig
-from pallas_kernels.gpu_arch import compute_capability
+from benchmarks.gpu_mosaic_probe import probe_mosaic
+from pallas_kernels.attention import UNAVAILABLE
+from pallas_kernels.gpu_arch import compute_capability, is_hopper
 from train.config import load_run_config
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "libtpu", "flax",
@@ -230,6 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.monotonic()
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if not dry_run and is_hopper(compute_capability()):
+        usable, device["mosaic_attention"] = probe_mosaic()
+        if not usable:
+            UNAVAILABLE["mosaic"] = device["mosaic_attention"]
+        print(f"[gpu-check] Mosaic GPU flash attention: {device['mosaic_attention']}", flush=True)
     ctx = Context(plan, model, device["backend"], device["peak_bf16_tflops"],
                   shared={"out_dir": args.out})
     sections = run_sections(ctx, args.sections)

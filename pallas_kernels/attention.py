@@ -31,12 +31,15 @@ def triton_attention(q, k, v, *, window, segment_ids, sink):
 
 
 KERNELS = {"mosaic": mosaic_attention, "triton": triton_attention}
+# family -> why it is not to be used in this process (set by a caller that found it failing on
+# the device, e.g. `make gpu-check`'s probe); "triton" is the fallback and never listed
+UNAVAILABLE: dict[str, str] = {}
 
 
 def kernel_family(q, k, v, capability: tuple[int, int] | None) -> str:
     """"mosaic" or "triton" for these inputs on a device of that compute capability (None:
     not an NVIDIA GPU)."""
-    if gpu_arch.is_hopper(capability):
+    if gpu_arch.is_hopper(capability) and "mosaic" not in UNAVAILABLE:
         from pallas_kernels.flash_attention_mgpu import unsupported_reason
         if unsupported_reason(q, k, v) is None:
             return "mosaic"

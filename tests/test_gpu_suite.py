@@ -21,6 +21,7 @@ from train_helpers import REPO, SUBPROCESS_XLA_FLAGS
 
 from benchmarks import gpu_attention_sweep as sweep
 from benchmarks import gpu_decode, gpu_suite
+from benchmarks import gpu_mosaic_probe as mosaic_probe
 from benchmarks.gpu_attention_checks import cudnn_verdict, pallas_verdict
 from benchmarks.gpu_attention_targets import attention_targets
 from benchmarks.gpu_checks import kernel_note, unsupported
@@ -31,6 +32,7 @@ from model.ops.attention_cores import xla_attention
 from model.ops.moe_dispatch import sorted_block_ffn
 from model.ops.swiglu import SwiGLUClamp
 from pallas_kernels import mgpu_attention_common as mgpu_common
+from pallas_kernels.attention import UNAVAILABLE, kernel_family
 from pallas_kernels.flash_attention_blocks import load_table
 
 # One worker runs the whole module, so the dry run (a module fixture) runs once.
@@ -313,3 +315,28 @@ def test_decode_records_rates_speedups_accuracy_and_failures(monkeypatch):
                                         prompt_len=3, new_tokens=4, batches=(1,),
                                         deadline=float("inf"))
     assert [r["status"] for r in section["records"]] == ["skipped", "error"]
+
+
+def test_mosaic_probe_reports_hangs_failures_and_wrong_numbers(monkeypatch):
+    """The suite's first run of the Mosaic kernels (a child process): fine, wrong numbers,
+    a crash and a hang each give their verdict (children stand in for the real one here)."""
+    def verdict(child, timeout=30.0):
+        monkeypatch.setattr(mosaic_probe, "CHILD", child)
+        return mosaic_probe.probe_mosaic(timeout)
+
+    fine = 'print("PROBE " + \'{"out": 0.001, "dq": 0.002}\')'
+    assert verdict(fine) == (True, "probe worst error dq 2.00e-03")
+    usable, note = verdict(fine.replace("0.002", "0.5"))
+    assert not usable and "over the bfloat16 tolerance" in note
+    usable, note = verdict("raise SystemExit('wgmma failed')")
+    assert not usable and note == "the probe failed (exit 1): wgmma failed"
+    usable, note = verdict("import time; time.sleep(30)", timeout=0.5)
+    assert not usable and "did not finish" in note
+
+
+def test_an_unusable_mosaic_family_leaves_pallas_on_triton(monkeypatch):
+    q = jax.ShapeDtypeStruct((1, 128, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.bfloat16)
+    assert kernel_family(q, kv, kv, H100) == "mosaic"
+    monkeypatch.setitem(UNAVAILABLE, "mosaic", "the probe hung")
+    assert kernel_family(q, kv, kv, H100) == "triton"
