@@ -39,7 +39,8 @@ class Plan:
     decode_prompt: int
     decode_new_tokens: int
     decode_batches: tuple[int, ...]
-    decode_others: tuple[tuple[str, str, tuple[str, ...]], ...]  # untrained (label, config, overrides)
+    # untrained configs to decode: (label, config path, overrides)
+    decode_others: tuple[tuple[str, str, tuple[str, ...]], ...]
     v4_cases: tuple[tuple[int, str], ...]  # (T, layer kind) of the v4_layers section, in order
     v4_dry_run: bool  # shrink the V4 layers (benchmarks.gpu_v4_layers.layer_config)
     limits: dict  # section -> seconds after which it starts no new case

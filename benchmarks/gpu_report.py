@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.common import markdown_table
 from benchmarks import gpu_attention_report as attention_report
+from benchmarks.common import markdown_table
 from benchmarks.gpu_attention_targets import attention_targets
 from benchmarks.gpu_v4_layers import v4_targets
 

@@ -41,18 +41,18 @@ from typing import NamedTuple, Sequence
 import jax
 
 from benchmarks.common import RESULTS
+from benchmarks.gpu_attention_sweep import run_attention_sweep as attention_sweep
 from benchmarks.gpu_checks import TOLERANCE, check_attention, check_moe, first_line
+from benchmarks.gpu_decode import decode_section
 from benchmarks.gpu_ep_check import check_ragged_collective
+from benchmarks.gpu_mosaic_probe import probe_mosaic
 from benchmarks.gpu_plans import ACCELERATOR, DRY_RUN, SECTIONS, Plan, attention_shapes
 from benchmarks.gpu_report import targets, write_report
 from benchmarks.gpu_timings import time_attention, time_moe
-from benchmarks.gpu_attention_sweep import run_attention_sweep as attention_sweep
-from benchmarks.gpu_decode import decode_section
 from benchmarks.gpu_train import train_section
 from benchmarks.gpu_v4_layers import run_v4_layers as v4_layers
 from benchmarks.pallas_attention import peak_for
 from model.config import ModelConfig
-from benchmarks.gpu_mosaic_probe import probe_mosaic
 from pallas_kernels.attention import UNAVAILABLE
 from pallas_kernels.gpu_arch import compute_capability, is_hopper
 from train.config import load_run_config

@@ -1,4 +1,6 @@
 """Flash attention for causal full and sliding-window (SWA) layers: Pallas kernels + custom VJP.
+The Triton family of `attention_impl=pallas` (pallas_kernels/attention.py picks it everywhere
+but on sm90, where flash_attention_mgpu.py runs) and its interpret mode on CPU.
 
 Semantics are those of the XLA attention path (docs/architecture.md, "Exact semantics"):
 q [B, T, H, D], k/v [B, T, K, D], H = K * G (GQA: query head h reads KV head h // G, never repeated

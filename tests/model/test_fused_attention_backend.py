@@ -28,7 +28,8 @@ def test_cudnn_is_chosen_only_on_gpus_for_what_its_kernel_expresses():
             is None
     cases = (((jnp.float32, 128), None, H100, "takes bfloat16/float16, got float32"),
              ((jnp.bfloat16, 128), segments, H100, "segment ids"),
-             ((jnp.bfloat16, 192), None, A100, "head dim 192: cuDNN takes multiples of 8 up to 128"),
+             ((jnp.bfloat16, 192), None, A100,
+              "head dim 192: cuDNN takes multiples of 8 up to 128"),
              ((jnp.bfloat16, 512), None, H100, "head dim 512"),  # DeepSeek-V4's shared KV
              ((jnp.bfloat16, 36), None, H100, "head dim 36"))
     for (dtype, head_dim), segment_ids, cc, reason in cases:
