@@ -179,7 +179,7 @@ def _dense_backward(q, k, v, d_out, lse2, delta, segment_ids, cfg):
 
 
 @pytest.mark.parametrize("window,with_segments,with_sink", [
-    (None, False, True), (5, True, True), (None, True, False)])
+    (None, False, True), (5, True, True)])
 def test_wrapper_pads_folds_the_sink_and_differentiates_like_the_reference(
         monkeypatch, window, with_segments, with_sink):
     monkeypatch.setattr(fm, "forward", _dense_forward)
