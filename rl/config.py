@@ -32,6 +32,11 @@ every algorithm: `rl.toggle.enabled=true`.
 
 `mopd` is MiMo-V2-Flash's multi-teacher on-policy distillation (eqs. 7-9, rl/distill/): a
 teacher per task, `rl.distill` for its weights; it needs at least one teacher.
+
+Off-policy machinery, with every algorithm: `rl.routing_replay` (MiMo-V2-Flash's Rollout
+Routing Replay, rl/routing_replay.py), `rl.max_staleness` (rollouts up to k policy versions
+old, rl/staleness.py) with truncated importance sampling (`rl.tis`, `rl.tis_cap`,
+rl/objectives/truncated_is.py).
 """
 
 from __future__ import annotations
@@ -171,6 +176,14 @@ class RLConfig(LoopConfig):
     mesh: RLMeshConfig = RLMeshConfig()  # data=-1: every device data-parallel, as training
     toggle: ToggleConfig = ToggleConfig()  # Kimi K2.5's token-budget phases (off by default)
     distill: DistillConfig = DistillConfig()  # on-policy distillation (rl/distill/)
+    # Off-policy machinery (module docstring). routing_replay: the training forwards route as
+    # the rollout did; max_staleness: k, train on batches drawn k iterations earlier; tis:
+    # weight tokens by min(pi_old / pi_infer, tis_cap) (null: on iff max_staleness > 0 and the
+    # algorithm is not mopd, whose eq. 8 weight already is a truncated ratio to pi_infer).
+    routing_replay: bool = False
+    max_staleness: int = 0
+    tis: bool | None = None
+    tis_cap: float = 2.0  # C of Yao et al. (2025)
 
     @property
     def batch_size(self) -> int:
@@ -204,6 +217,12 @@ class RLConfig(LoopConfig):
         if self.overlong_buffer is not None:
             return self.overlong_buffer
         return max(1, self.max_new_tokens // 5) if self.algorithm == "dapo" else 0
+
+    @property
+    def uses_tis(self) -> bool:
+        if self.tis is not None:
+            return self.tis
+        return self.max_staleness > 0 and self.algorithm != "mopd"
 
     @property
     def budget_samples(self) -> int:
@@ -241,6 +260,11 @@ class RLConfig(LoopConfig):
         check_fraction("entropy_top_frac", self.entropy_top_frac)
         check_bool("truncation_bootstrap", self.truncation_bootstrap)
         check_choice("inference_dtype", self.inference_dtype, INFERENCE_DTYPES)
+        check_bool("routing_replay", self.routing_replay)
+        check_int("max_staleness", self.max_staleness, 0)
+        if self.tis is not None:
+            check_bool("tis", self.tis)
+        check_positive("tis_cap", self.tis_cap)
         if self.batch_size < max(self.actor_minibatches, self.critic_minibatches):
             raise ConfigError("", f"{self.batch_size} rollouts per iteration cannot fill "
                               f"{max(self.actor_minibatches, self.critic_minibatches)} minibatches")
