@@ -28,27 +28,22 @@ rl.objectives.losses; `dynamic_sampling`: rl.dynamic_sampling; `overlong_buffer`
 (rl.objectives.overlong); `kl_coef`, `kl_estimator`: the KL to the initial policy
 (rl.objectives.kl), aggregated like the loss.
 
-Each baseline is its paper's objective (the equations are in rl/objectives/losses.py):
-`grpo` is DeepSeekMath's GRPO (Shao et al. 2024, eqs. 3-4): PPO's clipped surrogate with the
-symmetric `grpo_clip` (0.2, 0.2) on group mean/std advantages, each response's token mean, then
-the mean over responses, and the k3 KL penalty inside that sum with beta = 0.04 (its RL
-training setup).
-`dapo` (Yu et al. 2025) is the clipped surrogate with clip-higher `dapo_clip` (0.2, 0.28) and
-token-level normalisation, plus dynamic sampling and overlong reward shaping (its L_cache = 4096
-of L_max = 20480, a fifth), and no KL. `dr_grpo` (Liu et al. 2025) is the symmetric clipped
-surrogate (`ppo_clip`) on unnormalised group advantages (reward - group mean) with a constant
-normaliser (`token_sum`), and no KL. `kimi_k25` is Kimi K2.5's objective (its 4.5, eq. 1): a
-gradient mask outside `kimi_bounds` on the ratio, a `kimi_tau` (log ratio)^2 penalty, rewards
-centred by the group mean, over the tokens generated. Variants stay one override away, e.g.
-`rl.algorithm=grpo rl.grpo_clip=[0.2,0.28] rl.loss_aggregation=token_mean rl.kl_coef=0.001
-rl.kl_estimator=k3_importance` is GRPO with DAPO's clip-higher and token-level mean and a small
-importance-weighted KL.
+Each baseline's preset is its paper's objective (the equations are in rl/objectives/losses.py):
+`grpo` DeepSeekMath's (symmetric `grpo_clip`, k3 KL 0.04 inside the per-sequence mean), `dapo`
+(clip-higher `dapo_clip`), `dr_grpo` (symmetric `ppo_clip`), `kimi_k25` (K2.5 eq. 1, with
+`kimi_bounds` and `kimi_tau`). Variants are one override away, e.g. `rl.algorithm=grpo
+rl.grpo_clip=[0.2,0.28] rl.loss_aggregation=token_mean` is GRPO with DAPO's clip and mean.
 
 `rl.toggle` (Kimi K2.5's token-budget RL, rl/objectives/toggle.py and rl/budget.py) works with
 every algorithm: `rl.toggle.enabled=true`.
 
 `mopd` is MiMo-V2-Flash's multi-teacher on-policy distillation (eqs. 7-9, rl/distill/): a
 teacher per task, `rl.distill` for its weights; it needs at least one teacher.
+
+Off-policy machinery, with every algorithm: `rl.routing_replay` (MiMo-V2-Flash's Rollout
+Routing Replay, rl/routing_replay.py), `rl.max_staleness` (rollouts up to k policy versions
+old, rl/staleness.py) with truncated importance sampling (`rl.tis`, `rl.tis_cap`,
+rl/objectives/truncated_is.py).
 """
 
 from __future__ import annotations
@@ -104,7 +99,7 @@ INFERENCE_DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class RLMeshConfig(MeshConfig):
-    """`rl.mesh`: the training mesh (`mesh:` of a training run, README "Parallelism") for the
+    """`rl.mesh`: the training mesh (`mesh:` of a training run, docs/parallelism.md) for the
     actor, critic, reference policy and rollouts (rl/parallel.py). No pipeline axis: the
     decoder runs whole layers (model/layers/stack.py refuses KV caches under one)."""
 
@@ -125,8 +120,8 @@ class ToggleConfig(Config):
     reward once the problem's group accuracy reaches `accuracy_threshold` (lambda), and an
     unconstrained phase. A problem's budget is the `percentile` (rho, 0-100) of the lengths of
     the correct ones among `budget_samples` (K) responses of the initial policy, estimated once
-    at the start. The source gives none of the four values; these defaults are ours (README,
-    "Toggle")."""
+    at the start. The source gives none of the four values; these defaults are ours
+    (docs/post_training.md, "Toggle")."""
 
     section = "rl.toggle"
 
@@ -205,6 +200,15 @@ class RLConfig(LoopConfig):
     mesh: RLMeshConfig = RLMeshConfig()  # data=-1: every device data-parallel, as training
     toggle: ToggleConfig = ToggleConfig()  # Kimi K2.5's token-budget phases (off by default)
     distill: DistillConfig = DistillConfig()  # on-policy distillation (rl/distill/)
+    # Off-policy machinery (module docstring). routing_replay: the training forwards route as
+    # the rollout did; max_staleness: k, train on batches drawn k iterations earlier; tis:
+    # weight tokens by min(pi_old / pi_infer, tis_cap) (null: on iff max_staleness > 0 and the
+    # algorithm is neither mopd, whose eq. 8 weight already is a truncated ratio to pi_infer,
+    # nor kimi_k25, whose eq. 1 ratio already is to pi_infer).
+    routing_replay: bool = False
+    max_staleness: int = 0
+    tis: bool | None = None
+    tis_cap: float = 2.0  # C of Yao et al. (2025)
 
     @property
     def batch_size(self) -> int:
@@ -253,6 +257,12 @@ class RLConfig(LoopConfig):
         return max(1, self.max_new_tokens // 5) if self.algorithm == "dapo" else 0
 
     @property
+    def uses_tis(self) -> bool:
+        if self.tis is not None:
+            return self.tis
+        return self.max_staleness > 0 and self.algorithm not in ("mopd", "kimi_k25")
+
+    @property
     def budget_samples(self) -> int:
         """K of Toggle's budget estimation: `rl.toggle.budget_samples`, else N."""
         return self.toggle.budget_samples or self.samples_per_prompt
@@ -288,6 +298,11 @@ class RLConfig(LoopConfig):
         check_fraction("entropy_top_frac", self.entropy_top_frac)
         check_bool("truncation_bootstrap", self.truncation_bootstrap)
         check_choice("inference_dtype", self.inference_dtype, INFERENCE_DTYPES)
+        check_bool("routing_replay", self.routing_replay)
+        check_int("max_staleness", self.max_staleness, 0)
+        if self.tis is not None:
+            check_bool("tis", self.tis)
+        check_positive("tis_cap", self.tis_cap)
         if self.batch_size < max(self.actor_minibatches, self.critic_minibatches):
             raise ConfigError("", f"{self.batch_size} rollouts per iteration cannot fill "
                               f"{max(self.actor_minibatches, self.critic_minibatches)} minibatches")

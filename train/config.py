@@ -34,6 +34,7 @@ from model.config import (
     read_yaml,
 )
 from model.parallel.rules import MESH_AXES
+from train.anticipatory_routing import AnticipatoryRoutingConfig
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
 
 SCHEDULES = ("cosine", "constant", "stages")
@@ -145,6 +146,8 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     max_consecutive_skips: int = 5  # non-finite loss/grad skips before giving up
     peak_flops: float = 0.0  # per device, for MFU; 0 = measure a float32 matmul at start-up
     data: DataConfig = DataConfig()
+    # DeepSeek-V4's switch against loss spikes (report 4.2.3; train/anticipatory_routing.py)
+    anticipatory_routing: AnticipatoryRoutingConfig = AnticipatoryRoutingConfig()
 
     def validate(self) -> None:
         super().validate()
@@ -231,7 +234,7 @@ class TrainConfig(OptimizerConfig, LoopConfig):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(Config):
-    """Device mesh sizes (train/parallel/sharding.py, README "Parallelism"); -1 takes the devices
+    """Device mesh sizes (train/parallel/sharding.py, docs/parallelism.md); -1 takes the devices
     the other axes leave (at most one axis may say -1). Report 3.2 trained with pipeline 8,
     expert 8 and ZeRO-1 data parallelism.
 
@@ -350,6 +353,8 @@ RESUMABLE_CHANGES = {
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
     "train.peak_flops", "train.progress", "train.xla_cache_dir", "train.data.num_workers", "train.loss_chunk_size",
+    *(f"train.anticipatory_routing.{f.name}"
+      for f in dataclasses.fields(AnticipatoryRoutingConfig)),
     *(f"train.{field}" for field in RESUMABLE_OPTIMIZER_CHANGES),
 }
 

@@ -55,6 +55,12 @@ class Checkpointer:
         except Exception as err:  # orbax wraps OS errors in ValueError and others
             raise CheckpointError(self._save_failed(err)) from None
 
+    def delete_after(self, step: int) -> None:
+        """Deletes the checkpoints of the steps after `step` (a rollback discards them)."""
+        for later in self.all_steps():
+            if later > step:
+                self._manager.delete(later)
+
     def read_config(self, step: int) -> dict:
         try:
             return self._manager.restore(step, args=ocp.args.Composite(

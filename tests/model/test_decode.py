@@ -42,8 +42,8 @@ CACHED = CausalLM(CFG, KVCacheSpec(max_len=32, draft=3))
 
 @jax.jit
 def _backbone(cache, tokens, positions):
-    (normed, h), mutated = CACHED.apply({**VARIABLES, "cache": cache}, tokens, positions,
-                                        method=CausalLM.decode_chunk, mutable=["cache"])
+    (normed, h, _), mutated = CACHED.apply({**VARIABLES, "cache": cache}, tokens, positions,
+                                           method=CausalLM.decode_chunk, mutable=["cache"])
     return CACHED.apply(VARIABLES, normed, method=CausalLM.project), h, mutated["cache"]
 
 
