@@ -70,7 +70,7 @@ from model.config import (
 )
 from rl.distill.config import DistillConfig, task_teachers
 from rl.objectives.kl import KL_ESTIMATORS
-from rl.objectives.losses import AGGREGATIONS
+from rl.objectives.losses import AGGREGATIONS, KIMI_BOUNDS, KIMI_TAU
 from rl.task_config import TaskMixConfig, task_config_from_dict
 from rl.task_mix import allocate_prompts
 from train.config import LoopConfig, MeshConfig, check_override_sections
@@ -89,10 +89,6 @@ PRESETS = {
                 "*": 0.001},
     "kl_estimator": {"grpo": "k3", "*": "k3_importance"},
 }
-# Kimi K2.5 eq. 1 gives no values for alpha, beta, tau; these are ours (rl/objectives/losses.py,
-# `kimi_k25_loss`, says why).
-KIMI_BOUNDS = (0.5, 2.0)
-KIMI_TAU = 0.1
 ADVANTAGES = ("gae", "group")
 INFERENCE_DTYPES = ("float32", "bfloat16", "float16")
 

@@ -51,6 +51,9 @@ import jax.numpy as jnp
 TOKEN_BOUNDS = (0.5, 2.0)  # report 5.2.3: rho_min, rho_max of the token-level filter
 TRAJ_BOUNDS = (0.996, 1.001)  # ... of the trajectory-level (geometric mean) filter
 AGGREGATIONS = ("token_mean", "sequence_mean", "token_sum")
+# Kimi K2.5 eq. 1's alpha, beta and tau: the source gives none, these are ours (`kimi_k25_loss`).
+KIMI_BOUNDS = (0.5, 2.0)
+KIMI_TAU = 0.1
 
 
 def masked_mean(x, weights):
@@ -161,8 +164,8 @@ def gspo_loss(logp, old_logp, infer_logp, advantages, mask, clip=1e-4,
     return loss, {**stats, "clip_frac": masked_mean(clipped_away, mask)}
 
 
-def kimi_k25_loss(logp, infer_logp, advantages, mask, bounds=(0.5, 2.0), tau=0.1, select=None,
-                  aggregation="token_mean", max_length=None):
+def kimi_k25_loss(logp, infer_logp, advantages, mask, bounds=KIMI_BOUNDS, tau=KIMI_TAU,
+                  select=None, aggregation="token_mean", max_length=None):
     """Kimi K2.5's policy objective (its 4.5, eq. 1), negated:
 
         L = -(1/N) sum_j sum_i [ Clip(r_ji, alpha, beta) (R_j - mean_K R) - tau (log r_ji)^2 ]
