@@ -241,10 +241,20 @@ class RLConfig(LoopConfig):
         check_fraction("entropy_top_frac", self.entropy_top_frac)
         check_bool("truncation_bootstrap", self.truncation_bootstrap)
         check_choice("inference_dtype", self.inference_dtype, INFERENCE_DTYPES)
-        if self.batch_size < max(self.actor_minibatches, self.critic_minibatches):
-            raise ConfigError("", f"{self.batch_size} rollouts per iteration cannot fill "
-                              f"{max(self.actor_minibatches, self.critic_minibatches)} minibatches")
+        used = ("actor", "critic") if self.uses_critic else ("actor",)  # no critic: not split
+        for name in used:
+            if self.batch_size < getattr(self, f"{name}_minibatches"):
+                raise ConfigError(f"{name}_minibatches", f"{self.batch_size} rollouts per "
+                                  f"iteration (rl.prompts_per_iteration x rl.samples_per_prompt) "
+                                  f"cannot fill {getattr(self, f'{name}_minibatches')} minibatches")
         self._validate_switches()
+        # MOPD (eq. 9) adds its teachers' signal to the group advantages: that one still trains.
+        if not self.uses_critic and self.algorithm != "mopd" and self.samples_per_prompt < 2:
+            why, fix = ((f"rl.algorithm={self.algorithm} uses group advantages", "raise it")
+                        if self.algorithm in GROUP_ALGORITHMS else
+                        ("rl.advantages=group", "raise it or use rl.advantages=gae"))
+            raise ConfigError("samples_per_prompt", f"{why}: a group of 1 sample has advantage "
+                              f"0 and trains nothing; {fix}")
         self._validate_warmups()
         # Estimation decodes batches of rl.batch_size rows (the rollouts' shape: no new
         # compilation, and the rows split over the mesh as the rollouts do).

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.interop.workdir import Checkpointer, restore_target
-from model.interop.workdir_lock import workdir_lock
+from model.interop.workdir_lock import claimed_workdir
 from model.lm import split_variables
 from model.parallel.rules import named, replicated, use_mesh
 from model.tokenizers.chat import chat_tokenizer_for
@@ -66,16 +66,6 @@ class TrainSummary:
     losses: list[float]  # loss of every step this invocation ran
     skipped: int
     interrupted: bool
-
-
-def prepare_workdir(workdir: Path) -> None:
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / f".write-test-{jax.process_index()}"  # processes may share workdir
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise TrainingError(f"workdir {workdir} is not writable: {err.strerror or err}") from None
 
 
 def meta_loss_masked(switch_after_tokens: int, tokens_seen: int) -> bool:
@@ -229,10 +219,9 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
     continuing the previous one, train/experiments/recipe.py). `allow_data_change`: resume
     even though the data files changed since the run started (train/run_record.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)
-    prepare_workdir(Path(workdir))
     # Stop requests from here on: a Ctrl-C while the state is built or restored is acknowledged
     # and honoured after the first step, a second one exits at once (train/interrupts.py).
-    with workdir_lock(Path(workdir)), stop_requests() as stop:
+    with claimed_workdir(Path(workdir)), stop_requests() as stop:
         trainer = Trainer(run, Path(workdir), allow_data_change)
         try:
             with use_mesh(trainer.mesh):
@@ -245,7 +234,15 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                stop_after: int | None) -> TrainSummary:
     run, cfg = trainer.run, trainer.run.train
     first_step = step = saved_step = int(state.step)
+    # The step of the newest checkpoint known intact (None: none yet).
+    intact = first_step if trainer.resume_step is not None else None
     if first_step >= cfg.steps:
+        if int(state.consecutive_skips) >= cfg.max_consecutive_skips:
+            raise TrainingError(
+                f"the checkpoint of step {first_step} in {trainer.checkpoints.directory} ends "
+                f"{int(state.consecutive_skips)} consecutive non-finite steps: the run "
+                f"diverged, it did not finish; move checkpoints/{first_step} away to resume "
+                "from an earlier one, or train again with a lower train.lr in a new --workdir")
         return TrainSummary(workdir=trainer.workdir, first_step=first_step, last_step=first_step,
                             losses=[], skipped=int(state.skipped), interrupted=False)
     flops_per_token = train_flops_per_token(run.model, cfg.seq_len, run.trained_mtp_heads())
@@ -259,9 +256,14 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
         clock.finished(timed_tokens)
         progress.update(first_step + len(losses), loss=losses[-1])
         if int(metrics["consecutive_skips"]) >= cfg.max_consecutive_skips:
+            kept = (f"the checkpoint of step {intact} is intact (resuming repeats the same "
+                    "steps: lower train.lr in a new --workdir, or raise "
+                    "train.max_consecutive_skips)" if intact is not None else
+                    "no checkpoint was saved: lower train.lr and re-run")
             raise TrainingError(
-                f"{cfg.max_consecutive_skips} consecutive steps had a non-finite loss or gradient "
-                f"(up to step {first_step + len(losses)}); stopped, the last checkpoint is intact")
+                f"the run diverged: {cfg.max_consecutive_skips} consecutive steps had a "
+                f"non-finite loss or gradient (up to step {first_step + len(losses)}); stopped "
+                f"without saving its state; {kept}")
 
     lead = is_lead()  # one process writes metrics and shows progress
     writer = MetricsWriter(trainer.workdir) if lead else DiscardingWriter()
@@ -305,11 +307,15 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                 interrupted = True
                 break
             if step % cfg.checkpoint_every == 0:
+                # A state that ended the run's divergence is never saved: a re-run would find
+                # it at the last step and call the run finished.
+                check(*pending)
+                pending = None
                 # Rows lag the steps (the writer waits for their values): a kill after this
                 # checkpoint must not lose rows a resume from it would not write again.
                 writer.flush()
                 trainer.save(state)
-                saved_step = step
+                saved_step = intact = step
         if pending is not None:
             check(*pending)
         if saved_step != step:

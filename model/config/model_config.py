@@ -34,6 +34,7 @@ ROUTER_ACTIVATIONS = ("sigmoid", "softmax", "sqrt_softplus")  # sqrt_softplus: D
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "save_attention_out", "save_ffn_out")
 EP_COLLECTIVES = ("auto", "ragged", "padded")
+INT32_MAX = 2**31 - 1
 
 # One character per layer: Step 3.5's GQA attention, full (F) or sliding-window (S), or
 # DeepSeek-V4's shared-KV attention, sliding-window only (W), CSA (C) or HCA (H).
@@ -249,6 +250,10 @@ class ModelConfig(Config):
         for name in ("vocab_size", "d_model", "num_layers", "window", "head_dim", "num_kv_heads",
                      "dense_hidden"):
             check_int(name, getattr(self, name), 1)
+        for name in ("vocab_size", "window"):  # token ids and positions are int32
+            if getattr(self, name) > INT32_MAX:
+                raise ConfigError(name, f"must be at most {INT32_MAX} (token ids and positions "
+                                  f"are int32), got {getattr(self, name)}")
         if len(self.layout) != self.num_layers:
             raise ConfigError("layout", f"expands to {len(self.layout)} layers ({self.layout!r}) "
                               f"but num_layers={self.num_layers}")

@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 
 from model.config import ModelConfig, config_from_dict, config_to_dict
 from model.interop.workdir import restore_target
-from model.interop.workdir_lock import LOCK_FILE, workdir_lock
+from model.interop.workdir_lock import LOCK_FILE, claimed_workdir
 from model.lm import abstract_variables
 from model.parallel.rules import named, param_axes, param_specs
 
@@ -87,18 +87,13 @@ def fresh_directory(path: Path) -> Iterator[Path]:
 def locked_output(path: Path) -> Iterator[None]:
     """Holds the workdir lock (model/interop/workdir_lock.py) of output directory `path`, new
     or empty, while a command writes it: a concurrent writer is refused naming the holder. A
-    `path` this created is removed again if the block fails before writing it."""
+    `path` this created is removed again if the block fails before writing it; a complete
+    output keeps no lock file (the next writer finds it not empty and stops there)."""
     path = Path(path)
     check_fresh(path)
-    created = not path.exists()
-    path.mkdir(parents=True, exist_ok=True)
-    with workdir_lock(path, option="--out"):
-        try:
-            yield
-        except BaseException:
-            if created and [p.name for p in path.iterdir()] == [LOCK_FILE]:
-                shutil.rmtree(path)  # still under the lock: nobody else is writing here
-            raise
+    with claimed_workdir(path, option="--out"):
+        yield
+        (path / LOCK_FILE).unlink(missing_ok=True)
 
 
 def save_model_dir(config: ModelConfig, variables: dict, path: str | Path) -> None:
