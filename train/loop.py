@@ -22,6 +22,7 @@ from model.lm import split_variables
 from model.parallel.rules import named, replicated, use_mesh
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
+from train.checkpoint import check_training_checkpoint
 from train.config import RunConfig, resume_changes
 from train.data.corpus import load_documents
 from train.data.chat import chat_example, trains_assistant_only
@@ -95,7 +96,9 @@ class Trainer:
         self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.train.keep_checkpoints)
         self.resume_step = from_lead(self.checkpoints.latest_step())
         if self.resume_step is not None:
-            changed = resume_changes(self.checkpoints.read_config(self.resume_step), run)
+            saved = self.checkpoints.read_config(self.resume_step)
+            check_training_checkpoint(saved, self.workdir, "use another --workdir")
+            changed = resume_changes(saved, run)
             if changed:
                 raise TrainingError(
                     f"cannot resume {self.workdir}: the config differs from the checkpoint's in "
