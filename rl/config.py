@@ -52,7 +52,6 @@ from model.config import (
     check_int,
     check_nonnegative,
     check_positive,
-    config_from_dict,
     config_to_dict,
     read_yaml,
 )
@@ -331,7 +330,7 @@ def rl_config_from_dict(values: Mapping[str, Any]) -> RLRunConfig:
     if unknown:
         raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; expected "
                          f"{', '.join(SECTIONS)}")
-    model = config_from_dict(values["model"]) if values.get("model") else None
+    model = build_dataclass(ModelConfig, values["model"], "model.") if values.get("model") else None
     return RLRunConfig(model=model, rl=build_dataclass(RLConfig, values.get("rl") or {}, "rl."),
                        task=task_config_from_dict(values.get("task")))
 

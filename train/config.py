@@ -29,7 +29,6 @@ from model.config import (
     check_int,
     check_nonnegative,
     check_open_fraction,
-    config_from_dict,
     config_to_dict,
     model_values,
     parse_override,
@@ -314,7 +313,7 @@ def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
     if unknown:
         raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; "
                          f"expected {', '.join(SECTIONS)}")
-    return RunConfig(model=config_from_dict(values.get("model") or {}),
+    return RunConfig(model=build_dataclass(ModelConfig, values.get("model") or {}, "model."),
                      train=build_dataclass(TrainConfig, values.get("train") or {}, "train."),
                      mesh=build_dataclass(MeshConfig, values.get("mesh") or {}, "mesh."))
 

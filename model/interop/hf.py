@@ -14,6 +14,7 @@ one entry here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -124,22 +125,23 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
     shardings = variable_shardings(config, mesh)
     variables: dict = {}
     tensors = {file: [n for n in names if n in headers] for file, names in files.items()}
-    stream = read_tensors(path, tensors, progress=progress)
-    for name, array in quantized.dequantize(stream, path, stored, plan):
-        _check_finite(name, array, stored[name].file)
-        entry = entries[name]
-        leaf = lookup(abstract[entry.collection], entry.path)
-        sharding = lookup(shardings[entry.collection], entry.path)
-        value = entry.transform.to_ours(array, entry.shape).astype(leaf.dtype)
-        if not entry.index:
-            _insert(variables, entry, _place(value, sharding))
-            continue
-        stacked = lookup(variables.get(entry.collection, {}), entry.path)
-        if stacked is None:
-            stacked = jnp.zeros(leaf.shape, leaf.dtype, device=sharding)
-        slice_sharding = _slice_sharding(sharding, len(entry.index))
-        _insert(variables, entry, _write_slice(stacked, _place(value, slice_sharding),
-                                               np.asarray(entry.index, np.int32)))
+    # Closed on an error, so the progress bar ends its line before the error is printed.
+    with contextlib.closing(read_tensors(path, tensors, progress=progress)) as stream:
+        for name, array in quantized.dequantize(stream, path, stored, plan):
+            _check_finite(name, array, stored[name].file)
+            entry = entries[name]
+            leaf = lookup(abstract[entry.collection], entry.path)
+            sharding = lookup(shardings[entry.collection], entry.path)
+            value = entry.transform.to_ours(array, entry.shape).astype(leaf.dtype)
+            if not entry.index:
+                _insert(variables, entry, _place(value, sharding))
+                continue
+            stacked = lookup(variables.get(entry.collection, {}), entry.path)
+            if stacked is None:
+                stacked = jnp.zeros(leaf.shape, leaf.dtype, device=sharding)
+            slice_sharding = _slice_sharding(sharding, len(entry.index))
+            _insert(variables, entry, _write_slice(stacked, _place(value, slice_sharding),
+                                                   np.asarray(entry.index, np.int32)))
     return config, variables
 
 
