@@ -194,7 +194,9 @@ def bounded_filter(name: str, function: Callable) -> Callable:
     state = 1 if getattr(function, "jinja_pass_arg", None) is not None else 0  # context first
 
     def bounded(*args: Any, **kwargs: Any) -> Any:
-        if _current() is not None and len(args) > state:
+        # Checked whether or not a rendering runs: Jinja also calls filters on constants
+        # while it compiles a template.
+        if len(args) > state:
             value, rest = args[state], args[state + 1:]
             if name == "join":  # join(value, d="", attribute=None): size the listed items
                 separator = rest[0] if rest else kwargs.get("d", "")

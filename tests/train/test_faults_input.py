@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ from train.sweep import main as sweep_main
 pytestmark = [pytest.mark.faults]
 
 SFT = REPO / "configs" / "sft_arith.yaml"
+SHIPPED_TOKENIZER = REPO / "model" / "tokenizers" / "assets" / "stdlib_bpe_4096.json"
 RL = REPO / "configs" / "rl_arith.yaml"
 
 
@@ -102,6 +104,25 @@ def test_lone_surrogates_in_jsonl_are_named(tmp_path, capsys):
     workdir = tmp_path / "run"
     _refused(capsys, workdir, run_args(workdir, f"train.data.source={data}"),
              f"{data}:2: a string holds a lone UTF-16 surrogate ('\\ud800')", "fix or remove it")
+
+
+def test_a_chat_template_that_would_exhaust_memory(tmp_path, capsys):
+    """A tokenizer directory whose chat template repeats a message 10^8 times: the run stops
+    on its first chat, before the model is built."""
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    shutil.copyfile(SHIPPED_TOKENIZER, tokenizer / "tokenizer.json")
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "chat_template": "{{ messages[0]['content'] * 100000000 }}"}))
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"},
+                                                     {"role": "assistant", "content": "hello"}]})
+                            + "\n" for i in range(40)))
+    workdir = tmp_path / "run"
+    _refused(capsys, workdir, run_args(workdir, f"train.data.tokenizer={tokenizer}",
+                                       f"train.data.source={data}", "train.eval_every=0"),
+             f"chat template of {tokenizer / 'tokenizer_config.json'}", "stopped: the result of "
+             "'*' would exceed 16777216 characters")
 
 
 def test_sweep_run_names_that_are_not_directories(tmp_path, capsys):
