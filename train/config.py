@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -31,11 +30,11 @@ from model.config import (
     check_open_fraction,
     config_to_dict,
     model_values,
-    parse_override,
     read_yaml,
 )
 from model.parallel.rules import MESH_AXES
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
+from train.preset_fit import fit_warmup
 
 SCHEDULES = ("cosine", "constant", "stages")
 # Which targets a chat document trains on (train/data/chat.py): its assistant turns, all its
@@ -327,38 +326,9 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfi
         values = {"model": values}
     values["model"] = model_values(values, path)
     check_override_sections(overrides, SECTIONS)
-    return run_config_from_dict(_fit_warmup(values, apply_overrides(values, overrides),
-                                            overrides))
-
-
-_NOTED: set[str] = set()
-
-
-def _fit_warmup(preset: Mapping[str, Any], values: dict, overrides: Sequence[str]) -> dict:
-    """`values` (the file with `overrides` applied) with the file's warm-up scaled down when an
-    override shortens `train.steps` below it and none sets `train.warmup_steps`: a short try
-    run of a preset then keeps the preset's warm-up fraction instead of being refused. A
-    warm-up the overrides set is the user's and stays (checked against the run as usual).
-    Prints a one-line note (once per process)."""
-    keys = {parse_override(o)[0] for o in overrides}
-    train, file_train = values.get("train") or {}, preset.get("train") or {}
-    if "train.steps" not in keys or "train.warmup_steps" in keys or not isinstance(
-            train, Mapping) or not isinstance(file_train, Mapping):
-        return values
-    steps = train.get("steps")
-    warmup = file_train.get("warmup_steps", TrainConfig.warmup_steps)
-    file_steps = file_train.get("steps", TrainConfig.steps)
-    numbers = (steps, warmup, file_steps)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in numbers) \
-            or warmup <= steps:
-        return values  # nothing to fit, or values the config checks will name
-    fitted = min(steps, max(1, round(warmup * steps / file_steps)))
-    note = (f"note: train.warmup_steps: the config's {warmup} warm-up steps of {file_steps} "
-            f"scaled to {fitted} for train.steps={steps}; set train.warmup_steps to choose")
-    if note not in _NOTED:
-        _NOTED.add(note)
-        print(note, file=sys.stderr)
-    return {**values, "train": {**train, "warmup_steps": fitted}}
+    fitted = fit_warmup(values, apply_overrides(values, overrides), overrides,
+                        {"steps": TrainConfig.steps, "warmup_steps": TrainConfig.warmup_steps})
+    return run_config_from_dict(fitted)
 
 
 def check_override_sections(overrides: Sequence[str], sections: Sequence[str]) -> None:

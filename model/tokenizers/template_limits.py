@@ -28,8 +28,9 @@ from jinja2.visitor import NodeTransformer
 # largest single allocation a template can cause is a small multiple of it.
 MAX_CHARS = 1 << 24
 MAX_SECONDS = 10.0
-# A format width or precision of 8 digits or more (`%99999999s`, `{:>99999999}`).
-_WIDE_FIELD = re.compile(r"\d{8,}")
+# A format width or precision of 8 digits or more (`%99999999s`, `%.99999999f`,
+# `{:>99999999}`), where a field's spec writes it.
+_WIDE_FIELD = re.compile(r"%[-+ #0]*\d{8,}|%[-+ #0]*\d*\.\d{8,}|\{[^{}]*:[^{}]*\d{8,}")
 
 
 class RenderLimitError(TemplateError):
@@ -45,7 +46,7 @@ class Budget:
 
     def check_time(self) -> None:
         if time.monotonic() > self.deadline:
-            raise RenderLimitError(f"rendering took more than {MAX_SECONDS:.0f} s")
+            raise RenderLimitError(f"rendering took more than {MAX_SECONDS:g} s")
 
     def emit(self, text: str) -> str:
         self.emitted += len(text)

@@ -21,7 +21,7 @@ import pytest
 from fault_helpers import run_args
 from train_helpers import REPO, SMALL_MODEL, TINY
 
-import train.config
+import train.preset_fit
 import train.loop
 from rl.__main__ import main as rl_main
 from train.__main__ import main as train_main
@@ -75,7 +75,7 @@ def test_bad_values_are_refused_before_the_workdir_exists(tmp_path, capsys, over
 def test_a_short_run_of_a_preset_scales_its_warmup(capsys, monkeypatch):
     """configs/tiny.yaml warms up for 24 of 240 steps: train.steps=6 keeps that fraction (with
     a note); a longer run or an explicit warm-up keeps the given value."""
-    monkeypatch.setattr(train.config, "_NOTED", set())  # each note is printed once a process
+    monkeypatch.setattr(train.preset_fit, "_NOTED", set())  # each note is printed once a process
     assert load_run_config(TINY, ["train.steps=6"]).train.warmup_steps == 1  # round(0.6)
     assert load_run_config(TINY, ["train.steps=60"]).train.warmup_steps == 24  # fits: kept
     assert load_run_config(TINY, ["train.steps=6", "train.warmup_steps=0"]).train.warmup_steps == 0
