@@ -2,8 +2,10 @@
 (one `error:` line naming the cause and the fix, exit 2, no workdir left behind), and a run that
 diverges on its last step.
 
-Run with the other parts: `python -m pytest -m faults`. The model and HF cases live beside
-their subjects (tests/model/test_chat_template.py, test_hf_*.py; tests/rl/test_rl_*.py).
+Run with the other parts: `python -m pytest -m faults`. Damaged HF checkpoints and a full disk
+in `model.hf` are in test_faults_files.py; the cases of one module live beside it
+(tests/model/test_chat_template_limits.py, test_hf_quantized.py, test_hf_deepseek_v4.py,
+test_decode.py; tests/rl/test_rl_config.py, test_rl_loop.py).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import pytest
 from fault_helpers import run_args
 from train_helpers import REPO, SMALL_MODEL, TINY
 
-import train.preset_fit
 import train.loop
+import train.preset_fit
 from rl.__main__ import main as rl_main
 from train.__main__ import main as train_main
 from train.config import load_run_config
