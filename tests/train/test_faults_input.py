@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -28,6 +30,7 @@ import train.preset_fit
 from rl.__main__ import main as rl_main
 from train.__main__ import main as train_main
 from train.config import load_run_config
+from train.parallel import distributed
 from train.sweep import main as sweep_main
 
 pytestmark = [pytest.mark.faults]
@@ -183,6 +186,35 @@ def test_an_unreachable_coordinator_is_one_line_after_the_timeout(tmp_path):
     assert "within 1 s" in err_1 and "raise --coordinator-timeout" in err_1
     assert err_0.count("\n") == 1 and "process(es) 1 of 2 did not reach" in err_0, err_0
     assert not list(tmp_path.iterdir())
+
+
+def _rendezvous(processes: list[int], count: int, timeout: float) -> dict[int, str]:
+    """Runs `rendezvous` for the given process ids of `count`, each on a thread -> {id: error}."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    errors = {}
+
+    def run(process: int) -> None:
+        try:
+            distributed.rendezvous(address, count, process, timeout)
+        except distributed.DistributedError as err:
+            errors[process] = str(err)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in processes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+def test_the_coordinator_waits_for_every_process_and_names_the_missing():
+    assert _rendezvous([2, 0, 1], 3, timeout=60) == {}  # in any order
+    errors = _rendezvous([0, 2], 3, timeout=1)
+    assert errors[0].startswith("process(es) 1 of 3 did not reach the coordinator 127.0.0.1:")
+    assert errors[2].startswith("process 2: the coordinator 127.0.0.1:") and (
+        "did not see every process within 1 s") in errors[2]
 
 
 def _no_batch(trainer, step: int) -> tuple[dict, int]:

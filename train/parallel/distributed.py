@@ -191,8 +191,10 @@ def rendezvous(coordinator: str, num_processes: int, process_id: int, timeout: f
 def _gather(port: int, num_processes: int, deadline: float, coordinator: str,
             timeout: float) -> None:
     """Process 0's side of `rendezvous`."""
-    try:
-        server = socket.create_server(("", port))
+    try:  # every interface, IPv6 too where it can, as JAX's service listens
+        dual = socket.has_dualstack_ipv6()
+        server = socket.create_server(("", port), family=socket.AF_INET6 if dual else
+                                      socket.AF_INET, dualstack_ipv6=dual)
     except OSError as err:
         raise DistributedError(f"process 0 cannot listen on port {port} of --coordinator "
                                f"{coordinator} ({err.strerror or err}); choose a free port") \
