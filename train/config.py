@@ -28,7 +28,6 @@ from model.config import (
     check_int,
     check_nonnegative,
     check_open_fraction,
-    config_from_dict,
     config_to_dict,
     model_values,
     read_yaml,
@@ -36,6 +35,7 @@ from model.config import (
 from model.parallel.rules import MESH_AXES
 from train.anticipatory_routing import AnticipatoryRoutingConfig
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
+from train.preset_fit import fit_warmup
 
 SCHEDULES = ("cosine", "constant", "stages")
 # Which targets a chat document trains on (train/data/chat.py): its assistant turns, all its
@@ -315,7 +315,7 @@ def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
     if unknown:
         raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; "
                          f"expected {', '.join(SECTIONS)}")
-    return RunConfig(model=config_from_dict(values.get("model") or {}),
+    return RunConfig(model=build_dataclass(ModelConfig, values.get("model") or {}, "model."),
                      train=build_dataclass(TrainConfig, values.get("train") or {}, "train."),
                      mesh=build_dataclass(MeshConfig, values.get("mesh") or {}, "mesh."))
 
@@ -329,7 +329,9 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfi
         values = {"model": values}
     values["model"] = model_values(values, path)
     check_override_sections(overrides, SECTIONS)
-    return run_config_from_dict(apply_overrides(values, overrides))
+    fitted = fit_warmup(values, apply_overrides(values, overrides), overrides,
+                        {"steps": TrainConfig.steps, "warmup_steps": TrainConfig.warmup_steps})
+    return run_config_from_dict(fitted)
 
 
 def check_override_sections(overrides: Sequence[str], sections: Sequence[str]) -> None:

@@ -17,12 +17,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.interop.workdir import Checkpointer, restore_target
-from model.interop.workdir_lock import workdir_lock
+from model.interop.workdir_lock import claimed_workdir
 from model.lm import split_variables
 from model.parallel.rules import named, replicated, use_mesh
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
 from train.anticipatory_routing import AnticipatoryRouting
+from train.checkpoint import check_training_checkpoint
 from train.config import RunConfig, resume_changes
 from train.data.corpus import load_documents
 from train.data.chat import chat_example, trains_assistant_only
@@ -69,16 +70,6 @@ class TrainSummary:
     interrupted: bool
 
 
-def prepare_workdir(workdir: Path) -> None:
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / f".write-test-{jax.process_index()}"  # processes may share workdir
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise TrainingError(f"workdir {workdir} is not writable: {err.strerror or err}") from None
-
-
 def meta_loss_masked(switch_after_tokens: int, tokens_seen: int) -> bool:
     """Report A.3: metadata tokens leave the loss once `tokens_seen` reaches the switch point
     (`train.data.meta_loss_mask_after_tokens`; -1 = never)."""
@@ -106,7 +97,9 @@ class Trainer:
         self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.train.keep_checkpoints)
         self.resume_step = from_lead(self.checkpoints.latest_step())
         if self.resume_step is not None:
-            changed = resume_changes(self.checkpoints.read_config(self.resume_step), run)
+            saved = self.checkpoints.read_config(self.resume_step)
+            check_training_checkpoint(saved, self.workdir, "use another --workdir")
+            changed = resume_changes(saved, run)
             if changed:
                 raise TrainingError(
                     f"cannot resume {self.workdir}: the config differs from the checkpoint's in "
@@ -265,10 +258,9 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
     continuing the previous one, train/experiments/recipe.py). `allow_data_change`: resume
     even though the data files changed since the run started (train/run_record.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)
-    prepare_workdir(Path(workdir))
     # Stop requests from here on: a Ctrl-C while the state is built or restored is acknowledged
     # and honoured after the first step, a second one exits at once (train/interrupts.py).
-    with workdir_lock(Path(workdir)), stop_requests() as stop:
+    with claimed_workdir(Path(workdir)), stop_requests() as stop:
         trainer = Trainer(run, Path(workdir), allow_data_change)
         try:
             with use_mesh(trainer.mesh):
@@ -281,7 +273,15 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                stop_after: int | None) -> TrainSummary:
     run, cfg = trainer.run, trainer.run.train
     first_step = step = saved_step = int(state.step)
+    # The step of the newest checkpoint known intact (None: none yet).
+    intact = first_step if trainer.resume_step is not None else None
     if first_step >= cfg.steps:
+        if int(state.consecutive_skips) >= cfg.max_consecutive_skips:
+            raise TrainingError(
+                f"the checkpoint of step {first_step} in {trainer.checkpoints.directory} ends "
+                f"{int(state.consecutive_skips)} consecutive non-finite steps: the run "
+                f"diverged, it did not finish; move checkpoints/{first_step} away to resume "
+                "from an earlier one, or train again with a lower train.lr in a new --workdir")
         return TrainSummary(workdir=trainer.workdir, first_step=first_step, last_step=first_step,
                             losses=[], skipped=int(state.skipped), interrupted=False)
     flops_per_token = train_flops_per_token(run.model, cfg.seq_len, run.trained_mtp_heads())
@@ -294,10 +294,18 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
         losses.append(float(metrics["loss"]))
         clock.finished(timed_tokens)
         progress.update(first_step + len(losses), loss=losses[-1])
+        raise_if_diverged(metrics)
+
+    def raise_if_diverged(metrics) -> None:
         if int(metrics["consecutive_skips"]) >= cfg.max_consecutive_skips:
+            kept = (f"the checkpoint of step {intact} is intact (resuming repeats the same "
+                    "steps: lower train.lr in a new --workdir, or raise "
+                    "train.max_consecutive_skips)" if intact is not None else
+                    "no checkpoint was saved: lower train.lr and re-run")
             raise TrainingError(
-                f"{cfg.max_consecutive_skips} consecutive steps had a non-finite loss or gradient "
-                f"(up to step {first_step + len(losses)}); stopped, the last checkpoint is intact")
+                f"the run diverged: {cfg.max_consecutive_skips} consecutive steps had a "
+                f"non-finite loss or gradient (up to step {first_step + len(losses)}); stopped "
+                f"without saving its state; {kept}")
 
     anticipatory = trainer.anticipatory  # DeepSeek-V4's switch, or None
     lead = is_lead()  # one process writes metrics and shows progress
@@ -340,6 +348,7 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                         first_step = min(first_step, step)
                         del losses[step - first_step:]
                         tokens_seen, saved_step, pending = tokens_before(run, step), step, None
+                        intact = step
                         clock.restart()
                         continue
             pending = (metrics, timed_tokens)
@@ -362,11 +371,15 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                 interrupted = True
                 break
             if step % cfg.checkpoint_every == 0:
+                # A state that ended the run's divergence is never saved: a re-run would find
+                # it at the last step and call the run finished. (Its loss is still read one
+                # step late, where a spike rolls back past this checkpoint.)
+                raise_if_diverged(pending[0])
                 # Rows lag the steps (the writer waits for their values): a kill after this
                 # checkpoint must not lose rows a resume from it would not write again.
                 writer.flush()
                 trainer.save(state)
-                saved_step = step
+                saved_step = intact = step
         if pending is not None:
             check(*pending)
         if saved_step != step:

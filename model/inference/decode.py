@@ -29,6 +29,7 @@ tokens are proposed, never which are committed.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import NamedTuple, Sequence
 
@@ -38,6 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from model.config import ModelConfig
+from model.config.model_config import INT32_MAX
 from model.inference.compressed_cache import CompressorCache
 from model.inference.kv_cache import KVCacheSpec
 from model.inference.sampling import Sampling, sample, sample_with_logprob, token_probs
@@ -82,8 +84,12 @@ class Decoder:
         if not 0 <= draft <= config.mtp.num_heads:
             raise ValueError(f"draft: {draft} speculative tokens need as many MTP heads; the "
                              f"model has mtp.num_heads={config.mtp.num_heads}")
+        if max_len + draft > INT32_MAX:
+            raise ValueError(f"a cache of {max_len} positions: positions are int32, so at most "
+                             f"{INT32_MAX}; generate fewer new tokens")
         self.config, self.variables = config, variables
         self.spec = KVCacheSpec(max_len, draft)
+        self._fitting_batches: set[int] = set()
         self.model = CausalLM(config, self.spec)
         self.prefill_chunk = max(1, min(prefill_chunk, max_len))
         self._init = jax.jit(self._init_cache, static_argnums=1)
@@ -102,7 +108,18 @@ class Decoder:
         return other
 
     def init_cache(self, batch: int):
-        """Empty caches for `batch` rows: the `cache` collection of the decoding model."""
+        """Empty caches for `batch` rows: the `cache` collection of the decoding model. Refused
+        (ValueError) before anything is allocated when they would not fit in free memory."""
+        if batch not in self._fitting_batches:
+            shapes = jax.eval_shape(self._init, self.variables, batch)
+            need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+            free = free_memory()
+            if need > free:
+                raise ValueError(f"the KV caches of {batch} row(s) x {self.spec.max_len} "
+                                 f"positions need {need / 2**30:.2f} GiB, more than the "
+                                 f"{free / 2**30:.2f} GiB of free memory; generate fewer new "
+                                 "tokens (or fewer rows at once)")
+            self._fitting_batches.add(batch)
         return self._init(self.variables, batch)
 
     # ---- pure steps (jitted above) ------------------------------------------------------------
@@ -346,6 +363,23 @@ def _routes_per_row(prefill, steps, lengths, outputs) -> list[np.ndarray]:
            else np.zeros((layers, len(outputs), 0, k), np.int32))
     return [np.concatenate([prefill[:, b, :length], fed[:, b, :len(out) - 1]], axis=1)
             for b, (length, out) in enumerate(zip(lengths, outputs))]
+
+
+def free_memory() -> int:
+    """Bytes the first device can still allocate: its allocator's limit less what is in use
+    (GPU, TPU), or the host memory available to new allocations (CPU, whose arrays live
+    there: Linux's MemAvailable, which counts reclaimable caches, else the free pages)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def cache_bytes(config: ModelConfig, cache) -> dict[str, int]:
