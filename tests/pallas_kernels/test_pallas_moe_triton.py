@@ -160,7 +160,7 @@ def test_moe_ffn_on_triton_kernels_matches_sorted_dispatch():
     def loss(x, combine, w, impl):
         if impl == "pallas":
             out, _ = pallas_moe.pallas_moe_ffn(x, idx, w, SwiGLUClamp(limit), block,
-                                               kernel="triton")
+                                               legs="triton")
             y = jnp.einsum("nkd,nk->nd", out, combine)
         else:
             y, _ = routed_experts(x, idx, combine, w, clamp=SwiGLUClamp(limit), impl=impl,
@@ -183,7 +183,7 @@ def test_moe_tiling_rounds_rows_for_compiled_triton():
     assert pallas_moe.moe_tiling("triton", 100, interpret=False) == Tiling(128, 64, 128)
     assert pallas_moe.moe_tiling("triton", 4, interpret=False).rows == 16
     assert pallas_moe.moe_tiling("triton", 12, interpret=True).rows == 12
-    assert pallas_moe.moe_tiling("mosaic", 12, interpret=False).rows == 16
+    assert pallas_moe.moe_tiling("mosaic_tpu", 12, interpret=False).rows == 16
 
 
 # ---- lowering (no GPU here: lower for CUDA without compiling) ---------------------------------
