@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from moe_references import grouped_matmul_operands
+from moe_references import grouped_matmul_operands, rel_error
 
 from model.layers.moe import routed_experts
 from model.ops.moe_dispatch import (
@@ -48,13 +48,6 @@ FAST = {"xla_backend_optimization_level": 0}
 
 def fast_jit(fn, **kwargs):
     return jax.jit(fn, compiler_options=FAST, **kwargs)
-
-
-def rel_error(actual, expected) -> float:
-    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
-    assert actual.shape == expected.shape
-    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
 
 
 # ---- schedule ----------------------------------------------------------------------------------
