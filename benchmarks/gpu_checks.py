@@ -193,7 +193,9 @@ def kernel_note(impl: str, backend: str, hlo: str) -> str:
     if backend == "cpu" and impl == "pallas":
         return "Pallas interpret mode"
     if backend == "gpu" and impl == "pallas":  # flash attention and grouped matmuls alike
-        return "Pallas Triton kernels"
+        found = [name for name, mark in (("Mosaic GPU", "mosaic_gpu"), ("Triton", "triton"))
+                 if mark in hlo]
+        return "Pallas kernels: " + (", ".join(found) or "none in the HLO")
     if impl == "cudnn":
         if "__cudnn$fmha" in hlo:  # the custom call of XLA's cuDNN fused attention
             return "cuDNN fused attention"

@@ -15,8 +15,12 @@ import dataclasses
 from benchmarks.gpu_checks import AttentionCase, MoECase
 from benchmarks.gpu_timings import AttentionShape
 from model.config import ModelConfig
+from pallas_kernels.grouped_common import Tiling
+from pallas_kernels.grouped_legs import LegChoice
 
-SECTIONS = ("checks", "attention", "moe", "train", "decode")
+# In the order they run: the per-leg kernel sweep before the train step, which uses its
+# winners; the train step (the MFU figure) before the sections that only add detail.
+SECTIONS = ("checks", "legs", "train", "profile", "remat", "moe", "attention", "decode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +44,11 @@ class Plan:
     decode_new_tokens: int
     limits: dict  # section -> seconds after which it starts no new case
     budget_s: float  # sections starting later than this are skipped
+    legs_repeats: int = 10  # timed calls per grouped-matmul candidate
+    legs_candidates: dict | None = None  # leg -> LegChoices; None: gpu_moe_legs.CANDIDATES
+    profile_steps: int = 2
+    remat_policy: str = "dots_with_kernels"  # timed against the train config's policy
+    remat_steps: int = 10
 
     def with_changes(self, **changes) -> "Plan":
         return dataclasses.replace(self, **changes)
@@ -87,10 +96,14 @@ ACCELERATOR = Plan(
     # kernels fail).
     train_overrides=("train.warmup_steps=3", "model.moe_impl=pallas"),
     train_warmup=3,
-    train_steps=30,
+    train_steps=20,
     decode_prompt=64,
     decode_new_tokens=128,
-    limits={"checks": 120, "attention": 150, "moe": 45, "train": 240, "decode": 90},
+    # Expected on an H100 (compiles included): checks ~110 s, legs <= 75 s (~48 compiles),
+    # train ~60 s (a ~45 s compile), profile ~15 s, remat ~55 s, moe ~25 s, attention ~90 s,
+    # decode ~40 s. The train limit leaves room for its kernel fallbacks.
+    limits={"checks": 120, "legs": 75, "train": 240, "profile": 60, "remat": 120, "moe": 45,
+            "attention": 150, "decode": 90},
     budget_s=480,
 )
 
@@ -121,6 +134,13 @@ DRY_RUN = ACCELERATOR.with_changes(
     train_steps=2,
     decode_prompt=8,
     decode_new_tokens=8,
-    limits={"checks": 60, "attention": 30, "moe": 30, "train": 60, "decode": 30},
-    budget_s=120,
+    limits={"checks": 60, "legs": 30, "train": 60, "profile": 30, "remat": 60, "moe": 30,
+            "attention": 30, "decode": 30},
+    budget_s=300,
+    legs_repeats=2,
+    # One interpreted Pallas candidate, one that needs a Hopper GPU (skipped) and XLA's.
+    legs_candidates={"fwd": (LegChoice("mosaic_gpu"), LegChoice("triton", Tiling(16, 16, 16)),
+                             LegChoice("xla")),
+                     "dx": (LegChoice("xla"),), "dw": (LegChoice("xla"),)},
+    remat_steps=1,
 )

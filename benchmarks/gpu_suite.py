@@ -4,15 +4,21 @@
         [--train-config PATH] [--train-override KEY=VALUE ...] [--limit SECTION=SECONDS ...]
         [--budget SECONDS]
 
-Sections (benchmarks.gpu_plans sizes them; each records its results or "skipped: reason"):
+Sections, in this order (benchmarks.gpu_plans sizes them; each records its results or
+"skipped: reason"):
 1. checks: every `attention_impl` and `moe_impl` of the implementation tables against an XLA
    reference, forward and gradients, tiny and medium shapes (benchmarks.gpu_checks); the
    expert-parallel `ragged` collective when several devices are present (gpu_ep_check).
-2. attention: forward + backward of `xla`, `cudnn`, `pallas` at 4k-32k, SWA and full.
-3. moe: the MoE layer per `moe_impl` against a dense FFN of equal active FLOPs.
-4. train: configs/gpu_1b.yaml (~1B, bfloat16) for a few dozen steps: tokens/s, MFU against
-   the device's dense bf16 peak (benchmarks.pallas_attention.PEAKS; unknown device: omitted).
-5. decode: the trained model, batch 1, without and with MTP speculation: tokens/s.
+2. legs: the MoE's grouped matmuls per leg (fwd, dx, dw) on each candidate kernel and
+   configuration; the fastest correct ones serve the rest of the run (gpu_moe_legs).
+3. train: configs/gpu_1b.yaml (~1B, bfloat16) for a few dozen steps: tokens/s, MFU against
+   the device's dense bf16 peak (benchmarks.pallas_attention.PEAKS; unknown device: omitted),
+   XLA's scratch memory beside train.plan's estimate.
+4. profile: two more of those steps under jax.profiler, time per category (gpu_profile).
+5. remat: the train step with remat_policy=dots_with_kernels against the config's policy.
+6. moe: the MoE layer per `moe_impl` against a dense FFN of equal active FLOPs.
+7. attention: forward + backward of `xla`, `cudnn`, `pallas` at 4k-32k, SWA and full.
+8. decode: the trained model, batch 1, without and with MTP speculation: tokens/s.
 Writes DIR/gpu_report.json and DIR/gpu_report.md (default benchmarks/results/; README, "GPU",
 says how to read them). Exit status 1 if a correctness check failed or raised or a whole
 section failed (a timing case that fails, e.g. out of memory, is recorded and does not count),
@@ -38,16 +44,28 @@ import jax
 from benchmarks.common import RESULTS
 from benchmarks.gpu_checks import TOLERANCE, check_attention, check_moe, first_line
 from benchmarks.gpu_ep_check import check_ragged_collective
+from benchmarks.gpu_moe_legs import run_legs
 from benchmarks.gpu_plans import ACCELERATOR, DRY_RUN, SECTIONS, Plan, attention_shapes
+from benchmarks.gpu_profile import run_profile
 from benchmarks.gpu_report import targets, write_report
 from benchmarks.gpu_timings import time_attention, time_moe
-from benchmarks.gpu_train import decode_section, train_section
+from benchmarks.gpu_train import decode_section, run_remat, train_section
 from benchmarks.pallas_attention import peak_for
 from model.config import ModelConfig
 from train.config import load_run_config
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "libtpu", "flax",
             "optax", "orbax-checkpoint")
+
+
+def cudnn_version() -> str | None:
+    """The cuDNN that JAX's CUDA plugin loaded (e.g. "9.14.0"), None without one."""
+    try:
+        from jax._src.lib import cuda_versions
+        number = cuda_versions.cudnn_get_version()
+    except Exception:  # no CUDA plugin, or cuDNN not found
+        return None
+    return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
 
 
 def versions() -> dict[str, str]:
@@ -57,6 +75,8 @@ def versions() -> dict[str, str]:
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             continue
+    if jax.default_backend() == "gpu" and (cudnn := cudnn_version()):
+        found["cudnn"] = cudnn
     return found
 
 
@@ -80,7 +100,7 @@ class Context(NamedTuple):
     model: ModelConfig  # of the train config: the timed attention and MoE shapes
     backend: str
     peak_tflops: float | None
-    shared: dict  # results a later section uses ("trained": run, state and data)
+    shared: dict  # results later sections use ("trained", "train_record")
 
 
 def run_checks(ctx: Context, deadline: float) -> dict:
@@ -123,6 +143,7 @@ def run_train(ctx: Context, deadline: float) -> dict:
     section, ctx.shared["trained"] = train_section(
         plan.train_config, list(plan.train_overrides), warmup=plan.train_warmup,
         steps=plan.train_steps, peak_tflops=ctx.peak_tflops)
+    ctx.shared["train_record"] = section
     return section
 
 
@@ -133,10 +154,10 @@ def run_decode(ctx: Context, deadline: float) -> dict:
                           new_tokens=ctx.plan.decode_new_tokens)
 
 
-# section -> runner(context, deadline); moe, train and decode are one case each, which a
-# deadline cannot stop midway.
-RUNNERS = {"checks": run_checks, "attention": run_attention, "moe": run_moe, "train": run_train,
-           "decode": run_decode}
+# section -> runner(context, deadline); moe, train, profile, remat and decode are one case
+# each, which a deadline cannot stop midway.
+RUNNERS = {"checks": run_checks, "legs": run_legs, "train": run_train, "profile": run_profile,
+           "remat": run_remat, "moe": run_moe, "attention": run_attention, "decode": run_decode}
 
 
 def run_sections(ctx: Context, selected: list[str]) -> dict:

@@ -69,11 +69,13 @@ def rule(leg: str, dtype, device: Device) -> LegChoice:
 
 
 def choose(leg: str, k: int, n: int, dtype, device: Device | None = None,
-           rows: tuple[Row, ...] = MEASURED) -> LegChoice:
-    """The choice for one matmul of `leg` with widths (k, n) and operands of `dtype`."""
+           rows: tuple[Row, ...] | None = None) -> LegChoice:
+    """The choice for one matmul of `leg` with widths (k, n) and operands of `dtype`, from
+    `rows` (None: `MEASURED`, read at call time so a sweep can add its winners)."""
     if leg not in LEGS:
         raise ValueError(f"leg: expected one of {LEGS}, got {leg!r}")
     device = device or current_device()
+    rows = MEASURED if rows is None else rows
     dtype = jnp.dtype(dtype).name
     candidates = [r for r in rows if (r.device, r.jax, r.dtype, r.leg)
                   == (device.kind, device.jax, dtype, leg)]

@@ -27,7 +27,7 @@ from model.ops.swiglu import SwiGLUClamp
 
 # One worker runs the whole module, so the dry run (a module fixture) runs once.
 pytestmark = pytest.mark.xdist_group("gpu_suite")
-SECTIONS = ["checks", "attention", "moe", "train", "decode"]
+SECTIONS = ["checks", "legs", "train", "profile", "remat", "moe", "attention", "decode"]
 ATTENTION_ARRAYS = {"out", "dq", "dk", "dv"}
 MOE_ARRAYS = {"out", "dx", "dgate", "dup", "ddown"}
 
@@ -83,11 +83,12 @@ def test_dry_run_reports_every_section_and_fails_on_the_wrong_implementations(dr
     assert report["versions"]["jax"]
     assert list(report["sections"]) == SECTIONS
     statuses = {name: s["status"] for name, s in report["sections"].items()}
-    assert statuses == {"checks": "failed", "attention": "done", "moe": "done", "train": "done",
-                        "decode": "done"}
-    for title in ("## Targets", "## Correctness", "## Attention", "## MoE", "## Train step",
-                  "## Decoding"):
+    assert statuses == {name: "failed" if name == "checks" else "done" for name in SECTIONS}
+    for title in ("## Targets", "## Correctness", "## Grouped matmuls per leg", "## Train step",
+                  "## Where the train step's time goes", "## Remat policies", "## Attention",
+                  "## MoE", "## Decoding"):
         assert title in markdown
+    assert "Row(device='cpu'" in markdown  # the chosen rows, printed for the committed table
     assert all(t["met"] is None for t in report["targets"])  # a dry run meets no target
 
 
@@ -144,10 +145,43 @@ def test_timings_train_and_decode_record_figures_or_reasons(dry_run):
     train = sections["train"]
     assert train["tokens_per_s"] > 0 and train["timed_steps"] == 2
     assert train["mfu"] is None  # no bf16 peak for a CPU
+    assert train["step_scratch_gib"] > 0 and train["planner_total_gib"] > 0
     assert np.isfinite(train["loss_first"]) and np.isfinite(train["loss_last"])
     decode = sections["decode"]["records"]
     assert [r["draft"] for r in decode] == [0, 1]
     assert all(r["tokens_per_s"] > 0 and 0 <= r["chain_accuracy"] <= 1 for r in decode)
+
+
+@pytest.mark.slow
+def test_kernel_sweep_profile_and_remat_sections(dry_run):
+    """The per-leg sweep checks and times what runs here and skips the rest with a reason; the
+    profile attributes a real trace of two tiny steps; remat compares two policies."""
+    _, report, _ = dry_run
+    legs = report["sections"]["legs"]
+    by = {(r["matmul"], r["leg"], r["backend"]): r for r in legs["records"]}
+    assert len(legs["records"]) == 10  # 2 matmuls x (3 fwd + 1 dx + 1 dw candidates)
+    for matmul, k_n in (("gate_up", (32, 32)), ("down", (16, 32))):
+        assert "Hopper" in by[(matmul, "fwd", "mosaic_gpu")]["note"]
+        triton = by[(matmul, "fwd", "triton")]
+        assert triton["status"] == "done" and "interpret mode" in triton["note"]
+        for leg in ("fwd", "dx", "dw"):
+            xla = by[(matmul, leg, "xla")]
+            assert xla["status"] == "done" and xla["error"] < 1e-2 and xla["tflops"] > 0
+        assert (by[(matmul, "fwd", "xla")]["k"], by[(matmul, "fwd", "xla")]["n"]) == k_n
+        assert (by[(matmul, "dx", "xla")]["k"], by[(matmul, "dx", "xla")]["n"]) == k_n[::-1]
+    assert {(r["leg"], r["k"], r["n"]) for r in legs["chosen"]} == {
+        ("fwd", 32, 32), ("dx", 32, 32), ("dw", 32, 32), ("fwd", 16, 32), ("dx", 32, 16),
+        ("dw", 16, 32)}
+    profile = report["sections"]["profile"]
+    shares = {r["category"]: r["share"] for r in profile["records"]}
+    assert profile["steps"] == 2 and profile["events"] > 0 and abs(sum(shares.values()) - 1) < 1e-9
+    for category in ("attention", "expert matmuls", "dispatch", "router", "dense matmuls",
+                     "norms and elementwise", "optimizer"):
+        assert shares[category] > 0, category
+    assert profile["unnamed_ms_per_step"] < 0.05 * profile["op_ms_per_step"]
+    remat = report["sections"]["remat"]["records"]
+    assert [r["remat_policy"] for r in remat] == ["none", "dots_with_kernels"]
+    assert all(r["step_s_median"] > 0 for r in remat)
 
 
 def test_bad_arguments_get_one_line_errors(capsys):
@@ -166,7 +200,8 @@ def test_pallas_is_checked_and_timed_on_gpu_and_tpu():
     for backend in ("gpu", "tpu", "cpu"):
         assert unsupported("moe", "pallas", backend) is None
     assert unsupported("attention", "pallas", "tpu") is not None
-    assert kernel_note("pallas", "gpu", "") == "Pallas Triton kernels"
+    hlo = 'custom_call_target="mosaic_gpu_v2" custom_call_target="__gpu$xla.gpu.triton"'
+    assert kernel_note("pallas", "gpu", hlo) == "Pallas kernels: Mosaic GPU, Triton"
     assert "odd dims" in {case.label for case in ACCELERATOR.moe_checks}
 
 

@@ -54,6 +54,7 @@ class SortedCopies(NamedTuple):
     group_sizes: jax.Array  # [E] int32 rows per expert
 
 
+@jax.named_scope("dispatch")
 def sort_copies(indices: jax.Array, num_experts: int) -> SortedCopies:
     """indices [N, k] -> the N*k routed copies stably sorted by expert id (the "permute")."""
     flat_expert = jnp.asarray(indices).reshape(-1)
@@ -95,6 +96,7 @@ class Dispatch(NamedTuple):
     copy_row: jax.Array  # [N*k] sorted row of copy (token * k + slot)
 
 
+@jax.named_scope("dispatch")
 def dispatch_rows(x: jax.Array, indices: jax.Array, num_experts: int) -> tuple[jax.Array, Dispatch]:
     """x [N, D], indices [N, k] -> (rows [N*k, D] sorted by expert, the dispatch): row i is
     token `order[i] // k`; the copies of "no expert" (id E) come last, past sum(group_sizes)."""
@@ -134,6 +136,7 @@ def combine_copies(copy_out, combine_weights, dtype):
     return y.astype(dtype)
 
 
+@jax.named_scope("monitors")
 def expert_statistic_sums(out, h_sq, row_expert, group_sizes) -> dict:
     """Per-expert sums behind the health signals (report 4.1.2-4.1.3), without gradient.
 

@@ -66,9 +66,19 @@ def _with_tiles(plan: LegPlan, block_size: int, interpret: bool) -> LegPlan:
     return LegPlan(*(fill(choice, leg) for choice, leg in zip(plan, plan._fields)))
 
 
+def expert_matmuls(d_model: int, hidden: int) -> dict[str, tuple[int, int]]:
+    """(k, n) of the forward of each expert matmul: [M, k] x [E, k, n]."""
+    return {"gate_up": (d_model, 2 * hidden), "down": (hidden, d_model)}
+
+
+def leg_widths(k: int, n: int) -> dict[str, tuple[int, int]]:
+    """(k, n) of each leg of a matmul [M, k] x [E, k, n] as the choice table keys them: the
+    leg's lhs columns and output columns (dx: [M, n] x the transposed weights -> [M, k])."""
+    return {"fwd": (k, n), "dx": (n, k), "dw": (k, n)}
+
+
 def _table_plan(k: int, n: int, dtype) -> LegPlan:
-    """The table's choice per leg for a matmul [M, k] x [E, k, n] (dx: [M, n] x its transpose)."""
-    widths = {"fwd": (k, n), "dx": (n, k), "dw": (k, n)}
+    widths = leg_widths(k, n)
     return LegPlan(*(grouped_leg_table.choose(leg, *widths[leg], dtype)
                      for leg in LegPlan._fields))
 
@@ -80,8 +90,8 @@ def expert_plan(legs: LegPlan | str | None, d_model: int, hidden: int, dtype, bl
     if isinstance(legs, str):
         legs = LegPlan.uniform(legs)
     if legs is None:
-        plan = ExpertPlan(_table_plan(d_model, 2 * hidden, dtype),
-                          _table_plan(hidden, d_model, dtype))
+        plan = ExpertPlan(*(_table_plan(k, n, dtype)
+                            for k, n in expert_matmuls(d_model, hidden).values()))
     else:
         plan = ExpertPlan(legs, legs)
     return ExpertPlan(*(_with_tiles(p, block_size, interpret) for p in plan))

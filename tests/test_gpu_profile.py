@@ -1,0 +1,74 @@
+"""The profile section's attribution (benchmarks/gpu_profile.py) on hand-written inputs: HLO
+instructions to JAX paths, paths to categories, nested trace events to self times. The dry run
+of tests/test_gpu_suite.py attributes a real trace of two tiny train steps."""
+
+from benchmarks import gpu_profile
+from benchmarks.gpu_report import targets
+
+STEP = "jit(step_fn)/while/body/closed_call"
+LAYER = f"{STEP}/transpose(jvp(CausalLM))/CausalLM.backbone/layers/segment_1/block_0"
+
+
+def test_paths_fall_into_their_categories():
+    cases = {
+        f"{STEP}/optimizer/dot_general": "optimizer",  # Polar Express matmuls are optimizer time
+        f"{LAYER}/moe/router/dot_general": "router",
+        f"{LAYER}/moe/experts/dispatch/gather": "dispatch",
+        f"{LAYER}/moe/dispatch/dot_general": "dispatch",  # the combine
+        f"{LAYER}/moe/experts/pallas_call": "expert matmuls",
+        f"{LAYER}/moe/experts/mpmd_map": "expert matmuls",  # a Mosaic GPU kernel
+        f"{LAYER}/moe/experts/logistic": "norms and elementwise",  # the SwiGLU
+        f"{LAYER}/moe/experts/monitors/reduce_sum": "norms and elementwise",
+        f"{LAYER}/moe/experts/monitors/scatter-add": "other",
+        f"{LAYER}/self_attn/pallas_call": "attention",
+        f"{LAYER}/self_attn/mul": "attention",  # RoPE, the gate
+        f"{LAYER}/self_attn/q_proj/dot_general": "dense matmuls",
+        f"{LAYER}/self_attn/q_norm/rsqrt": "norms and elementwise",
+        f"{LAYER}/moe/shared_expert/dot_general": "dense matmuls",
+        f"{LAYER}/input_layernorm/reduce_sum": "norms and elementwise",
+        f"{STEP}/jvp(CausalLM)/embed_tokens/jit(_take)/gather": "other",
+        f"{STEP}/while": "other",
+    }
+    for path, want in cases.items():
+        assert gpu_profile.category(path) == want, path
+
+
+def test_instruction_names_come_from_the_module_text():
+    hlo = """HloModule jit_step_fn, entry_computation_layout={...}
+
+%fused_computation.3 (param_0: f32[8]) -> f32[8] {
+  ROOT %tanh.1 = f32[8]{0} tanh(f32[8]{0} %param_0), metadata={op_name="jit(step_fn)/tanh"}
+}
+
+ENTRY %main.9 (p: bf16[4,8]) -> bf16[4,8] {
+  %custom-call.2 = bf16[4,8]{1,0} custom-call(%p), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(step_fn)/moe/experts/pallas_call" source_file="x.py"}
+  ROOT %fusion.7 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_computation.3, metadata={op_name="jit(step_fn)/mul"}
+}
+"""
+    assert gpu_profile.module_name(hlo) == "jit_step_fn"
+    assert gpu_profile.op_names(hlo) == {"tanh.1": "jit(step_fn)/tanh",
+                                         "custom-call.2": "jit(step_fn)/moe/experts/pallas_call",
+                                         "fusion.7": "jit(step_fn)/mul"}
+    seconds, unnamed = gpu_profile.attribute(
+        [("custom-call.2", 3_000_000), ("fusion.7", 1_000_000), ("copy.4", 500_000)],
+        gpu_profile.op_names(hlo))
+    assert seconds["expert matmuls"] == 3e-3 and seconds["norms and elementwise"] == 1e-3
+    assert seconds["other"] == 5e-4 and unnamed == 5e-4
+    assert list(seconds) == list(gpu_profile.CATEGORIES)
+
+
+def test_nested_events_count_their_self_time():
+    # a loop [0, 100) holding two ops [10, 30) and [40, 90), the second holding [50, 60)
+    events = [(0, 100, "while"), (10, 20, "a"), (40, 50, "b"), (50, 10, "c"), (200, 5, "d")]
+    assert sorted(gpu_profile._self_times(events)) == [
+        ("a", 20), ("b", 40), ("c", 10), ("d", 5), ("while", 30)]
+
+
+def test_chosen_legs_become_targets_against_half_the_peak():
+    row = {"device": "NVIDIA H100 80GB HBM3", "jax": "0.11", "dtype": "bfloat16", "leg": "dw",
+           "k": 1536, "n": 1024, "backend": "triton", "config": [128, 64, 128], "tflops": 520.0,
+           "source": "test"}
+    sections = {"legs": {"peak_tflops": 989.0, "chosen": [row, {**row, "tflops": 400.0}]}}
+    rows = [t for t in targets(sections, device_run=True) if "grouped matmul" in t["target"]]
+    assert [t["met"] for t in rows] == [True, False]
+    assert rows[0]["target"] == "grouped matmul dw 1536x1024 TFLOP/s (chosen: triton)"
