@@ -3,15 +3,17 @@ every section, and its correctness checks really compare: two deliberately wrong
 implementations, added to the implementation tables, are caught where their bug shows and
 only there, while every real implementation passes.
 
-The dry run runs in a subprocess (the XLA flags and compilation cache of the tests'
-subprocesses, which compile about 3x faster; the wrong implementations are added to the tables
-there before the suite starts).
+The dry run runs in a subprocess (the XLA flags of the tests' subprocesses, which compile
+about 3x faster, and a compilation cache per version of the code; the wrong implementations are
+added to the tables there before the suite starts).
 """
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -54,12 +56,24 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def source_digest() -> str:
+    """A digest of the packages' and benchmarks' sources."""
+    digest = hashlib.sha256()
+    for path in sorted(p for d in ("model", "train", "pallas_kernels", "benchmarks")
+                       for p in (REPO / d).rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
+    # A compilation cache of its own per version of the code: JAX keys cached programs without
+    # their metadata, and the profile section reads the op paths (named scopes) from it.
+    cache = Path(jax.config.jax_compilation_cache_dir) / "gpu_suite" / source_digest()
     env = {**os.environ, "XLA_FLAGS": SUBPROCESS_XLA_FLAGS, "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
-           "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+           "JAX_COMPILATION_CACHE_DIR": str(cache),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
     result = subprocess.run([sys.executable, "-c", RUN_WITH_WRONG_IMPLEMENTATIONS, "--dry-run",
                              "--out", str(out)], cwd=REPO, env=env, capture_output=True,
@@ -173,12 +187,14 @@ def test_kernel_sweep_profile_and_remat_sections(dry_run):
         ("fwd", 32, 32), ("dx", 32, 32), ("dw", 32, 32), ("fwd", 16, 32), ("dx", 32, 16),
         ("dw", 16, 32)}
     profile = report["sections"]["profile"]
+    assert "note" not in profile, profile["note"]
     shares = {r["category"]: r["share"] for r in profile["records"]}
     assert profile["steps"] == 2 and profile["events"] > 0 and abs(sum(shares.values()) - 1) < 1e-9
     for category in ("attention", "expert matmuls", "dispatch", "router", "dense matmuls",
                      "norms and elementwise", "optimizer"):
         assert shares[category] > 0, category
-    assert profile["unnamed_ms_per_step"] < 0.05 * profile["op_ms_per_step"]
+    # ops without a JAX path are XLA's own (copies, loop control): a small part here
+    assert profile["unnamed_ms_per_step"] < 0.25 * profile["op_ms_per_step"]
     remat = report["sections"]["remat"]["records"]
     assert [r["remat_policy"] for r in remat] == ["none", "dots_with_kernels"]
     assert all(r["step_s_median"] > 0 for r in remat)
@@ -217,7 +233,8 @@ def test_train_section_falls_back_one_kernel_switch_at_a_time(monkeypatch):
         tried.append(pair)
         if pair[1] == "pallas":
             raise RuntimeError("Triton compilation failed")
-        return {"status": "done", "attention_impl": pair[0], "moe_impl": pair[1]}, "state", "data"
+        return ({"status": "done", "attention_impl": pair[0], "moe_impl": pair[1]},
+                gpu_train.Trained(run, "state", "data", "step"))
 
     monkeypatch.setattr(gpu_train, "measure_training", measure)
     record, trained = gpu_train.train_section(
@@ -226,5 +243,5 @@ def test_train_section_falls_back_one_kernel_switch_at_a_time(monkeypatch):
     assert (record["attention_impl"], record["moe_impl"]) == ("pallas", "ragged_dot")
     assert record["failed"] == [{"attention_impl": "pallas", "moe_impl": "pallas",
                                  "error": "RuntimeError: Triton compilation failed"}]
-    assert trained[1:] == ("state", "data")
+    assert trained[1:] == ("state", "data", "step")
     assert gpu_train.kernel_attempts("xla", "sorted") == [("xla", "sorted"), ("xla", "ragged_dot")]
