@@ -1,9 +1,8 @@
 """Where Pallas' Mosaic GPU kernels (wgmma + TMA, NVIDIA Hopper) can run, and their CPU
 interpreter; shared by the kernels that wrap JAX's Mosaic GPU ops.
 
-- `hopper_available()`: the default backend is an NVIDIA GPU of compute capability 9.0 (the
-  sm90a wgmma instructions the Hopper kernels use; Blackwell has other kernels) and JAX's
-  Mosaic GPU package imports.
+- `hopper_available()`: the default backend is an NVIDIA Hopper GPU (`gpu_arch.is_hopper`: the
+  sm90a wgmma instructions the kernels use) and JAX's Mosaic GPU package imports.
 - `interpret()`: a context in which Mosaic GPU kernels run in JAX's GPU interpreter on CPU
   (simulated shared memory, barriers and TMA copies): slow, for tests with tiny shapes. JAX
   0.12 exports it from `jax.experimental.pallas.mosaic_gpu`; 0.10.2 has it only under
@@ -16,9 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
-import jax
-
-HOPPER = "9.0"
+from pallas_kernels import gpu_arch
 
 
 @functools.lru_cache(maxsize=1)
@@ -30,15 +27,8 @@ def _mosaic_gpu_imports() -> bool:
     return True
 
 
-def compute_capability() -> str | None:
-    """"9.0" on an H100/H200; None when the default backend is not a CUDA GPU."""
-    if jax.default_backend() != "gpu":
-        return None
-    return getattr(jax.devices()[0], "compute_capability", None)
-
-
 def hopper_available() -> bool:
-    return compute_capability() == HOPPER and _mosaic_gpu_imports()
+    return gpu_arch.is_hopper(gpu_arch.compute_capability()) and _mosaic_gpu_imports()
 
 
 def interpret() -> contextlib.AbstractContextManager:
