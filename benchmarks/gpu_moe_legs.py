@@ -12,15 +12,16 @@ order, so a section deadline cuts the least likely ones everywhere. A configurat
 more shared memory than the device has is refused when it is compiled and recorded as skipped.
 
 The fastest correct candidate of each (matmul, leg) becomes a `grouped_leg_table.Row`; the
-report prints them for the committed table (pallas_kernels/grouped_leg_table.py), and on an
-accelerator they are added to the table for the rest of the run, so the train step measures the
-chosen kernels.
+section writes DIR/grouped_leg_table.json (copy it to pallas_kernels/ to adopt it), and on an
+accelerator the rows serve the rest of the run, so the train step measures the chosen kernels.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -159,12 +160,14 @@ def chosen_rows(records: list[dict], device, dtype: str) -> list:
                                   f"make gpu-check {stamp}") for r in best.values()]
 
 
-def install(section: dict) -> None:
-    """Puts the section's chosen rows ahead of the committed table for the rest of the run."""
-    rows = tuple(grouped_leg_table.Row(**{**row, "config": None if row["config"] is None
-                                          else tuple(row["config"])})
-                 for row in section.get("chosen", []))
-    grouped_leg_table.MEASURED = rows + grouped_leg_table.MEASURED
+def write_table(section: dict, out_dir: Path, device: str) -> Path:
+    """DIR/grouped_leg_table.json: the committed table with the chosen rows in place."""
+    rows = [grouped_leg_table.Row.from_json(row) for row in section["chosen"]]
+    status = (f"measured on {device} by make gpu-check {datetime.date.today().isoformat()} "
+              f"({section['rows']} rows, {section['dtype']}); rows of other devices as committed")
+    path = Path(out_dir) / "grouped_leg_table.json"
+    path.write_text(json.dumps(grouped_leg_table.merged_table(rows, status), indent=1) + "\n")
+    return path
 
 
 def plan_of(model) -> dict[str, dict[str, str]]:
@@ -183,8 +186,12 @@ def run_legs(ctx, deadline: float) -> dict:
                     repeats=plan.legs_repeats, backend=ctx.backend,
                     peak_tflops=ctx.peak_tflops, deadline=deadline,
                     candidates=plan.legs_candidates or CANDIDATES)
+    if section["chosen"]:
+        path = write_table(section, ctx.shared["out_dir"], jax.devices()[0].device_kind)
+        section["table"] = str(path)
     if ctx.backend != "cpu" and section["chosen"]:
-        install(section)
+        grouped_leg_table.install(grouped_leg_table.Row.from_json(row)
+                                  for row in section["chosen"])
         section["note"] = "the chosen rows serve the later sections of this run"
     return section
 
@@ -202,8 +209,10 @@ def markdown(section: dict) -> list[str]:
              markdown_table(["matmul", "k x n", "leg", "backend", "config", "status", "ms",
                              "TFLOP/s", "of peak", "note"], rows)]
     if section.get("chosen"):
-        lines += ["", "Chosen (rows for pallas_kernels/grouped_leg_table.py MEASURED):", "",
-                  "```python"]
-        lines += [f"{grouped_leg_table.Row(**row)!r}," for row in section["chosen"]]
-        lines += ["```"]
+        chosen = [[r["leg"], f"{r['k']}x{r['n']}", r["backend"],
+                   "-" if r["config"] is None else str(tuple(r["config"])), num(r["tflops"])]
+                  for r in section["chosen"]]
+        lines += ["", f"Chosen, written to {section.get('table')} (copy it to "
+                  "pallas_kernels/grouped_leg_table.json to adopt it):", "",
+                  markdown_table(["leg", "k x n", "backend", "config", "TFLOP/s"], chosen)]
     return lines

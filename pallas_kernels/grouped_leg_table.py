@@ -1,12 +1,13 @@
 """Which kernel runs each leg (fwd, dx, dw; `pallas_kernels.grouped_legs`) of the MoE's grouped
 matmuls: measured rows first, then the rule.
 
-A row records the fastest correct choice that `make gpu-check`'s per-leg sweep
-(benchmarks/gpu_moe_legs.py) measured for one device kind, JAX minor version, dtype, leg and
-matmul width (k: lhs columns, contracted by fwd/dx and the rows of dw's [E, k, n] output;
-n: output columns), with its TFLOP/s. The sweep prints its winners as `Row(...)` lines for
-this table. `choose` takes the row of the same device, JAX and dtype for the leg whose (k, n)
-is nearest (exact first), else the rule.
+A row of grouped_leg_table.json records the fastest correct choice that `make gpu-check`'s
+per-leg sweep (benchmarks/gpu_moe_legs.py) measured for one device kind, JAX minor version,
+dtype, leg and matmul width (k: lhs columns, contracted by fwd/dx and the rows of dw's [E, k, n]
+output; n: output columns), with its TFLOP/s. The sweep writes DIR/grouped_leg_table.json (the
+committed rows with its own in place of those of the same key): copy it here to adopt it; rows
+it adds with `install` serve the rest of its run. `choose` takes the row of the same device, JAX
+and dtype for the leg whose (k, n) is nearest (exact first), else the rule.
 
 The rule (UNMEASURED: what runs until a row exists):
 - NVIDIA Hopper (sm90, Mosaic GPU importable) with 16-bit operands: fwd and dx on the Mosaic
@@ -22,6 +23,9 @@ Triton and Mosaic TPU choices of the rule carry no config: the MoE fills in its 
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -29,6 +33,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import mosaic_gpu
 from pallas_kernels.grouped_legs import LEGS, LegChoice
+
+TABLE = Path(__file__).with_name("grouped_leg_table.json")
 
 
 class Row(NamedTuple):
@@ -41,10 +47,39 @@ class Row(NamedTuple):
     backend: str
     config: tuple | None
     tflops: float  # measured at the sweep's row count
-    source: str  # the report the row comes from
+    source: str  # the run the row comes from
+
+    @property
+    def key(self) -> tuple:
+        return self.device, self.jax, self.dtype, self.leg, self.k, self.n
+
+    @classmethod
+    def from_json(cls, entry: dict) -> "Row":
+        config = entry.get("config")
+        return cls(**{**entry, "config": None if config is None else tuple(config)})
 
 
-MEASURED: tuple[Row, ...] = ()  # none yet: no per-leg sweep has run on a GPU
+@functools.lru_cache(maxsize=None)
+def load_rows(path: Path = TABLE) -> tuple[Row, ...]:
+    return tuple(Row.from_json(entry) for entry in json.loads(Path(path).read_text())["rows"])
+
+
+_INSTALLED: list[Row] = []  # rows a running sweep added, ahead of the file's
+
+
+def install(rows) -> None:
+    _INSTALLED[:0] = list(rows)
+
+
+def measured() -> tuple[Row, ...]:
+    return tuple(_INSTALLED) + load_rows()
+
+
+def merged_table(rows, status: str) -> dict:
+    """The committed table with `rows` in place of those of the same key (JSON-able)."""
+    new = {row.key: row for row in rows}
+    kept = [row for row in load_rows() if row.key not in new]
+    return {"status": status, "rows": [row._asdict() for row in [*kept, *new.values()]]}
 
 
 class Device(NamedTuple):
@@ -71,11 +106,11 @@ def rule(leg: str, dtype, device: Device) -> LegChoice:
 def choose(leg: str, k: int, n: int, dtype, device: Device | None = None,
            rows: tuple[Row, ...] | None = None) -> LegChoice:
     """The choice for one matmul of `leg` with widths (k, n) and operands of `dtype`, from
-    `rows` (None: `MEASURED`, read at call time so a sweep can add its winners)."""
+    `rows` (None: `measured()`)."""
     if leg not in LEGS:
         raise ValueError(f"leg: expected one of {LEGS}, got {leg!r}")
     device = device or current_device()
-    rows = MEASURED if rows is None else rows
+    rows = measured() if rows is None else rows
     dtype = jnp.dtype(dtype).name
     candidates = [r for r in rows if (r.device, r.jax, r.dtype, r.leg)
                   == (device.kind, device.jax, dtype, leg)]

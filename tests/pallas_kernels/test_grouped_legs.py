@@ -8,6 +8,7 @@ is skewed (one expert takes most copies), two experts get nothing, one copy goes
 """
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +106,19 @@ def test_measured_rows_win_for_their_device_jax_and_dtype():
         table.choose("backward", 1, 1, jnp.bfloat16, H100, rows)
     with pytest.raises(ValueError, match="backend: expected one of"):
         LegPlan.uniform("cuda")
+
+
+def test_committed_table_and_rows_added_by_a_sweep(monkeypatch):
+    committed = json.loads(table.TABLE.read_text())
+    assert committed["status"].startswith("unmeasured") and table.load_rows() == ()
+    row = table.Row(H100.kind, H100.jax, "bfloat16", "fwd", 1536, 1024, "triton",
+                    (64, 64, 128), 300.0, "test")
+    monkeypatch.setattr(table, "_INSTALLED", [])
+    table.install([row])
+    assert table.choose("fwd", 1536, 1024, jnp.bfloat16, H100) == LegChoice("triton",
+                                                                             (64, 64, 128))
+    merged = table.merged_table([row], "measured")
+    assert [table.Row.from_json(r) for r in json.loads(json.dumps(merged))["rows"]] == [row]
 
 
 def test_moe_plan_fills_tiles_and_transposes_them_for_dx():

@@ -1,8 +1,11 @@
-"""The profile section's attribution (benchmarks/gpu_profile.py) on hand-written inputs: HLO
-instructions to JAX paths, paths to categories, nested trace events to self times. The dry run
-of tests/test_gpu_suite.py attributes a real trace of two tiny train steps."""
+"""The MoE parts of `make gpu-check` on hand-written inputs: the profile section's attribution
+(benchmarks/gpu_profile.py: HLO instructions to JAX paths, paths to categories, nested trace
+events to self times), the per-leg targets and the kernels the MoE checks name. The dry run of
+tests/test_gpu_suite.py attributes a real trace of two tiny train steps."""
 
 from benchmarks import gpu_profile
+from benchmarks.gpu_checks import moe_kernels
+from benchmarks.gpu_plans import ACCELERATOR
 from benchmarks.gpu_report import targets
 
 STEP = "jit(step_fn)/while/body/closed_call"
@@ -72,3 +75,15 @@ def test_chosen_legs_become_targets_against_half_the_peak():
     rows = [t for t in targets(sections, device_run=True) if "grouped matmul" in t["target"]]
     assert [t["met"] for t in rows] == [True, False]
     assert rows[0]["target"] == "grouped matmul dw 1536x1024 TFLOP/s (chosen: triton)"
+
+
+def test_moe_checks_name_the_grouped_matmul_kernels_of_each_leg(monkeypatch):
+    from pallas_kernels import grouped_leg_table as table
+
+    monkeypatch.setattr(table, "current_device",
+                        lambda: table.Device("gpu", "NVIDIA H100 80GB HBM3", True, "0.11"))
+    case = ACCELERATOR.moe_checks[-1]
+    assert (case.label, case.dtype) == ("medium", "bfloat16")
+    assert moe_kernels(case, "gpu") == "fwd mosaic_gpu; dx mosaic_gpu; dw triton"
+    assert moe_kernels(case._replace(dtype="float32"), "gpu") == "fwd triton; dx triton; dw triton"
+    assert moe_kernels(case, "cpu") == "Pallas interpret mode"
