@@ -56,8 +56,10 @@ CANDIDATES = {
 NATIVE = {"mosaic_gpu": "gpu", "triton": "gpu", "mosaic_tpu": "tpu"}  # backend -> platform
 
 
-def skip_reason(choice: LegChoice, backend: str) -> str | None:
+def skip_reason(choice: LegChoice, leg: str, backend: str) -> str | None:
     """Why a candidate does not run here, or None; on CPU Pallas runs interpreted."""
+    if (choice.backend, leg) in grouped_leg_table.UNAVAILABLE:
+        return grouped_leg_table.UNAVAILABLE[(choice.backend, leg)]
     platform = NATIVE.get(choice.backend)
     if platform is None or backend == "cpu" and choice.backend != "mosaic_gpu":
         return None
@@ -119,7 +121,7 @@ def sweep(model, *, rows: int, dtype, repeats: int, backend: str, peak_tflops: f
             choice = candidates[leg][rank]
             record = {"matmul": matmul, "leg": leg, "k": k, "n": n, "backend": choice.backend,
                       "config": None if choice.config is None else list(choice.config)}
-            reason = skip_reason(choice, backend)
+            reason = skip_reason(choice, leg, backend)
             if reason is None and time.monotonic() > deadline:
                 reason = "section time limit reached"
             if reason:

@@ -130,6 +130,8 @@ def render_markdown(report: dict) -> str:
              + (f" ({device['peak_note']})" if device.get("peak_note") else ""),
              *([f"- Mosaic GPU flash attention: {device['mosaic_attention']}"]
                if device.get("mosaic_attention") else []),
+             *([f"- Mosaic GPU grouped matmuls: {device['mosaic_grouped_matmuls']}"]
+               if device.get("mosaic_grouped_matmuls") else []),
              f"- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
              f"- started {report['started']}, {report['seconds']:.0f} s in all; "
              f"exit status {report['exit_status']}", "", "## Targets", "",

@@ -52,6 +52,7 @@ from benchmarks.gpu_attention_sweep import run_attention_sweep as attention_swee
 from benchmarks.gpu_checks import TOLERANCE, check_attention, check_moe, first_line
 from benchmarks.gpu_decode import decode_section
 from benchmarks.gpu_ep_check import check_ragged_collective
+from benchmarks import gpu_moe_probe
 from benchmarks.gpu_moe_legs import run_legs
 from benchmarks.gpu_mosaic_probe import probe_mosaic
 from benchmarks.gpu_plans import ACCELERATOR, DRY_RUN, SECTIONS, Plan, attention_shapes
@@ -256,10 +257,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if not dry_run and is_hopper(compute_capability()):
+        grouped_probe = gpu_moe_probe.start()  # runs alongside the attention probe
         usable, device["mosaic_attention"] = probe_mosaic()
         if not usable:
             UNAVAILABLE["mosaic"] = device["mosaic_attention"]
         print(f"[gpu-check] Mosaic GPU flash attention: {device['mosaic_attention']}", flush=True)
+        device["mosaic_grouped_matmuls"] = gpu_moe_probe.finish(grouped_probe)
+        print(f"[gpu-check] Mosaic GPU grouped matmuls: {device['mosaic_grouped_matmuls']}",
+              flush=True)
     ctx = Context(plan, model, device["backend"], device["peak_bf16_tflops"],
                   shared={"out_dir": args.out})
     sections = run_sections(ctx, args.sections)

@@ -65,6 +65,9 @@ def load_rows(path: Path = TABLE) -> tuple[Row, ...]:
 
 
 _INSTALLED: list[Row] = []  # rows a running sweep added, ahead of the file's
+# (backend, leg) -> why it is not to be used in this process (set by a caller that found it
+# failing on the device, e.g. `make gpu-check`'s probe)
+UNAVAILABLE: dict[tuple[str, str], str] = {}
 
 
 def install(rows) -> None:
@@ -98,8 +101,9 @@ def rule(leg: str, dtype, device: Device) -> LegChoice:
     """The unmeasured default (module docstring)."""
     if device.platform != "gpu":
         return LegChoice("mosaic_tpu")
-    if device.hopper and jnp.dtype(dtype).itemsize == 2:
-        return LegChoice("triton") if leg == "dw" else LegChoice("mosaic_gpu")
+    if (device.hopper and jnp.dtype(dtype).itemsize == 2 and leg != "dw"
+            and ("mosaic_gpu", leg) not in UNAVAILABLE):
+        return LegChoice("mosaic_gpu")
     return LegChoice("triton")
 
 
@@ -113,7 +117,7 @@ def choose(leg: str, k: int, n: int, dtype, device: Device | None = None,
     rows = measured() if rows is None else rows
     dtype = jnp.dtype(dtype).name
     candidates = [r for r in rows if (r.device, r.jax, r.dtype, r.leg)
-                  == (device.kind, device.jax, dtype, leg)]
+                  == (device.kind, device.jax, dtype, leg) and (r.backend, leg) not in UNAVAILABLE]
     if not candidates:
         return rule(leg, dtype, device)
     best = min(candidates, key=lambda r: abs(r.k * r.n - k * n) + abs(r.k - k) + abs(r.n - n))

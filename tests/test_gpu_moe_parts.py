@@ -87,3 +87,28 @@ def test_moe_checks_name_the_grouped_matmul_kernels_of_each_leg(monkeypatch):
     assert moe_kernels(case, "gpu") == "fwd mosaic_gpu; dx mosaic_gpu; dw triton"
     assert moe_kernels(case._replace(dtype="float32"), "gpu") == "fwd triton; dx triton; dw triton"
     assert moe_kernels(case, "cpu") == "Pallas interpret mode"
+
+
+def test_grouped_probe_takes_out_the_legs_that_failed(monkeypatch):
+    from benchmarks import gpu_moe_probe
+    from pallas_kernels import grouped_leg_table as table
+
+    monkeypatch.setattr(table, "UNAVAILABLE", {})
+    stdout = "\n".join(['noise', 'PROBE {"fwd": {"error": 0.004}}',
+                        'PROBE {"dx": {"error": 0.9}}',
+                        'PROBE {"dw": {"exception": "ValueError: bad"}}'])
+    assert gpu_moe_probe.verdicts(stdout) == {"fwd": None, "dx": "relative error 9.00e-01 over 0.05",
+                                              "dw": "ValueError: bad"}
+    assert gpu_moe_probe.verdicts("")["fwd"] == "did not finish"
+
+    class Child:  # a child that printed the lines above and exited
+        returncode = 0
+
+        def communicate(self, timeout=None):
+            return stdout, ""
+
+    assert gpu_moe_probe.finish(Child()).startswith("fwd ok; dx relative error")
+    assert set(table.UNAVAILABLE) == {("mosaic_gpu", "dx"), ("mosaic_gpu", "dw")}
+    h100 = table.Device("gpu", "NVIDIA H100 80GB HBM3", True, "0.11")
+    assert [table.rule(leg, "bfloat16", h100).backend for leg in ("fwd", "dx", "dw")] == \
+        ["mosaic_gpu", "triton", "triton"]
