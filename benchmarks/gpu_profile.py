@@ -203,4 +203,5 @@ def markdown(section: dict) -> list[str]:
             f"wall, {section.get('op_ms_per_step', 0):.1f} ms in XLA ops (device idle or host "
             f"{idle:.1f} ms on a GPU; CPU threads overlap), of which "
             f"{section.get('unnamed_ms_per_step', 0):.1f} ms in ops without a JAX path (XLA's "
-            "copies, loop control)", "", markdown_table(["category", "ms per step", "share of op time"], rows)]
+            "copies, loop control)", "",
+            markdown_table(["category", "ms per step", "share of op time"], rows)]

@@ -97,8 +97,8 @@ def test_grouped_probe_takes_out_the_legs_that_failed(monkeypatch):
     stdout = "\n".join(['noise', 'PROBE {"fwd": {"error": 0.004}}',
                         'PROBE {"dx": {"error": 0.9}}',
                         'PROBE {"dw": {"exception": "ValueError: bad"}}'])
-    assert gpu_moe_probe.verdicts(stdout) == {"fwd": None, "dx": "relative error 9.00e-01 over 0.05",
-                                              "dw": "ValueError: bad"}
+    assert gpu_moe_probe.verdicts(stdout) == {
+        "fwd": None, "dx": "relative error 9.00e-01 over 0.05", "dw": "ValueError: bad"}
     assert gpu_moe_probe.verdicts("")["fwd"] == "did not finish"
 
     class Child:  # a child that printed the lines above and exited

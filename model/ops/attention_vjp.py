@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from model.parallel.mesh import mesh_size
-from pallas_kernels.saved_names import ATTENTION_CORE_OUT, ATTENTION_LSE
+from pallas_kernels.saved_names import name_attention
 
 _NEG = -1e30  # finite "minus infinity": keeps gradients NaN-free on fully masked entries
 _SCORES_PER_STEP = 1 << 18  # scores per `lax.map` step (1 MiB of float32), at least one block
@@ -40,8 +39,7 @@ def grouped_attention(q, k, v, mask, sink):
 
 def _forward(q, k, v, mask, sink):
     out, lse = _blockwise(_block_forward, q, k, v, mask, sink)
-    # Named so that remat_policy=dots_with_kernels keeps them (pallas_kernels/saved_names.py).
-    out, lse = checkpoint_name(out, ATTENTION_CORE_OUT), checkpoint_name(lse, ATTENTION_LSE)
+    out, lse = name_attention(out, lse)  # for remat_policy=dots_with_kernels
     return out.astype(q.dtype), (q, k, v, mask, sink, out, lse)
 
 

@@ -95,8 +95,8 @@ def test_measured_rows_win_for_their_device_jax_and_dtype():
         return table.Row(device, jax_version, dtype, "dw", k, n, backend, config, 400.0, "test")
 
     rows = (row(1536, 1024, "mosaic_gpu", tuple(DEFAULT_BLOCKS)), row(512, 1536, "xla"),
-            row(1536, 1024, "xla", device="NVIDIA H200"), row(1536, 1024, "xla", jax_version="0.12"),
-            row(1536, 1024, "xla", dtype="float16"))
+            row(1536, 1024, "xla", device="NVIDIA H200"),
+            row(1536, 1024, "xla", jax_version="0.12"), row(1536, 1024, "xla", dtype="float16"))
     exact = table.choose("dw", 1536, 1024, jnp.bfloat16, H100, rows)
     assert exact == LegChoice("mosaic_gpu", tuple(DEFAULT_BLOCKS))
     assert table.choose("dw", 500, 1500, jnp.bfloat16, H100, rows).backend == "xla"  # nearest
