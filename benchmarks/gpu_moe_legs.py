@@ -36,8 +36,11 @@ from pallas_kernels.grouped_legs import LEGS, LegChoice, grouped, transposed
 from pallas_kernels.grouped_matmul_mgpu import Blocks
 
 TOLERANCE = 5e-2  # bfloat16 outputs of float32 accumulations, max-relative
-_MOSAIC_GMM = (Blocks(128, 128, 64, 4, 1), Blocks(128, 128, 64, 4, 4), Blocks(128, 256, 64, 3, 2),
-               Blocks(64, 256, 64, 4, 2), Blocks(192, 128, 64, 4, 2))
+# Mosaic GPU blocks within upstream's own sweep (block_m, block_n in 64-192, block_k 64, 2-6
+# stages), at most 227 KiB of shared memory, block_m dividing typical row counts (multiples of
+# 128: no padding) and block_n x grid_block_n dividing gpu_1b's widths (512, 1024, 1536).
+_MOSAIC_GMM = (Blocks(128, 128, 64, 4, 1), Blocks(128, 128, 64, 4, 4), Blocks(128, 128, 64, 5, 2),
+               Blocks(64, 128, 64, 5, 2), Blocks(128, 64, 64, 6, 2))
 # The rule's choice first (grouped_leg_table.rule), lax.ragged_dot (XLA's dense expansion) last.
 CANDIDATES = {
     "fwd": (*(LegChoice("mosaic_gpu", b) for b in _MOSAIC_GMM),
