@@ -33,8 +33,9 @@ def forward_and_input_gradient():
     return jax.jit(run)
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_interpreted_gmm_matches_float64_loops(dtype, tolerance):
+def test_interpreted_gmm_matches_float64_loops():
+    """float32 here (bfloat16 operands: the lowering test below)."""
+    dtype, tolerance = jnp.float32, 1e-5
     lhs, rhs, sizes, dout = grouped_matmul_operands("mgpu", (SIZES, 100, 40, 72), dtype)
     total = sum(SIZES)
     lhs, dout = lhs.at[total:].set(jnp.nan), dout.at[total:].set(jnp.nan)
