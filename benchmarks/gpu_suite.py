@@ -47,12 +47,12 @@ from typing import NamedTuple, Sequence
 
 import jax
 
+from benchmarks import gpu_moe_probe
 from benchmarks.common import RESULTS
 from benchmarks.gpu_attention_sweep import run_attention_sweep as attention_sweep
 from benchmarks.gpu_checks import TOLERANCE, check_attention, check_moe, first_line
 from benchmarks.gpu_decode import decode_section
 from benchmarks.gpu_ep_check import check_ragged_collective
-from benchmarks import gpu_moe_probe
 from benchmarks.gpu_moe_legs import run_legs
 from benchmarks.gpu_mosaic_probe import probe_mosaic
 from benchmarks.gpu_plans import ACCELERATOR, DRY_RUN, SECTIONS, Plan, attention_shapes
