@@ -170,6 +170,7 @@ def write_table(section: dict, out_dir: Path, device: str) -> Path:
     rows = [grouped_leg_table.Row.from_json(row) for row in section["chosen"]]
     status = (f"measured on {device} by make gpu-check {datetime.date.today().isoformat()} "
               f"({section['rows']} rows, {section['dtype']}); rows of other devices as committed")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / "grouped_leg_table.json"
     path.write_text(json.dumps(grouped_leg_table.merged_table(rows, status), indent=1) + "\n")
     return path
