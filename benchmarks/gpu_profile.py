@@ -2,9 +2,10 @@
 
 Two steps of the train section's compiled step run under `jax.profiler.trace`; the trace's XLA
 op events (device planes' "XLA Ops" lines on GPU/TPU; on CPU the host threads' thunk events)
-carry the HLO instruction they ran (`hlo_op`). The compiled module's text maps each instruction
-to its JAX source path (`metadata={op_name=...}`: the jit, the transforms, the Flax module path
-and the named scopes), which decides the category:
+carry the HLO instruction they ran (`hlo_op`, or the event's name on "XLA Ops" lines). The
+compiled module's text maps each instruction to its JAX source path (`metadata={op_name=...}`:
+the jit, the transforms, the Flax module path and the named scopes; where the module text has
+none, the path a device trace attaches as `tf_op`), which decides the category:
 
     optimizer              under the `optimizer` scope (train/state.py; Muon's float16 Polar
                            Express on GPU, AdamW, the gradient norm)
@@ -99,36 +100,41 @@ def _self_times(events: list[tuple[int, int, str]]) -> list[tuple[str, int]]:
     return [(op, max(ns, 0)) for op, ns in result]
 
 
-def _line_events(line, module: str | None, named_by_event: bool) -> list[tuple[str, int]]:
-    """(HLO instruction, self ns) of one trace line's op events."""
+def _line_events(line, module: str | None, named_by_event: bool,
+                 paths: dict[str, str]) -> list[tuple[str, int]]:
+    """(HLO instruction, self ns) of one trace line's op events; the JAX paths that device
+    traces attach to their events (`tf_op`) go into `paths`."""
     events = []
     for event in line.events:
         stats = _stats(event)
         op = stats.get("hlo_op") or (event.name if named_by_event else None)
         if op is None or (module and stats.get("hlo_module", module) != module):
             continue
+        if stats.get("tf_op"):
+            paths[str(op)] = str(stats["tf_op"])
         events.append((int(event.start_ns), int(event.duration_ns), str(op)))
     return _self_times(events)
 
 
-def op_events(xplane_path: Path, module: str | None) -> list[tuple[str, int]]:
-    """(HLO instruction, self ns) of every XLA op event of the trace (of `module` where the
+def op_events(xplane_path: Path, module: str | None) -> tuple[list[tuple[str, int]], dict]:
+    """((HLO instruction, self ns) of every XLA op event of the trace (of `module` where the
     events say their module): a device's "XLA Ops" lines (any of its lines with `hlo_op`
-    events if it has none), else the host threads' events with `hlo_op` (CPU)."""
+    events if it has none), else the host threads' events with `hlo_op` (CPU); the JAX paths
+    the trace itself gives per instruction)."""
     from jax.profiler import ProfileData
 
     planes = list(ProfileData.from_file(str(xplane_path)).planes)
-    found = []
+    found, paths = [], {}
     for plane in (p for p in planes if p.name.startswith("/device:")):
         lines = list(plane.lines)
         ops_lines = [line for line in lines if line.name == "XLA Ops"]
         for line in ops_lines or lines:
-            found += _line_events(line, module, named_by_event=bool(ops_lines))
+            found += _line_events(line, module, bool(ops_lines), paths)
     if not found:
         for plane in (p for p in planes if p.name.startswith("/host:")):
             for line in plane.lines:
-                found += _line_events(line, module, named_by_event=False)
-    return found
+                found += _line_events(line, module, False, paths)
+    return found, paths
 
 
 def attribute(events: list[tuple[str, int]], names: dict[str, str]) -> tuple[dict, float]:
@@ -165,8 +171,8 @@ def profile_steps(compiled, state, batches: list, mask_meta) -> tuple[dict, obje
         paths = sorted(Path(trace_dir).rglob("*.xplane.pb"))
         if not paths:
             return {"status": "error", "note": "the profiler wrote no trace"}, state
-        events = op_events(paths[-1], module_name(hlo))
-    seconds, unnamed = attribute(events, op_names(hlo))
+        events, trace_paths = op_events(paths[-1], module_name(hlo))
+    seconds, unnamed = attribute(events, {**trace_paths, **op_names(hlo)})
     busy = sum(seconds.values())
     steps = len(batches)
     records = [{"category": name, "ms_per_step": 1e3 * s / steps,
