@@ -166,5 +166,7 @@ DRY_RUN = ACCELERATOR.with_changes(
     legs_candidates={"fwd": (LegChoice("mosaic_gpu"), LegChoice("triton", Tiling(16, 16, 16)),
                              LegChoice("xla")),
                      "dx": (LegChoice("xla"),), "dw": (LegChoice("xla"),)},
-    remat_steps=1,
+    # tiny.yaml's own policy: the section skips a comparison with itself (its compile would be
+    # the dry run's most expensive step); tests/test_gpu_suite.py runs it with a stubbed step
+    remat_policy="none",
 )

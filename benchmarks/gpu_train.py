@@ -159,6 +159,8 @@ def remat_section(trained: Trained | None, baseline: dict | None, policy: str, *
     section's figures (`baseline`, its record)."""
     if trained is None or not baseline or baseline.get("status") != "done":
         return {"status": "skipped", "note": "no trained run to compare with"}
+    if policy == trained.run.model.remat_policy:
+        return {"status": "skipped", "note": f"the train section ran remat_policy={policy}"}
     run = dataclasses.replace(trained.run, model=trained.run.model.replace(remat_policy=policy))
     record, _ = measure_training(run, warmup=warmup, steps=steps, peak_tflops=peak_tflops)
     keys = ("remat_policy", "step_s_median", "tokens_per_s", "mfu", "compile_s",

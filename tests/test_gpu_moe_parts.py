@@ -1,12 +1,16 @@
 """The MoE parts of `make gpu-check` on hand-written inputs: the profile section's attribution
 (benchmarks/gpu_profile.py: HLO instructions to JAX paths, paths to categories, nested trace
-events to self times), the per-leg targets and the kernels the MoE checks name. The dry run of
-tests/test_gpu_suite.py attributes a real trace of two tiny train steps."""
+events to self times), the per-leg targets, the kernels the MoE checks name, the grouped-matmul
+probe and the remat section (with a stubbed step). The dry run of tests/test_gpu_suite.py
+attributes a real trace of two tiny train steps."""
+
+import pytest
 
 from benchmarks import gpu_profile
 from benchmarks.gpu_checks import moe_kernels
 from benchmarks.gpu_plans import ACCELERATOR
 from benchmarks.gpu_report import targets
+from train.config import load_run_config
 
 STEP = "jit(step_fn)/while/body/closed_call"
 LAYER = f"{STEP}/transpose(jvp(CausalLM))/CausalLM.backbone/layers/segment_1/block_0"
@@ -112,3 +116,25 @@ def test_grouped_probe_takes_out_the_legs_that_failed(monkeypatch):
     h100 = table.Device("gpu", "NVIDIA H100 80GB HBM3", True, "0.11")
     assert [table.rule(leg, "bfloat16", h100).backend for leg in ("fwd", "dx", "dw")] == \
         ["mosaic_gpu", "triton", "triton"]
+
+
+def test_remat_section_times_the_step_again_under_the_other_policy(monkeypatch):
+    from benchmarks import gpu_train
+
+    run = load_run_config("configs/gpu_1b.yaml")
+    policies = []
+
+    def measure(run, **_):
+        policies.append(run.model.remat_policy)
+        return {"remat_policy": run.model.remat_policy, "step_s_median": 0.4, "mfu": 0.3}, None
+
+    monkeypatch.setattr(gpu_train, "measure_training", measure)
+    trained = gpu_train.Trained(run, "state", "data", "step")
+    baseline = {"status": "done", "remat_policy": "dots", "step_s_median": 0.5, "mfu": 0.24}
+    section = gpu_train.remat_section(trained, baseline, "dots_with_kernels", warmup=1, steps=2,
+                                      peak_tflops=989.0)
+    assert policies == ["dots_with_kernels"] and section["speedup"] == pytest.approx(1.25)
+    assert [r["remat_policy"] for r in section["records"]] == ["dots", "dots_with_kernels"]
+    assert "| dots_with_kernels | 0.4 |" in "\n".join(gpu_train.remat_markdown(section))
+    assert gpu_train.remat_section(None, baseline, "dots", warmup=1, steps=1,
+                                   peak_tflops=None)["status"] == "skipped"

@@ -108,8 +108,9 @@ def test_dry_run_reports_every_section_and_fails_on_the_wrong_implementations(dr
     assert report["versions"]["jax"]
     assert list(report["sections"]) == SECTIONS
     statuses = {name: s["status"] for name, s in report["sections"].items()}
-    assert statuses == {name: {"checks": "failed", "attention_sweep": "skipped"}.get(name, "done")
-                        for name in SECTIONS}
+    skipped = {"attention_sweep", "remat"}  # needs sm90; the dry run's policy is the train's
+    assert statuses == {name: "failed" if name == "checks" else
+                        "skipped" if name in skipped else "done" for name in SECTIONS}
     assert "sm90" in report["sections"]["attention_sweep"]["note"]
     for title in ("## Targets", "## Correctness", "## Grouped matmuls per leg", "## Train step",
                   "## Where the train step's time goes", "## Remat policies", "## Attention",
@@ -190,7 +191,8 @@ def test_timings_train_and_decode_record_figures_or_reasons(dry_run):
 @pytest.mark.slow
 def test_kernel_sweep_profile_and_remat_sections(dry_run):
     """The per-leg sweep checks and times what runs here and skips the rest with a reason; the
-    profile attributes a real trace of two tiny steps; remat compares two policies."""
+    profile attributes a real trace of two tiny steps; remat skips comparing a policy with
+    itself."""
     _, report, _ = dry_run
     legs = report["sections"]["legs"]
     by = {(r["matmul"], r["leg"], r["backend"]): r for r in legs["records"]}
@@ -216,9 +218,7 @@ def test_kernel_sweep_profile_and_remat_sections(dry_run):
         assert shares[category] > 0, category
     # ops without a JAX path are XLA's own (copies, loop control): a small part here
     assert profile["unnamed_ms_per_step"] < 0.25 * profile["op_ms_per_step"]
-    remat = report["sections"]["remat"]["records"]
-    assert [r["remat_policy"] for r in remat] == ["none", "dots_with_kernels"]
-    assert all(r["step_s_median"] > 0 for r in remat)
+    assert report["sections"]["remat"]["note"] == "the train section ran remat_policy=none"
 
 
 def test_bad_arguments_get_one_line_errors(capsys):
