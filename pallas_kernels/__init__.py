@@ -5,10 +5,14 @@
   `flash_attention_blocks`) on Mosaic GPU for sm90, `flash_attention` (Triton; interpret mode
   on CPU) elsewhere; causal / sliding-window with segment ids and sinks;
 - `gpu_arch`: the NVIDIA compute capability kernel families are chosen by;
-- `grouped_matmul`: grouped matmuls over row groups of one expert each (`moe_impl=pallas`,
-  through `model.ops.pallas_moe`), Mosaic kernels for TPU and the differentiable `gmm` that
-  picks a kernel family; `grouped_matmul_triton`: the same kernels in Triton for GPU;
-  `grouped_common`: their shared visit schedule and tile roles;
+- grouped matmuls over row groups of one expert each (`moe_impl=pallas`, through
+  `model.ops.pallas_moe`): `grouped_matmul`, Mosaic kernels for TPU and the differentiable `gmm`
+  that picks a kernel family; `grouped_matmul_triton`, the same kernels in Triton for GPU;
+  `grouped_common`, their shared visit schedule and tile roles; `grouped_matmul_mgpu`, JAX's
+  Mosaic GPU (Hopper) kernels wrapped to the same semantics (`mosaic_gpu`: where they run, their
+  CPU interpreter); `grouped_legs`, the forward / input-gradient / weight-gradient legs on any
+  of these or `lax.ragged_dot`, and `grouped_leg_table` (+ .json), which family runs each leg;
+- `saved_names`: the names of kernel outputs that `remat_policy=dots_with_kernels` keeps;
 - `reference`: plain-jnp versions of both, what the kernel tests compare against.
 
 The model reaches them through `model.ops.tables`. On CPU they run in interpret mode (slow, for

@@ -32,7 +32,8 @@ from model.ops.tables import ATTENTION, MOE
 
 ROUTER_ACTIVATIONS = ("sigmoid", "softmax", "sqrt_softplus")  # sqrt_softplus: DeepSeek-V4
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots", "save_attention_out", "save_ffn_out")
+REMAT_POLICIES = ("none", "full", "dots", "dots_with_kernels", "save_attention_out",
+                  "save_ffn_out")
 EP_COLLECTIVES = ("auto", "ragged", "padded")
 INT32_MAX = 2**31 - 1
 # Far beyond any model (the largest have ~100 layers); bounds what per-layer lists a config

@@ -17,10 +17,16 @@ from model.layers.block import DecoderBlock
 from model.layers.layer_plan import Segment, layer_kinds, plan_segments
 from model.parallel.mesh import mesh_axis_size
 from model.parallel.pipeline import num_microbatches, pipeline_forward, pipelined_segment
+from pallas_kernels.saved_names import KERNEL_OUTPUTS
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the whole block
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # dots, plus the kernel outputs that `dots` would recompute: the routed experts' and the
+    # attention core's, named inside their custom VJPs (pallas_kernels/saved_names.py)
+    "dots_with_kernels": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*KERNEL_OUTPUTS)),
     "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
     "save_ffn_out": jax.checkpoint_policies.save_only_these_names("ffn_out"),
 }

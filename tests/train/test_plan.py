@@ -142,6 +142,13 @@ def test_activation_estimate_responds_to_batch_and_remat(capsys):
     by_policy = {p: plan(capsys, "--config", TINY, "--mesh", "data=1", f"model.remat_policy={p}")
                  ["per_device_bytes"]["activations"] for p in ("none", "dots", "full")}
     assert by_policy["full"] < by_policy["dots"] < by_policy["none"]
+    # dots_with_kernels adds, per token and layer (float32, no tensor split), the attention
+    # core's output and log-sum-exp (H * (4 * 32 + 4): 3 full layers of 4 heads, 6 SWA layers
+    # of 6) and the 8 MoE layers' routed gate/up and outputs (4 * top_k 4 * (2 * 64 + 128))
+    kernels = plan(capsys, "--config", TINY, "--mesh", "data=1",
+                   "model.remat_policy=dots_with_kernels")["per_device_bytes"]["activations"]
+    per_token = (3 * 4 + 6 * 6) * (4 * 32 + 4) + 8 * 4 * 4 * (2 * 64 + 128)
+    assert kernels - by_policy["dots"] == 8 * 256 * per_token
     parts = base["activation_parts_bytes"]
     assert sum(parts.values()) == base["per_device_bytes"]["activations"]
     assert parts["logits_chunk"] == 2 * 1024 * 4096 * 4  # logits + gradient, float32

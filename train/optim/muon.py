@@ -297,6 +297,25 @@ def whole_matrices(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
 
 
+# Elements of the stacked matrices one step of `_orthogonalize_stack` iterates on at once
+# without a mesh: 2^27 (256 MiB in float16) bounds the iteration's temporaries, which for all of
+# a ~1B MoE's expert matrices at once ([36, 32, 512, 1536]: 12 layers x gate/up/down) were
+# several GiB each; a step still holds 85 such matrices, plenty for one device.
+STACK_CHUNK_ELEMENTS = 1 << 27
+
+
+def _orthogonalize_stack(x: jax.Array, **kwargs) -> jax.Array:
+    """`orthogonalize` of a [B, ..., m, n] stack. Without a mesh, in sequential slices of the
+    leading axis of about STACK_CHUNK_ELEMENTS elements (`lax.map`); under a mesh the stack is
+    spread over the devices instead (`whole_matrices`), and a loop over its sharded axis would
+    gather it."""
+    per_item = math.prod(x.shape[1:])
+    chunk = max(1, STACK_CHUNK_ELEMENTS // per_item)
+    if not jax.sharding.get_abstract_mesh().empty or chunk >= x.shape[0]:
+        return orthogonalize(whole_matrices(x), **kwargs)
+    return jax.lax.map(lambda part: orthogonalize(part, **kwargs), x, batch_size=chunk)
+
+
 def _orthogonalize_grouped(batches: list[jax.Array], **kwargs) -> list[jax.Array]:
     """`orthogonalize` of each [B, ..., m, n] batch. Batches whose matrices have the same shape
     (up to a transpose) and the same inner batch axes share one call, concatenated along their
@@ -310,7 +329,7 @@ def _orthogonalize_grouped(batches: list[jax.Array], **kwargs) -> list[jax.Array
         groups.setdefault(wide.shape[1:], []).append((i, wide))
     out: list[jax.Array | None] = [None] * len(batches)
     for items in groups.values():
-        stacked = orthogonalize(whole_matrices(jnp.concatenate([x for _, x in items])), **kwargs)
+        stacked = _orthogonalize_stack(jnp.concatenate([x for _, x in items]), **kwargs)
         sections = list(itertools.accumulate(x.shape[0] for _, x in items))[:-1]
         for (i, _), piece in zip(items, jnp.split(stacked, sections)):
             transposed = batches[i].shape[-2] > batches[i].shape[-1]

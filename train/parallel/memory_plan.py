@@ -63,6 +63,8 @@ mHC with n = hc_mult > 1 streams adds per layer (two sublayers; MTP blocks have 
 and the layer input I below is the streams, n*c*D (else I = c*D).
 What a layer keeps for the backward pass depends on model.remat_policy:
   none -> M + O;  dots -> I + M (the layer input and the projection outputs);
+  dots_with_kernels -> I + M + K, K = c*H*Dv/t + 4*H/t (attention core output, float32
+  log-sum-exp; F / S layers) + c*k*(2*He/t + D) (routed gate/up pre-activations, outputs);
   save_attention_out / save_ffn_out -> I + c*D;  full -> I (the layer input only).
 Activations = N * sum over the device's layers of that
             + max over layers of 2*N*(M + O)          (the layer being differentiated: its
@@ -234,14 +236,33 @@ def chunk_working_bytes(cfg: ModelConfig, kind: LayerKind, seq_len: int, tensor:
     return 0.0
 
 
+def kernel_output_bytes(cfg: ModelConfig, kind: LayerKind, tensor: int) -> float:
+    """Bytes per token of the named kernel outputs of a layer (pallas_kernels/saved_names.py)
+    that `dots_with_kernels` keeps beyond `dots`: the attention core's output and float32
+    log-sum-exp (F / S layers) and the routed experts' gate/up pre-activations and outputs."""
+    c = DTYPE_BYTES[cfg.compute_dtype]
+    saved = 0.0
+    if kind.attention_type not in SHARED_KV_KINDS:
+        geo = cfg.attention_geometry(kind.attention_type)
+        heads = tensor_split(geo.num_heads, tensor)
+        saved += heads * (c * geo.v_head_dim + 4)
+    if kind.is_moe:
+        moe = cfg.moe
+        saved += c * moe.top_k * (2 * tensor_split(moe.expert_hidden, tensor) + cfg.d_model)
+    return saved
+
+
 def saved_per_layer(policy: str, matmul: float, other: float, input_bytes: float,
-                    d_bytes: float) -> float:
+                    d_bytes: float, kernel_bytes: float) -> float:
     """Bytes per token a layer keeps for the backward pass under remat `policy`; `input_bytes`
-    of the layer input (c*D, or c*n*D for n mHC streams), `d_bytes` of a sublayer output."""
+    of the layer input (c*D, or c*n*D for n mHC streams), `d_bytes` of a sublayer output,
+    `kernel_bytes` of its named kernel outputs (`kernel_output_bytes`)."""
     if policy == "none":
         return matmul + other
     if policy == "dots":
         return input_bytes + matmul
+    if policy == "dots_with_kernels":
+        return input_bytes + matmul + kernel_bytes
     if policy in ("save_attention_out", "save_ffn_out"):
         return input_bytes + d_bytes
     return input_bytes  # full
@@ -270,7 +291,8 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     saved = working = 0.0
     for i, kind in enumerate(kinds):
         matmul, other = layer_bytes(cfg, kind, seq_len, tensor)
-        keep = saved_per_layer(cfg.remat_policy, matmul, other, input_bytes, d_bytes)
+        keep = saved_per_layer(cfg.remat_policy, matmul, other, input_bytes, d_bytes,
+                               kernel_output_bytes(cfg, kind, tensor))
         differentiated = (2 * tokens * (matmul + other)
                           + rows * chunk_working_bytes(cfg, kind, seq_len, tensor))
         if i in piped_layers:  # 1/S of the layers, all m + S - 1 ticks, one micro-batch at a time
