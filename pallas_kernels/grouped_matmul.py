@@ -75,6 +75,7 @@ from pallas_kernels.grouped_common import (
     schedule_size,
     tgmm_shapes,
 )
+from pallas_kernels.target import target_backend
 
 
 # Per-backend defaults. TPU: 128-row tiles (the MXU width of v4/v5) and 512-wide K/N tiles keep
@@ -90,7 +91,7 @@ def default_tiling(interpret: bool) -> Tiling:
 def _check_backend(interpret: bool) -> None:
     # Only GPU is refused here: on CPU Pallas itself says that only interpret mode runs, and
     # lowering for TPU from a CPU host (`.lower(lowering_platforms=("tpu",))`) must stay open.
-    if not interpret and jax.default_backend() in ("gpu", "cuda", "rocm"):
+    if not interpret and target_backend() == "gpu":
         raise NotImplementedError(
             "pallas grouped matmul: the Mosaic kernels target TPU and do not lower on GPU; "
             "use kernel='triton' there (the default on GPU), or interpret=True for testing"
@@ -327,10 +328,10 @@ KERNELS = ("mosaic", "triton")
 
 
 def resolve_kernel(kernel: str | None) -> str:
-    """"mosaic" (TPU) or "triton" (GPU); None picks by `jax.default_backend()`: Triton on GPU,
+    """"mosaic" (TPU) or "triton" (GPU); None picks by the backend traced for (`pallas_kernels.target`): Triton on GPU,
     Mosaic elsewhere (so CPU interpret mode runs the TPU kernels unless told otherwise)."""
     if kernel is None:
-        return "triton" if jax.default_backend() == "gpu" else "mosaic"
+        return "triton" if target_backend() == "gpu" else "mosaic"
     if kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS} or None, got {kernel!r}")
     return kernel

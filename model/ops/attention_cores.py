@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from model.ops.attention_vjp import grouped_attention
+from pallas_kernels.target import target_backend
 
 MIN_CHUNK = 128  # smallest query chunk of the local path (small windows still get wide matmuls)
 CAUSAL_BLOCKS = 4  # query blocks of the dense path (at least MIN_CHUNK rows each)
@@ -175,7 +176,7 @@ def fused_attention_backend(q: jax.Array) -> str:
     "defaults to XLA for now"; an H200 run's compiled HLO held no cuDNN call, docs/kernels.md)."""
     head_dim = q.shape[-1]
     takes = (q.dtype in CUDNN_DTYPES and head_dim <= CUDNN_MAX_HEAD_DIM and head_dim % 8 == 0)
-    return "cudnn" if jax.default_backend() == "gpu" and takes else "xla"
+    return "cudnn" if target_backend() == "gpu" and takes else "xla"
 
 
 def _dot_product_attention(q, k, v, mask, window, return_residual=False):
