@@ -112,7 +112,7 @@ def lower_train_step(run: RunConfig, platform: str, sizes: dict[str, int] | None
                              state, shardings)
         batch = _abstract_batch(run, jax.sharding.NamedSharding(mesh, batch_spec(mesh)))
         # what `use_mesh` sets up for the model while tracing, on a mesh without devices
-        context = _abstract_mesh_context(mesh)
+        context = abstract_mesh_context(mesh)
     with context:
         traced = jax.jit(make_train_step(training, run)).trace(
             state, batch, jax.ShapeDtypeStruct((), jnp.bool_))
@@ -120,7 +120,9 @@ def lower_train_step(run: RunConfig, platform: str, sizes: dict[str, int] | None
 
 
 @contextlib.contextmanager
-def _abstract_mesh_context(mesh):
+def abstract_mesh_context(mesh):
+    """The mesh and logical-axis rules as the model reads them while tracing (what
+    `model.parallel.rules.use_mesh` sets up), for a mesh without devices."""
     with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(LOGICAL_RULES):
         yield
 

@@ -1,17 +1,29 @@
-"""`python -m benchmarks.lowering`: the train and decode steps of the three tiny presets lower for
-TPU on this CPU machine with the Pallas kernels (splash attention and the Mosaic grouped
-matmuls), nothing compiled. One subprocess lowers all three (one JAX start-up; the kernel choices
-follow the platform while tracing, which JAX's jit cache does not key on, so the lowering runs
-apart from this test process) at 2 x 128 tokens."""
+"""Lowering for accelerators on this CPU machine, nothing compiled.
+
+`python -m benchmarks.lowering`: the train and decode steps of the three tiny presets lower for
+TPU with the Pallas kernels (splash attention and the Mosaic grouped matmuls). One subprocess
+lowers all three at 2 x 128 tokens (one JAX start-up; the kernel choices follow the platform
+while tracing, which JAX's jit cache does not key on, so whole steps are lowered apart from this
+test process). The expert-parallel `ragged` all-to-all lowers for TPU and CUDA (fresh jitted
+functions here)."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from benchmarks.lowering import kernel_calls, main
+from benchmarks.lowering import abstract_mesh_context, collectives, kernel_calls, main
+from model.ops.moe_dispatch import ExpertWeights
+from model.ops.swiglu import SwiGLUClamp
+from model.parallel.expert_parallel import expert_parallel_experts
+from model.parallel.rules import abstract_mesh
+from pallas_kernels.target import lowering_for
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = ("configs/tiny.yaml", "configs/tiny_deepseek_v4.yaml", "configs/tiny_mimo.yaml")
@@ -62,3 +74,27 @@ def test_bad_input_exits_2_before_tracing(capsys):
                  "expert=3"]) == 2
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 3 and all(e.startswith("error: ") for e in errors), errors
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_expert_parallel_ragged_all_to_all_lowers_for_the_accelerators(platform):
+    """The `ragged` collective (what `ep_collective=auto` picks off CPU) lowers for TPU and CUDA
+    under an abstract 8-device mesh (data=2, expert=4): no devices needed. XLA:CPU cannot run it,
+    so lowering is as far as this machine goes."""
+    mesh = abstract_mesh({"data": 2, "expert": 4})
+    rows = NamedSharding(mesh, P(("data", "expert")))
+    experts = NamedSharding(mesh, P("expert"))
+    x = jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=rows)
+    indices = jax.ShapeDtypeStruct((64, 2), jnp.int32, sharding=rows)
+    combine = jax.ShapeDtypeStruct((64, 2), jnp.float32, sharding=rows)
+    weights = ExpertWeights(*(jax.ShapeDtypeStruct(s, jnp.float32, sharding=experts)
+                              for s in ((8, 16, 32), (8, 16, 32), (8, 32, 16))))
+
+    def dispatch(x, indices, combine, weights):
+        return expert_parallel_experts(x, indices, combine, weights, clamp=SwiGLUClamp(0.0),
+                                       impl="sorted", block_size=8, collective="auto")
+
+    with lowering_for(platform), abstract_mesh_context(mesh):
+        text = jax.jit(dispatch).trace(x, indices, combine, weights).lower(
+            lowering_platforms=(platform,)).as_text()
+    assert collectives(text).get("ragged_all_to_all", 0) >= 3  # rows, expert ids, results

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from model.lm import CausalLM, join_variables, output_head_params
 from model.parallel.mesh import mesh_axis_size
-from model.parallel.pipeline import bubble_fraction, num_microbatches
+from model.parallel.pipeline import stage_plan
 from train.balance import has_router_bias, update_router_bias
 from train.config import RunConfig
 from train.losses import chunked_cross_entropy, shifted_targets
@@ -126,8 +126,7 @@ def make_train_step(training: Training, run: RunConfig
                    **grouped_rms(updates, labels)}
         stages = mesh_axis_size("pipeline")
         if stages > 1:
-            metrics["pipeline/bubble_fraction"] = jnp.float32(
-                bubble_fraction(stages, num_microbatches(run.model, stages)))
+            metrics["pipeline/bubble_fraction"] = jnp.float32(stage_plan(run.model, stages).bubble)
         if moe_aux:
             metrics.update(moe_monitors(moe_aux, run.model.moe_layer_indices()))
             metrics.update(expert_param_norms(new_state.params, run.model))
