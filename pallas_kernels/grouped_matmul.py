@@ -50,7 +50,8 @@ so they read the same schedule as ordinary int32 arrays and store with row masks
 dispatches: `kernel="mosaic"` (TPU), `"triton"` (GPU), None for the backend's (Triton on GPU,
 Mosaic elsewhere); these Mosaic kernels raise on GPU unless interpreted.
 
-`interpret=None` means interpret mode when `jax.default_backend() == "cpu"` (slow; tests only).
+`interpret=None` means interpret mode when tracing for the CPU (`pallas_kernels.target`; slow,
+tests only).
 """
 
 from __future__ import annotations

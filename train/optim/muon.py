@@ -63,7 +63,7 @@ ITERATION_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 def resolve_iteration_dtype(name: str, backend: str | None = None) -> jnp.dtype:
     """The iteration dtype `name` (one of ITERATION_DTYPES) stands for on `backend` (default:
-    `jax.default_backend()`, read once, where the optimizer is built).
+    the backend traced for, `pallas_kernels.target`, read once, where the optimizer is built).
 
     'auto' is float16, the report's choice (4.1.1), where matmuls run natively in float16
     (GPU tensor cores), and float32 on every other backend: XLA:CPU has no half-precision
