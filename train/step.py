@@ -119,14 +119,15 @@ def make_train_step(training: Training, run: RunConfig
         metrics = {"loss": loss, **parts, **update_stats,
                    # share of the step's positions whose next token is a target (chat SFT:
                    # the assistant turns; plain text: all but document ends and padding)
-                   "trained_fraction": counts[0] / batch["tokens"].size,
+                   "trained_fraction": counts[0] / float(batch["tokens"].size),
                    "lr": learning_rate(applied_updates(state.opt_state)),  # this update's rate
                    "skipped_steps": new_state.skipped,
                    "consecutive_skips": new_state.consecutive_skips,
                    **grouped_rms(updates, labels)}
         stages = mesh_axis_size("pipeline")
         if stages > 1:
-            metrics["pipeline/bubble_fraction"] = jnp.float32(stage_plan(run.model, stages).bubble)
+            metrics["pipeline/bubble_fraction"] = jnp.float32(
+                stage_plan(run.model, stages).bubble)
         if moe_aux:
             metrics.update(moe_monitors(moe_aux, run.model.moe_layer_indices()))
             metrics.update(expert_param_norms(new_state.params, run.model))

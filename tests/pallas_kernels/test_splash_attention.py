@@ -16,7 +16,7 @@ import numpy as np
 from attention_references import assert_close, reference_attention
 
 from model.ops.tables import ATTENTION
-from pallas_kernels import flash_attention, splash_attention
+from pallas_kernels import attention, splash_attention
 from pallas_kernels.reference import attention_reference
 from pallas_kernels.target import lowering_for, target_backend
 
@@ -70,10 +70,10 @@ def test_splash_attention_matches_the_references_with_window_segments_gqa_and_si
 
 def test_pallas_attention_dispatches_splash_on_tpu_and_flash_elsewhere():
     assert target_backend() == "cpu"
-    assert ATTENTION.resolve("pallas") is flash_attention.flash_attention_core
+    assert ATTENTION.resolve("pallas") is attention.flash_attention_core
     with lowering_for("tpu"):
         assert ATTENTION.resolve("pallas") is splash_attention.splash_attention_core
     with lowering_for("cuda"):
         assert target_backend() == "gpu"
-        assert ATTENTION.resolve("pallas") is flash_attention.flash_attention_core
+        assert ATTENTION.resolve("pallas") is attention.flash_attention_core
     assert target_backend() == "cpu"
