@@ -10,8 +10,9 @@ lowering_platforms=(...))`), so most lowering errors of a TPU or GPU program (a 
 Mosaic or Triton cannot lower, a collective or custom call the platform lacks) show on a CPU
 host without the hardware. Kernel choices made while tracing follow the platform named here
 (`pallas_kernels.target`): splash attention and the Mosaic grouped matmuls for TPU, the Triton
-kernels and cuDNN attention for CUDA. Nothing is compiled or run, and nothing is allocated:
-state, batch and caches are abstract shapes.
+kernels and cuDNN attention for CUDA (on an H100/H200 by default: `--gpu-capability` picks the
+GPU, whose compute capability chooses between the Mosaic GPU and Triton attention). Nothing is
+compiled or run, and nothing is allocated: state, batch and caches are abstract shapes.
 
 What is lowered, per `--config` (several may be given; they share one JAX start-up):
 - the train step (`train.step.make_train_step`, the optimizer update included) on a batch of
@@ -156,12 +157,12 @@ def load_run(path: str, overrides: list[str], mesh_text: str | None
 
 
 def lower_config(run: RunConfig, sizes: dict[str, int] | None, platform: str,
-                 decode_len: int) -> dict:
+                 capability: tuple[int, int] | None, decode_len: int) -> dict:
     """Lowers both steps of one config; a failed lowering is recorded as its error line."""
     steps = {"train step": lambda: lower_train_step(run, platform, sizes),
              "decode step": lambda: lower_decode_step(run, platform, decode_len)}
     results = {}
-    with lowering_for(platform):
+    with lowering_for(platform, capability):
         for name, lower in steps.items():
             start = time.perf_counter()
             try:
@@ -173,8 +174,10 @@ def lower_config(run: RunConfig, sizes: dict[str, int] | None, platform: str,
 
 
 def render(report: dict) -> str:
-    lines = [f"lowered for {report['platform']} on a {jax.default_backend()} host "
-             f"(jax {jax.__version__}); nothing compiled or run"]
+    gpu = report["gpu_capability"]
+    target = report["platform"] + (f" (compute capability {gpu[0]}.{gpu[1]})" if gpu else "")
+    lines = [f"lowered for {target} on a {jax.default_backend()} host (jax {jax.__version__}); "
+             "nothing compiled or run"]
     for config, steps in report["configs"].items():
         for step, result in steps.items():
             lines.append("")
@@ -200,6 +203,10 @@ def build_parser() -> ArgumentParser:
                         help="the platform to lower for")
     parser.add_argument("--config", required=True, action="append", metavar="PATH",
                         help="run YAML or model preset; repeat for several")
+    parser.add_argument("--gpu-capability", default="9.0", metavar="MAJOR.MINOR",
+                        help="cuda: the compute capability lowered for; kernel families follow "
+                             "it (default 9.0, an H100/H200: Mosaic GPU attention where it "
+                             "applies; 8.0, an A100: Triton)")
     parser.add_argument("--mesh", metavar="AXIS=N,...",
                         help="lower the train step under an abstract mesh of these sizes, e.g. "
                              "data=8,expert=8,pipeline=2 (default: one device)")
@@ -225,12 +232,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             overrides.append(f"{key}={getattr(args, flag)}")
     if args.decode_len < 1:
         return _error(f"--decode-len: must be >= 1, got {args.decode_len}")
+    major, dot, minor = args.gpu_capability.partition(".")
+    if not (major.isdigit() and dot and minor.isdigit()):
+        return _error(f"--gpu-capability: expected MAJOR.MINOR such as 9.0, got "
+                      f"{args.gpu_capability!r}")
+    capability = (int(major), int(minor)) if args.platform == "cuda" else None
     try:  # every config and the mesh are checked before anything is traced
         runs = {path: load_run(path, overrides, args.mesh) for path in args.config}
     except ValueError as err:
         return _error(str(err))
-    report = {"platform": args.platform, "configs": {
-        path: lower_config(run, sizes, args.platform, args.decode_len)
+    report = {"platform": args.platform, "gpu_capability": capability, "configs": {
+        path: lower_config(run, sizes, args.platform, capability, args.decode_len)
         for path, (run, sizes) in runs.items()}}
     print(json.dumps(report, indent=2) if args.json else render(report))
     failed = [(c, s, r["error"]) for c, steps in report["configs"].items()

@@ -23,21 +23,30 @@ import jax
 # `jax.default_backend()` names (what the code compares against) of each lowering platform.
 BACKENDS = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
 
-_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("target_backend",
-                                                                     default=None)
+# (backend, NVIDIA compute capability or None) while lowering for another platform
+_TARGET: contextvars.ContextVar[tuple[str, tuple[int, int] | None] | None] = \
+    contextvars.ContextVar("target_backend", default=None)
 
 
 def target_backend() -> str:
     """"cpu", "gpu" or "tpu": the backend being traced for."""
-    return _TARGET.get() or jax.default_backend()
+    target = _TARGET.get()
+    return target[0] if target else jax.default_backend()
+
+
+def target_capability() -> tuple[int, int] | None:
+    """The compute capability named by `lowering_for`, or None (then: the device's own)."""
+    target = _TARGET.get()
+    return target[1] if target else None
 
 
 @contextlib.contextmanager
-def lowering_for(platform: str) -> Iterator[str]:
-    """Trace as if on `platform` (a `lowering_platforms` name: cpu, cuda, rocm, tpu)."""
+def lowering_for(platform: str, capability: tuple[int, int] | None = None) -> Iterator[str]:
+    """Trace as if on `platform` (a `lowering_platforms` name: cpu, cuda, rocm, tpu); for cuda,
+    as if on a GPU of `capability` (e.g. (9, 0), an H100: the kernel families follow it)."""
     if platform not in BACKENDS:
         raise ValueError(f"platform: expected one of {', '.join(BACKENDS)}, got {platform!r}")
-    token = _TARGET.set(BACKENDS[platform])
+    token = _TARGET.set((BACKENDS[platform], capability))
     try:
         yield BACKENDS[platform]
     finally:

@@ -72,8 +72,10 @@ def test_bad_input_exits_2_before_tracing(capsys):
     assert main(["--platform", "rocm", "--config", "configs/tiny.yaml"]) == 2
     assert main(["--platform", "tpu", "--config", "configs/tiny.yaml", "--mesh",
                  "expert=3"]) == 2
+    assert main(["--platform", "cuda", "--config", "configs/tiny.yaml", "--gpu-capability",
+                 "sm90"]) == 2
     errors = capsys.readouterr().err.splitlines()
-    assert len(errors) == 3 and all(e.startswith("error: ") for e in errors), errors
+    assert len(errors) == 4 and all(e.startswith("error: ") for e in errors), errors
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])

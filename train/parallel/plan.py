@@ -13,6 +13,7 @@ Exit codes: 0 (a plan was printed; over budget is a WARNING on stderr unless --s
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import sys
@@ -112,10 +113,12 @@ def render(plan: dict, config: str) -> str:
 
 def render_pipeline(pipe: dict) -> str:
     chunks = pipe["chunk_repeats"]
-    split = (f"{len(chunks)} chunks of {max(chunks)} repeat{'s' * (max(chunks) > 1)}"
+    sizes = ", ".join(f"{count} of {size}" for size, count in
+                      sorted(collections.Counter(chunks).items(), reverse=True))
+    split = (f"{len(chunks)} chunks of {chunks[0]} repeat{'s' * (chunks[0] > 1)}"
              if len(set(chunks)) == 1 else
-             f"uneven: {len(chunks)} chunks of {', '.join(map(str, chunks))} repeats, "
-             f"{pipe['idle_slots']} of {len(chunks) * pipe['slots_per_chunk']} slots idle")
+             f"uneven: {len(chunks)} chunks, {sizes} repeats; {pipe['idle_slots']} of "
+             f"{len(chunks) * pipe['slots_per_chunk']} slots idle")
     head = (f"pipeline:  {pipe['stages']} stages x {pipe['virtual_stages']} virtual over segment "
             f"{pipe['segment']} ({pipe['segment_period']} layers x {pipe['segment_repeats']}; "
             f"{split}), {pipe['microbatches']} micro-batches, {pipe['schedule']}, "
