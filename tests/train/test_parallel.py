@@ -50,6 +50,11 @@ def sizes_of(mesh: str) -> dict[str, int]:
     return {k: int(v) for k, v in (item.split("=") for item in mesh.split(","))}
 
 
+def axes_of(entry) -> list[str]:
+    """Mesh axes of one spec entry: None, a name or a list of names."""
+    return [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+
+
 def check_mesh_result(mesh: str, result: dict, whole_step: bool) -> None:
     keys = ["loss_error", "balance_error", "grad_error"]
     if whole_step:  # the Muon update under sharding, and the pipeline's bubble metric
@@ -61,13 +66,11 @@ def check_mesh_result(mesh: str, result: dict, whole_step: bool) -> None:
         layout = result["layouts"][name]
         got = layout["spec"] + [None] * (len(layout["shape"]) - len(layout["spec"]))
         assert got == want, (mesh, name, got)
-        local = [dim // math.prod(sizes[a] for a in ([axis] if isinstance(axis, str) else
-                                                    axis or ())) for dim, axis in
-                 zip(layout["shape"], want)]
+        local = [dim // math.prod(sizes[a] for a in axes_of(axis))
+                 for dim, axis in zip(layout["shape"], want)]
         assert layout["local_shape"] == local, (mesh, name)
-    momentum_axes = {a for e in result["momentum_spec"] if e
-                     for a in ([e] if isinstance(e, str) else e)}
-    assert {a for a in EXPECTED[mesh]["expert_gate"] if a} <= momentum_axes
+    momentum_axes = {a for e in result["momentum_spec"] for a in axes_of(e)}
+    assert {a for e in EXPECTED[mesh]["expert_gate"] for a in axes_of(e)} <= momentum_axes
     assert ("data" in momentum_axes) == (sizes.get("data", 1) > 1)  # ZeRO-1
     if whole_step:
         stages, virtual = sizes.get("pipeline", 1), sizes.get("virtual", 1)
