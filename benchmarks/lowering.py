@@ -46,7 +46,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.config.cli import ArgumentParser, format_table
+from model.config.cli import ArgumentParser, format_table, report_error
 from model.inference.decode import Decoder
 from model.inference.sampling import Sampling
 from model.lm import abstract_variables
@@ -231,16 +231,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, flag) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")
     if args.decode_len < 1:
-        return _error(f"--decode-len: must be >= 1, got {args.decode_len}")
+        return report_error(ValueError(f"--decode-len: must be >= 1, got {args.decode_len}"))
     major, dot, minor = args.gpu_capability.partition(".")
     if not (major.isdigit() and dot and minor.isdigit()):
-        return _error(f"--gpu-capability: expected MAJOR.MINOR such as 9.0, got "
-                      f"{args.gpu_capability!r}")
+        return report_error(ValueError(f"--gpu-capability: expected MAJOR.MINOR such as 9.0, "
+                                       f"got {args.gpu_capability!r}"))
     capability = (int(major), int(minor)) if args.platform == "cuda" else None
     try:  # every config and the mesh are checked before anything is traced
         runs = {path: load_run(path, overrides, args.mesh) for path in args.config}
     except ValueError as err:
-        return _error(str(err))
+        return report_error(err)
     report = {"platform": args.platform, "gpu_capability": capability, "configs": {
         path: lower_config(run, sizes, args.platform, capability, args.decode_len)
         for path, (run, sizes) in runs.items()}}
@@ -251,11 +251,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: lowering the {step} of {config} for {args.platform} failed: "
               f"{error[:300]}", file=sys.stderr)
     return 1 if failed else 0
-
-
-def _error(message: str) -> int:
-    print(f"error: {' '.join(message.split())}", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

@@ -79,9 +79,8 @@ included; m = pipeline micro-batches): a segment layer's saved activations are s
 k (V m + S - 1) / (m R) and its working set by 1 / m; the pipeline's queue and stage buffer add
 two layer inputs per token. Unless the stages hold contiguous runs of repeats (V = 1 and S
 divides R), the step also holds a stage-layout copy of the segment's params and its gradient
-(row `pipeline stage params`; train/parallel/pipeline_plan.py).
-Routing is assumed balanced (each device holds
-about top_k * N expert rows); EP all-to-all buffers are not counted.
+(row `pipeline stage params`; train/parallel/pipeline_plan.py). Routing is assumed balanced
+(each device holds about top_k * N expert rows); EP all-to-all buffers are not counted.
 
 Calibration (one CPU device, float32, batch 8 x 256, jax 0.10; `compiled.memory_analysis()`
 temporaries of the jitted train step, which also hold the gradients): configs/tiny.yaml 439
