@@ -252,9 +252,57 @@ def pallas_on_mesh() -> dict:
             "moe_error": relative_error([np.asarray(got_y)], [np.asarray(want_y)])}
 
 
+def pipeline_schedules() -> dict:
+    """`pipeline_forward` on a mesh (pipeline=2, data=4) against the repeats applied one after
+    another on the whole batch, for uneven GPipe stages and virtual stages with and without an
+    empty chunk: outputs, per-repeat aux (summed over micro-batches) and weight gradients.
+    The repeats do not commute (tanh of a matmul plus a bias), so a chunk run out of order or
+    twice, or a round that skips the queue, shows."""
+    from model.parallel.pipeline import StagePlan, pipeline_forward
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(8, 4, 8)), jnp.float32)  # [B, T, D]
+    positions = jnp.broadcast_to(jnp.arange(4), (8, 4))
+
+    def repeat_fn(v, h, pos, *_):
+        out = jnp.tanh(h @ v["w"]) + v["b"] + 0.01 * pos[..., None]
+        return out, {"expert_tokens": jnp.sum(out, axis=(0, 1))}
+
+    def sequential(variables):
+        h, aux = x, []
+        for r in range(variables["w"].shape[0]):
+            h, a = repeat_fn(jax.tree.map(lambda t: t[r], variables), h, positions)
+            aux.append(a["expert_tokens"])
+        return h, jnp.stack(aux)
+
+    mesh = make_mesh(MeshConfig(pipeline=2, data=4))
+    errors = {}
+    for repeats, virtual in ((3, 1), (4, 2), (3, 2)):
+        variables = {"w": jnp.asarray(rng.normal(size=(repeats, 8, 8)) * 0.5, jnp.float32),
+                     "b": jnp.asarray(rng.normal(size=(repeats, 8)), jnp.float32)}
+        plan = StagePlan(2, virtual, repeats, 4)
+
+        def piped(variables, plan=plan):
+            h, aux = pipeline_forward(repeat_fn, variables, x, (positions, None, None), plan)
+            return h, aux["expert_tokens"]
+
+        def outputs_and_grads(fn):  # one program: (h, aux) and the gradient of a loss of both
+            def loss(v):
+                h, aux = fn(v)
+                return jnp.sum(jnp.sin(h)) + jnp.sum(aux), (h, aux)
+            return jax.jit(lambda v: jax.grad(loss, has_aux=True)(v))
+
+        want = outputs_and_grads(sequential)(variables)
+        with use_mesh(mesh):
+            got = outputs_and_grads(piped)(variables)
+        errors[f"R={repeats},V={virtual}"] = relative_error(
+            [np.asarray(a) for a in jax.tree.leaves(got)],
+            [np.asarray(a) for a in jax.tree.leaves(want)])
+    return {"pipeline_schedule_errors": errors}
+
+
 def main(args: list[str]) -> None:
     if args == ["ep_skew"]:
-        print(json.dumps({**ep_skew(), **pallas_on_mesh()}))
+        print(json.dumps({**ep_skew(), **pallas_on_mesh(), **pipeline_schedules()}))
         return
     family = args[0].split(":")[0]
     if family in FAMILY_RUNS:

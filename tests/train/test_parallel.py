@@ -128,7 +128,7 @@ def test_train_step_on_a_mesh_matches_one_device():
 
 
 @pytest.mark.slow
-def test_expert_parallel_dispatch_with_skewed_routing_drops_nothing_and_pallas_shards():
+def test_expert_parallel_dispatch_with_skewed_routing_drops_nothing_pallas_and_schedules():
     result = run_worker("ep_skew")
     assert result["busiest_device_share"] > 0.75  # the skew is real: one device gets most
     assert result["copies_computed"] == result["copies_routed"]
@@ -139,6 +139,11 @@ def test_expert_parallel_dispatch_with_skewed_routing_drops_nothing_and_pallas_s
     # Pallas kernels (interpret mode) run per shard under the mesh
     assert result["attention_error"] < TOLERANCE
     assert result["moe_error"] < TOLERANCE
+    # the pipeline schedule against the repeats applied in order: uneven GPipe (R=3 on 2
+    # stages), interleaved with every chunk real (R=4, V=2) and with an empty one (R=3, V=2)
+    errors = result["pipeline_schedule_errors"]
+    assert list(errors) == ["R=3,V=1", "R=4,V=2", "R=3,V=2"]
+    assert all(error < TOLERANCE for error in errors.values()), errors
 
 
 # ---- in-process: rules and mesh arithmetic (no devices needed) ---------------------------------
