@@ -173,10 +173,10 @@ def pipeline_forward(repeat_fn: Callable, variables: dict, x: jax.Array, rows: t
                      plan: StagePlan):
     """Runs the R stacked repeats of a segment as pipeline stages (module docstring).
 
-    repeat_fn(variables_of_one_repeat, x [b, T, ...], *rows) -> (x, aux pytree), rows being the
-    per-row inputs [b, T] (or None) of a micro-batch; variables: pytree with leading [R] axes;
-    x: [B, T, ...]; rows: per-row inputs [B, T] or None.
-    Returns (x [B, T, ...], aux with leading [R] axes merged over micro-batches).
+    repeat_fn(variables_of_one_repeat, x [b, T, ...], *rows of the micro-batch) -> (x, aux
+    pytree); variables: pytree with leading [R] axes; x: [B, T, ...]; rows: per-row inputs
+    [B, T] or None (positions, segment ids, token ids). Returns (x [B, T, ...], aux with leading
+    [R] axes merged over micro-batches).
     """
     stages, virtual, slots, microbatches = plan.stages, plan.virtual, plan.slots, plan.microbatches
     batch = x.shape[0]
