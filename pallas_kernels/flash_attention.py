@@ -84,6 +84,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.saved_names import name_attention
+from pallas_kernels.target import target_backend
 
 _NEG = -1e30  # finite "minus infinity" for masked scores, as in the XLA attention path
 DEFAULT_BLOCKS = {"gpu": (64, 64)}  # (block_q, block_k) per backend (see the docstring)
@@ -488,7 +489,7 @@ def flash_attention(q, k, v, *, window=None, segment_ids=None, sink=None, block_
         raise ValueError(f"segment_ids: expected shape {(batch, length)}, got {segment_ids.shape}")
     if sink is not None and sink.shape != (heads,):
         raise ValueError(f"sink: expected shape {(heads,)}, got {sink.shape}")
-    backend = jax.default_backend()
+    backend = target_backend()
     interpret = backend == "cpu" if interpret is None else bool(interpret)
     if not interpret and backend == "tpu":
         raise NotImplementedError(

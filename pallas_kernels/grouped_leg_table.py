@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import mosaic_gpu
 from pallas_kernels.grouped_legs import LEGS, LegChoice
+from pallas_kernels.target import target_backend
 
 TABLE = Path(__file__).with_name("grouped_leg_table.json")
 
@@ -86,14 +87,14 @@ def merged_table(rows, status: str) -> dict:
 
 
 class Device(NamedTuple):
-    platform: str  # jax.default_backend(): cpu | gpu | tpu
+    platform: str  # the backend traced for (pallas_kernels.target): cpu | gpu | tpu
     kind: str
     hopper: bool  # sm90 with Mosaic GPU
     jax: str  # major.minor
 
 
 def current_device() -> Device:
-    return Device(jax.default_backend(), jax.devices()[0].device_kind,
+    return Device(target_backend(), jax.devices()[0].device_kind,
                   mosaic_gpu.hopper_available(), ".".join(jax.__version__.split(".")[:2]))
 
 

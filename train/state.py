@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from model.lm import CausalLM, init_variables, split_variables
+from model.lm import CausalLM, abstract_variables, init_variables, split_variables
 from model.parallel.rules import param_axes
 from train.config import RunConfig
 from train.optim.optimizer import build_optimizer, param_labels
@@ -40,7 +40,7 @@ class Training(NamedTuple):
 
 def build_training(run: RunConfig) -> Training:
     model = CausalLM(run.model)
-    boxed = jax.eval_shape(lambda: init_variables(model, jax.random.key(0)))
+    boxed = abstract_variables(run.model)
     axes = param_axes(boxed)
     heads = run.trained_mtp_heads()
     variable_axes = {name: param_axes(tree) for name, tree in boxed.items()}
@@ -70,8 +70,11 @@ def state_from_variables(variables: dict, optimizer: optax.GradientTransformatio
 
 
 def abstract_state(training: Training, seed: int) -> TrainState:
-    """Shapes and dtypes of the state (what a checkpoint restores into), without computing it."""
-    return jax.eval_shape(lambda: create_state(training.model, training.optimizer, seed))
+    """Shapes and dtypes of the state (what a checkpoint restores into), without computing it
+    (the model's variable shapes are cached per config: `model.lm.abstract_variables`)."""
+    variables = abstract_variables(training.model.config)
+    return jax.eval_shape(lambda v: state_from_variables(nn.meta.unbox(v), training.optimizer,
+                                                        jax.random.key(seed)), variables)
 
 
 def tree_where(pred: jax.Array, on_true: Any, on_false: Any) -> Any:

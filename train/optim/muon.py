@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
+from pallas_kernels.target import target_backend
+
 # Polar Express degree-5 coefficients (a, b, c) of p(x) = a x + b x^3 + c x^5, one per iteration,
 # from Algorithm 1 of Amsel, Persson, Musco, Gower, "The Polar Express: Optimal Matrix Sign
 # Methods and Their Application to the Muon Algorithm" (arXiv 2505.16932; reference code
@@ -61,7 +63,7 @@ ITERATION_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 def resolve_iteration_dtype(name: str, backend: str | None = None) -> jnp.dtype:
     """The iteration dtype `name` (one of ITERATION_DTYPES) stands for on `backend` (default:
-    `jax.default_backend()`, read once, where the optimizer is built).
+    the backend traced for, `pallas_kernels.target`, read once, where the optimizer is built).
 
     'auto' is float16, the report's choice (4.1.1), where matmuls run natively in float16
     (GPU tensor cores), and float32 on every other backend: XLA:CPU has no half-precision
@@ -72,7 +74,7 @@ def resolve_iteration_dtype(name: str, backend: str | None = None) -> jnp.dtype:
     if name not in ITERATION_DTYPES:
         raise ValueError(f"iteration_dtype: expected one of {ITERATION_DTYPES}, got {name!r}")
     if name == "auto":
-        native_float16 = (backend or jax.default_backend()) in ("gpu", "cuda", "rocm")
+        native_float16 = (backend or target_backend()) in ("gpu", "cuda", "rocm")
         name = "float16" if native_float16 else "float32"
     return jnp.dtype(name)
 
