@@ -51,7 +51,13 @@ class DataConfig(Config):
     machine, no download), `arith` / `arith_multistep` (procedural arithmetic problems,
     train/data/arithmetic.py, train/data/multistep.py) or a comma-separated list of them and of
     `.txt`/`.jsonl` paths or globs (a `.jsonl` of `messages` records is chat data, rendered with
-    the tokenizer's chat template: train/data/chat.py).
+    the tokenizer's chat template: train/data/chat.py), all read into memory; or the directory
+    of a corpus prepared into token shards (`python -m train.data.prepare`), read by random
+    access with memory that does not grow with the corpus.
+    `mixture`: {source: weight}, e.g. `{data/code: 0.3, data/web: 0.7}`, in place of `source`:
+    each key a source as above (typically a prepared directory), packed into rows on its own;
+    the rows are interleaved in proportion to the weights (grain's mixing), so the weights are
+    shares of the training tokens.
     `tokenizer`: `default` (byte-level BPE trained once on the stdlib corpus and shipped),
     `arith_chars` (one token per character of the arithmetic task) or the path of a Hugging
     Face `tokenizer.json`.
@@ -60,6 +66,7 @@ class DataConfig(Config):
     section = "train.data"
 
     source: str = "stdlib"
+    mixture: Mapping[str, float] = dataclasses.field(default_factory=dict)
     tokenizer: str = "default"
     heldout_fraction: float = 0.05  # share of documents (by path hash) kept for evaluation
     meta_tokens: bool = True  # report A.3: prepend "<|meta|>type=... lang=... source=...\n"
@@ -71,7 +78,9 @@ class DataConfig(Config):
 
     def validate(self) -> None:
         if not isinstance(self.source, str) or not self.source.strip():
-            raise ConfigError("source", "must be 'stdlib' or paths/globs of .txt/.jsonl files")
+            raise ConfigError("source", "must be 'stdlib', paths/globs of .txt/.jsonl files or "
+                              "a prepared directory")
+        self._validate_mixture()
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             raise ConfigError("tokenizer", "must be 'default', 'arith_chars' or a "
                               "tokenizer.json path")
@@ -80,6 +89,21 @@ class DataConfig(Config):
         check_int("meta_loss_mask_after_tokens", self.meta_loss_mask_after_tokens, -1)
         check_bool("shuffle", self.shuffle)
         check_int("num_workers", self.num_workers, 0)
+
+    def _validate_mixture(self) -> None:
+        if not isinstance(self.mixture, Mapping):
+            raise ConfigError("mixture", f"must be a mapping {{source: weight}}, e.g. "
+                              f"{{data/code: 0.3, data/web: 0.7}}, got {self.mixture!r}")
+        for key, weight in self.mixture.items():
+            if not isinstance(key, str) or not key.strip() or "," in key:
+                raise ConfigError("mixture", f"keys are sources (one prepared directory or "
+                                  f"path each, no commas), got {key!r}")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
+                raise ConfigError("mixture", f"the weight of {key!r} must be a positive number, "
+                                  f"got {weight!r}")
+        if self.mixture and self.source != "stdlib":
+            raise ConfigError("mixture", f"takes the place of train.data.source; leave source "
+                              f"unset (it is {self.source!r}) or remove the mixture")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,8 @@ from train.data import pipeline as data_module
 from train.data.corpus import load_documents, meta_string, stdlib_documents
 from train.data.documents import Document, heldout_score, split_documents
 from train.data.packing import FEATURES, pack, unpack
-from train.data.pipeline import DocumentEncoder, make_dataset, split_shard
+from train.data.encoder import DocumentEncoder
+from train.data.pipeline import host_records, make_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = Path(json.decoder.__file__).read_text()  # real Python source for small documents
@@ -274,9 +275,10 @@ def test_one_worker_process_gives_the_same_stream_and_resumes(tok, corpus):
 
 def test_hosts_get_disjoint_shards_covering_the_documents(tok, corpus):
     docs = load_documents(corpus)
-    for split in ("train", "heldout"):
-        full = {d.key for d in split_shard(docs, 0.5, split)}
-        shards = [{d.key for d in split_shard(docs, 0.5, split, i, 2)} for i in range(2)]
+    for split, chosen in zip(("train", "heldout"), split_documents(docs, 0.5)):
+        records = grain.MapDataset.source(chosen)
+        full = {d.key for d in chosen}
+        shards = [{d.key for d in host_records(records, split, i, 2)} for i in range(2)]
         assert shards[0].isdisjoint(shards[1]) and shards[0] | shards[1] == full
         assert abs(len(shards[0]) - len(shards[1])) <= 1
     cfg = DataConfig(source=corpus, heldout_fraction=0.5)
