@@ -28,6 +28,7 @@ from model.config import (
     check_int,
     check_nonnegative,
     check_open_fraction,
+    check_positive,
     config_from_dict,
     config_to_dict,
     model_values,
@@ -51,13 +52,10 @@ class DataConfig(Config):
     machine, no download), `arith` / `arith_multistep` (procedural arithmetic problems,
     train/data/arithmetic.py, train/data/multistep.py) or a comma-separated list of them and of
     `.txt`/`.jsonl` paths or globs (a `.jsonl` of `messages` records is chat data, rendered with
-    the tokenizer's chat template: train/data/chat.py), all read into memory; or the directory
-    of a corpus prepared into token shards (`python -m train.data.prepare`), read by random
-    access with memory that does not grow with the corpus.
-    `mixture`: {source: weight}, e.g. `{data/code: 0.3, data/web: 0.7}`, in place of `source`:
-    each key a source as above (typically a prepared directory), packed into rows on its own;
-    the rows are interleaved in proportion to the weights (grain's mixing), so the weights are
-    shares of the training tokens.
+    the tokenizer's chat template: train/data/chat.py), read into memory; or a directory of
+    token shards (`python -m train.data.prepare`), read by index with bounded memory.
+    `mixture`: {source: weight} in place of `source`, e.g. `{data/code: 0.3, data/web: 0.7}`:
+    sources packed apart, their rows interleaved by weight (shares of the tokens).
     `tokenizer`: `default` (byte-level BPE trained once on the stdlib corpus and shipped),
     `arith_chars` (one token per character of the arithmetic task) or the path of a Hugging
     Face `tokenizer.json`.
@@ -78,9 +76,7 @@ class DataConfig(Config):
 
     def validate(self) -> None:
         if not isinstance(self.source, str) or not self.source.strip():
-            raise ConfigError("source", "must be 'stdlib', paths/globs of .txt/.jsonl files or "
-                              "a prepared directory")
-        self._validate_mixture()
+            raise ConfigError("source", "must be 'stdlib', .txt/.jsonl paths or a prepared dir")
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             raise ConfigError("tokenizer", "must be 'default', 'arith_chars' or a "
                               "tokenizer.json path")
@@ -89,18 +85,12 @@ class DataConfig(Config):
         check_int("meta_loss_mask_after_tokens", self.meta_loss_mask_after_tokens, -1)
         check_bool("shuffle", self.shuffle)
         check_int("num_workers", self.num_workers, 0)
-
-    def _validate_mixture(self) -> None:
-        if not isinstance(self.mixture, Mapping):
-            raise ConfigError("mixture", f"must be a mapping {{source: weight}}, e.g. "
-                              f"{{data/code: 0.3, data/web: 0.7}}, got {self.mixture!r}")
+        if not isinstance(self.mixture, Mapping) or not all(
+                isinstance(k, str) and k.strip() and "," not in k for k in self.mixture):
+            raise ConfigError("mixture", "must map sources (a prepared directory or path each) "
+                              f"to weights, e.g. {{data/code: 0.3}}, got {self.mixture!r}")
         for key, weight in self.mixture.items():
-            if not isinstance(key, str) or not key.strip() or "," in key:
-                raise ConfigError("mixture", f"keys are sources (one prepared directory or "
-                                  f"path each, no commas), got {key!r}")
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
-                raise ConfigError("mixture", f"the weight of {key!r} must be a positive number, "
-                                  f"got {weight!r}")
+            check_positive(f"mixture[{key!r}]", weight)
         if self.mixture and self.source != "stdlib":
             raise ConfigError("mixture", f"takes the place of train.data.source; leave source "
                               f"unset (it is {self.source!r}) or remove the mixture")

@@ -280,9 +280,10 @@ def test_bad_prepared_data_is_one_line_before_any_work(corpus, tmp_path, tok, ca
     refused(data(source=f"{good},{source}"), "combine several with train.data.mixture")
     refused(DataConfig(mixture={str(good): 1.0, str(out): 2.0}, heldout_fraction=0.05),
             f"train.data.mixture {str(good)!r}", "--heldout-fraction 0.3")
-    with pytest.raises(ConfigError, match=r"^train.data.mixture: the weight of 'a' must be a "
-                                          r"positive number, got 0$"):
-        DataConfig(mixture={"a": 0, "b": 1})
+    for weight in (0, None, ""):  # `a:` in YAML is None
+        with pytest.raises(ConfigError, match=rf"^train.data.mixture\['a'\]: must be a positive "
+                                              rf"number, got {weight!r}$"):
+            DataConfig(mixture={"a": weight, "b": 1})
     with pytest.raises(ConfigError, match="takes the place of train.data.source"):
         DataConfig(mixture={"a": 1}, source="b.txt")
     content = shard.read_bytes()

@@ -216,7 +216,9 @@ class ShardSplit:
         entry = self.shards[shard]
         names = shard_files(entry["stem"], entry["mask"])
         dtypes = {"tokens": self.dtype, "index": INDEX_DTYPE, "mask": np.uint8}
-        maps = {k: np.memmap(self.root / name, dtypes[k], mode="r") for k, name in names.items()}
+        # Plain ndarray views of the maps: indexing them skips np.memmap's per-slice overhead.
+        maps = {k: np.asarray(np.memmap(self.root / name, dtypes[k], mode="r"))
+                for k, name in names.items()}
         maps["index"] = maps["index"].reshape(-1, 2)
         self._maps[shard] = maps
         return maps
@@ -226,7 +228,7 @@ class ShardSplit:
         shard = int(np.searchsorted(self.first, index, side="right")) - 1
         local = index - int(self.first[shard])
         maps = self._map(shard)
-        end, meta_len = (int(v) for v in maps["index"][local])
+        end, meta_len = maps["index"][local].tolist()
         start = int(maps["index"][local - 1, 0]) if local else 0
         mask = maps["mask"][start:end] if "mask" in maps else None
         return maps["tokens"][start:end], meta_len, mask
