@@ -9,7 +9,7 @@ compression settings (window 128, CSA rate 4 with top-512 selection, HCA rate 12
 smaller width: d_model 512, 8 query heads of 128 channels (32 rotary), one shared KV entry,
 8 indexer heads of 32 channels (V4-Flash's indexer-to-attention width ratio, 1:4). The dense
 layer is Step 3.5's full-attention layer at that width (8 query heads, one KV head of 128,
-sink, XLA core). Target (issue #21): time(16k)/time(2k) <= 12 for CSA and HCA.
+sink, XLA core). Target: time(16k)/time(2k) <= 12 for CSA and HCA.
 
 A layer whose compiled scratch exceeds --max-scratch-gib is reported, not run.
 """
@@ -45,11 +45,15 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 def layer_step(kind: str, length: int):
     """(compiled fwd+bwd of the layer on [1, length, 512], its arguments)."""
     if kind == "dense":
-        cfg = load_config(CONFIGS / "tiny.yaml", DENSE_WIDTH)
-        module = Attention(cfg, "F")
-    else:
-        cfg = load_config(CONFIGS / "tiny_deepseek_v4.yaml", V4_WIDTH)
-        module = SharedKVAttention(cfg, kind)
+        return model_layer_step(load_config(CONFIGS / "tiny.yaml", DENSE_WIDTH), kind, length)
+    return model_layer_step(load_config(CONFIGS / "tiny_deepseek_v4.yaml", V4_WIDTH), kind,
+                            length)
+
+
+def model_layer_step(cfg, kind: str, length: int):
+    """(compiled fwd+bwd of one attention layer of `cfg` on [1, length, d_model], its
+    arguments): kind "C", "H" or "W" a shared-KV layer, "dense" a full-attention layer."""
+    module = Attention(cfg, "F") if kind == "dense" else SharedKVAttention(cfg, kind)
     x = jax.random.normal(jax.random.key(length), (1, length, cfg.d_model), jnp.float32)
     positions = jnp.arange(length, dtype=jnp.int32)[None]
     segment_ids = jnp.ones((1, length), jnp.int32)

@@ -16,7 +16,7 @@ from benchmarks.gpu_checks import AttentionCase, MoECase
 from benchmarks.gpu_timings import AttentionShape
 from model.config import ModelConfig
 
-SECTIONS = ("checks", "attention", "moe", "train", "decode")
+SECTIONS = ("checks", "attention", "moe", "train", "decode", "attention_sweep", "v4_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,11 @@ class Plan:
     train_steps: int
     decode_prompt: int
     decode_new_tokens: int
+    decode_batches: tuple[int, ...]
+    # untrained configs to decode: (label, config path, overrides)
+    decode_others: tuple[tuple[str, str, tuple[str, ...]], ...]
+    v4_cases: tuple[tuple[int, str], ...]  # (T, layer kind) of the v4_layers section, in order
+    v4_dry_run: bool  # shrink the V4 layers (benchmarks.gpu_v4_layers.layer_config)
     limits: dict  # section -> seconds after which it starts no new case
     budget_s: float  # sections starting later than this are skipped
 
@@ -64,6 +69,10 @@ ACCELERATOR = Plan(
         AttentionCase("tiny full", 2, 128, 4, 2, 32, None, True, True, "float32"),
         AttentionCase("medium swa", 1, 2048, 18, 2, 128, 512, True, False, "bfloat16"),
         AttentionCase("medium full", 1, 2048, 12, 2, 128, None, False, False, "bfloat16"),
+        # cuDNN's sliding window and the sink folded from its lse; the Mosaic kernels' window
+        AttentionCase("swa sink", 1, 2048, 16, 2, 128, 512, False, True, "bfloat16"),
+        # MiMo-V2-Flash's head dims (Q/K 192, V 128), window, segments, sink
+        AttentionCase("mimo dims", 1, 1024, 8, 2, 192, 128, True, True, "bfloat16", 128),
     ),
     moe_checks=(
         MoECase("tiny", 64, 32, 8, 2, 16, 1.0, "float32"),
@@ -72,7 +81,8 @@ ACCELERATOR = Plan(
         MoECase("medium", 4096, 1536, 32, 4, 512, 0.0, "bfloat16"),
     ),
     attention_lengths=(4096, 8192, 16384, 32768),
-    attention_impls=("xla", "cudnn", "pallas"),
+    # `pallas` runs the Mosaic GPU kernels on sm90; `pallas_triton` the Triton kernel beside it
+    attention_impls=("pallas", "cudnn", "pallas_triton", "xla"),
     attention_batch=1,
     attention_repeats=5,
     moe_tokens=32768,
@@ -89,8 +99,16 @@ ACCELERATOR = Plan(
     train_warmup=3,
     train_steps=30,
     decode_prompt=64,
-    decode_new_tokens=128,
-    limits={"checks": 120, "attention": 150, "moe": 45, "train": 240, "decode": 90},
+    decode_new_tokens=64,
+    decode_batches=(1, 32),
+    decode_others=(("gpu_1b_mimo (random init)", "configs/gpu_1b_mimo.yaml", ()),
+                   ("gpu_1b_deepseek_v4 (random init)", "configs/gpu_1b_deepseek_v4.yaml", ())),
+    # 16k first (CSA vs dense there), then how CSA grows with T, then the rest
+    v4_cases=((16384, "C"), (16384, "dense"), (8192, "C"), (65536, "C"), (32768, "C"),
+              (16384, "H"), (16384, "W"), (65536, "dense")),
+    v4_dry_run=False,
+    limits={"checks": 90, "attention": 100, "moe": 45, "train": 150, "decode": 75,
+            "attention_sweep": 60, "v4_layers": 60},
     budget_s=480,
 )
 
@@ -102,6 +120,7 @@ DRY_RUN = ACCELERATOR.with_changes(
     attention_checks=(
         AttentionCase("tiny swa", 1, 64, 4, 2, 16, 16, True, True, "float32"),
         AttentionCase("tiny full", 1, 64, 4, 2, 16, None, False, False, "float32"),
+        AttentionCase("tiny mimo", 1, 64, 4, 2, 16, 16, False, True, "float32", 8),
     ),
     moe_checks=(MoECase("tiny", 32, 16, 4, 2, 8, 1.0, "float32"),),
     attention_lengths=(128,),
@@ -121,6 +140,11 @@ DRY_RUN = ACCELERATOR.with_changes(
     train_steps=2,
     decode_prompt=8,
     decode_new_tokens=8,
-    limits={"checks": 60, "attention": 30, "moe": 30, "train": 60, "decode": 30},
-    budget_s=120,
+    decode_batches=(1,),
+    decode_others=(),  # benchmarks.gpu_decode's untrained path: tests/test_gpu_suite.py
+    v4_cases=((128, "W"),),  # a shrunken V4 sliding-window layer
+    v4_dry_run=True,
+    limits={"checks": 60, "attention": 30, "moe": 30, "train": 60, "decode": 30,
+            "attention_sweep": 30, "v4_layers": 30},
+    budget_s=300,  # generous: a dry run is to run every section, on any machine
 )

@@ -1,14 +1,17 @@
 """`gpu_report.json` and `gpu_report.md` of `make gpu-check` (benchmarks.gpu_suite): the device,
-the versions, every section's records and the issue's targets, as data and as tables."""
+the versions, every section's records and the targets, as data and as tables."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from benchmarks import gpu_attention_report as attention_report
 from benchmarks.common import markdown_table
+from benchmarks.gpu_attention_targets import attention_targets
+from benchmarks.gpu_v4_layers import v4_targets
 
-# Issue #20's targets for the GPU run, checked from the section records (`targets`).
+# The GPU run's targets, checked from the section records (`targets`).
 MFU_TARGET = 0.35  # train step of the ~1B config
 PALLAS_SWA_LENGTH = 16384  # Pallas SWA at least as fast as the best of xla / cudnn there
 RAGGED_VS_DENSE = 2.0  # ragged_dot MoE within 2x of the dense FFN of equal active FLOPs
@@ -47,6 +50,7 @@ def targets(sections: dict, device_run: bool) -> list[dict]:
     out.append({"target": "ragged_dot MoE time / dense FFN of equal active FLOPs",
                 "value": vs_dense, "goal": f"<= {RAGGED_VS_DENSE}",
                 "met": None if vs_dense is None else vs_dense <= RAGGED_VS_DENSE})
+    out += attention_targets(sections) + v4_targets(sections)
     if not device_run:
         out = [{**t, "met": None} for t in out]
     return out
@@ -95,17 +99,10 @@ def _kernels(attempt: dict) -> str:
     return f"attention_impl={attempt['attention_impl']}, moe_impl={attempt['moe_impl']}"
 
 
-def _decode_table(decode: dict) -> str:
-    rows = [[r["draft"], _num(r["tokens_per_s"], 4), _num(r["mean_accepted"]),
-             _num(r["speedup"]), _pct(r["chain_accuracy"])] for r in decode.get("records", [])]
-    return markdown_table(["drafted tokens", "decode tok/s", "tokens per pass", "speedup",
-                           "generated tokens on the chain"], rows)
-
-
 SECTION_TITLES = {"checks": "Correctness against the XLA reference",
                   "attention": "Attention forward + backward",
                   "moe": "MoE layer forward + backward", "train": "Train step",
-                  "decode": "Decoding (batch 1, greedy)"}
+                  **attention_report.TITLES}
 
 
 def render_markdown(report: dict) -> str:
@@ -114,9 +111,11 @@ def render_markdown(report: dict) -> str:
              f"- device: {device['count']} x {device['kind']} ({device['backend']}); "
              f"bf16 peak {_num(device['peak_bf16_tflops'])} TFLOP/s"
              + (f" ({device['peak_note']})" if device.get("peak_note") else ""),
+             *([f"- Mosaic GPU flash attention: {device['mosaic_attention']}"]
+               if device.get("mosaic_attention") else []),
              f"- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
              f"- started {report['started']}, {report['seconds']:.0f} s in all; "
-             f"exit status {report['exit_status']}", "", "## Targets (issue #20)", "",
+             f"exit status {report['exit_status']}", "", "## Targets", "",
              markdown_table(["target", "value", "goal", "met"],
                             [[t["target"], _num(t["value"]), t["goal"],
                               {True: "yes", False: "NO", None: "-"}[t["met"]]]
@@ -124,7 +123,7 @@ def render_markdown(report: dict) -> str:
     renderers = {"checks": lambda s: [_checks_table(s.get("records", []))],
                  "attention": lambda s: [_attention_table(s.get("records", []))],
                  "moe": lambda s: [_moe_table(s.get("records", []))],
-                 "train": _train_lines, "decode": lambda s: [_decode_table(s)]}
+                 "train": _train_lines, **attention_report.RENDERERS}
     for name, section in report["sections"].items():
         lines += ["", f"## {SECTION_TITLES[name]}", "",
                   f"{section['status']} ({section.get('seconds', 0):.0f} s)"

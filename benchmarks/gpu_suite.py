@@ -1,4 +1,4 @@
-"""`make gpu-check`: the accelerator check of issue #20 in one command, on whatever JAX sees.
+"""`make gpu-check`: the accelerator check in one command, on whatever JAX sees.
 
     python -m benchmarks.gpu_suite [--dry-run] [--out DIR] [--sections checks attention ...]
         [--train-config PATH] [--train-override KEY=VALUE ...] [--limit SECTION=SECONDS ...]
@@ -12,11 +12,16 @@ Sections (benchmarks.gpu_plans sizes them; each records its results or "skipped:
 3. moe: the MoE layer per `moe_impl` against a dense FFN of equal active FLOPs.
 4. train: configs/gpu_1b.yaml (~1B, bfloat16) for a few dozen steps: tokens/s, MFU against
    the device's dense bf16 peak (benchmarks.pallas_attention.PEAKS; unknown device: omitted).
-5. decode: the trained model, batch 1, without and with MTP speculation: tokens/s.
-Writes DIR/gpu_report.json and DIR/gpu_report.md (default benchmarks/results/; README, "GPU",
-says how to read them). Exit status 1 if a correctness check failed or raised or a whole
-section failed (a timing case that fails, e.g. out of memory, is recorded and does not count),
-2 for bad arguments.
+5. decode: tokens/s at batch 1 and 32, without and with MTP speculation: the trained model and
+   the MiMo and DeepSeek-V4 ~1B configs (benchmarks.gpu_decode).
+6. attention_sweep: block sizes of the Mosaic GPU flash attention (sm90), writes the chosen
+   table DIR/flash_attention_blocks.json (benchmarks.gpu_attention_sweep).
+7. v4_layers: DeepSeek-V4's CSA, HCA and sliding-window layers against a dense full-attention
+   layer, 8k-64k (benchmarks.gpu_v4_layers).
+Writes DIR/gpu_report.json and DIR/gpu_report.md (default benchmarks/results/;
+docs/kernels.md, "make gpu-check", says how to read them). Exit status 1 if a correctness check
+failed or raised or a whole section failed (a timing case that fails, e.g. out of memory, is
+recorded and does not count), 2 for bad arguments.
 
 Without an accelerator (CPU) it runs the dry run (`--dry-run` anywhere): tiny shapes and a
 couple of steps, in seconds. Installs nothing and needs no network.
@@ -36,14 +41,20 @@ from typing import NamedTuple, Sequence
 import jax
 
 from benchmarks.common import RESULTS
+from benchmarks.gpu_attention_sweep import run_attention_sweep as attention_sweep
 from benchmarks.gpu_checks import TOLERANCE, check_attention, check_moe, first_line
+from benchmarks.gpu_decode import decode_section
 from benchmarks.gpu_ep_check import check_ragged_collective
+from benchmarks.gpu_mosaic_probe import probe_mosaic
 from benchmarks.gpu_plans import ACCELERATOR, DRY_RUN, SECTIONS, Plan, attention_shapes
 from benchmarks.gpu_report import targets, write_report
 from benchmarks.gpu_timings import time_attention, time_moe
-from benchmarks.gpu_train import decode_section, train_section
+from benchmarks.gpu_train import train_section
+from benchmarks.gpu_v4_layers import run_v4_layers as v4_layers
 from benchmarks.pallas_attention import peak_for
 from model.config import ModelConfig
+from pallas_kernels.attention import UNAVAILABLE
+from pallas_kernels.gpu_arch import compute_capability, is_hopper
 from train.config import load_run_config
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "libtpu", "flax",
@@ -127,16 +138,28 @@ def run_train(ctx: Context, deadline: float) -> dict:
 
 
 def run_decode(ctx: Context, deadline: float) -> dict:
-    if ctx.shared.get("trained") is None:
-        return {"status": "skipped", "note": "no trained model (train section not run or failed)"}
-    return decode_section(ctx.shared["trained"], prompt_len=ctx.plan.decode_prompt,
-                          new_tokens=ctx.plan.decode_new_tokens)
+    plan = ctx.plan
+    return decode_section(ctx.shared.get("trained"), plan.decode_others,
+                          prompt_len=plan.decode_prompt, new_tokens=plan.decode_new_tokens,
+                          batches=plan.decode_batches, deadline=deadline)
 
 
-# section -> runner(context, deadline); moe, train and decode are one case each, which a
-# deadline cannot stop midway.
+def run_attention_sweep(ctx: Context, deadline: float) -> dict:
+    return attention_sweep(attention_shapes(ctx.model), backend=ctx.backend,
+                           capability=compute_capability(), device=jax.devices()[0].device_kind,
+                           out_dir=ctx.shared["out_dir"], deadline=deadline)
+
+
+def run_v4_layers(ctx: Context, deadline: float) -> dict:
+    return v4_layers(list(ctx.plan.v4_cases), dry_run=ctx.plan.v4_dry_run,
+                     repeats=ctx.plan.attention_repeats, deadline=deadline)
+
+
+# section -> runner(context, deadline); moe and train are one case each, which a deadline
+# cannot stop midway.
 RUNNERS = {"checks": run_checks, "attention": run_attention, "moe": run_moe, "train": run_train,
-           "decode": run_decode}
+           "decode": run_decode, "attention_sweep": run_attention_sweep,
+           "v4_layers": run_v4_layers}
 
 
 def run_sections(ctx: Context, selected: list[str]) -> dict:
@@ -209,7 +232,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.monotonic()
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    ctx = Context(plan, model, device["backend"], device["peak_bf16_tflops"], shared={})
+    if not dry_run and is_hopper(compute_capability()):
+        usable, device["mosaic_attention"] = probe_mosaic()
+        if not usable:
+            UNAVAILABLE["mosaic"] = device["mosaic_attention"]
+        print(f"[gpu-check] Mosaic GPU flash attention: {device['mosaic_attention']}", flush=True)
+    ctx = Context(plan, model, device["backend"], device["peak_bf16_tflops"],
+                  shared={"out_dir": args.out})
     sections = run_sections(ctx, args.sections)
     exit_status = int(any(s["status"] in ("failed", "error") for s in sections.values()))
     report = {"plan": plan.name, "device": device, "versions": versions(), "started": stamp,

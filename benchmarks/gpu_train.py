@@ -1,4 +1,5 @@
-"""Train step and decoding of `make gpu-check` (benchmarks.gpu_suite).
+"""Train step of `make gpu-check` (benchmarks.gpu_suite); the decode section
+(benchmarks.gpu_decode) continues the model it trains.
 
 Train: a run config (configs/gpu_1b.yaml on an accelerator) trained for a few dozen steps
 through the jitted `train.step` (benchmarks.step_timing: forward, backward, Muon/AdamW,
@@ -7,11 +8,6 @@ model FLOPs per trained token (`model.flops`, forward x 3, the trained MTP heads
 tokens/s / the device's dense bf16 peak. Should the configured kernels fail, the step is
 measured again with one switch at a time set to its XLA fallback (`attention_impl=xla`,
 `moe_impl=ragged_dot`), then both, and every failed attempt is reported.
-
-Decode: the trained model continues a held-out row greedily at batch 1 (`model.inference`
-Decoder), without and with MTP speculation (drafts from the trained MTP heads, report 2.2):
-decode tokens/s, tokens committed per main-model pass, and the share of generated tokens that
-continue the row correctly (the model did learn on the device).
 
 Data: rows of one fixed random cycle over `CHAIN_TOKENS` token ids, x_{t+1} = next(x_t), each
 row from a random start (one document per row). A few dozen steps learn it, so the MTP head's
@@ -28,8 +24,6 @@ import numpy as np
 
 from benchmarks.gpu_checks import first_line
 from benchmarks.step_timing import timed_steps
-from model.inference.decode import Decoder
-from model.lm import join_variables
 from model.summary import count_params
 from train.config import RunConfig, load_run_config
 from train.state import build_training, create_state
@@ -132,28 +126,3 @@ def train_section(config: str, overrides: list[str], *, warmup: int, steps: int,
         return {**record, "config": config, "overrides": overrides, "failed": failed}, \
             (run, state, data)
     return {"status": "error", "config": config, "overrides": overrides, "failed": failed}, None
-
-
-def decode_section(trained: tuple, *, prompt_len: int, new_tokens: int) -> dict:
-    run, state, data = trained
-    variables = join_variables(state.params, state.balance)
-    row = data.rows(1, prompt_len + new_tokens, np.random.default_rng(12345))[0]
-    prompt, truth = row[:prompt_len].tolist(), row[prompt_len:]
-    draft = run.trained_mtp_heads()  # only trained heads draft well
-    # One decoder (and one compile of its cache and prefill) for both: speculative=False runs
-    # plain decode steps on the same caches.
-    decoder = Decoder(run.model, variables, max_len=prompt_len + new_tokens + draft,
-                      draft=draft, prefill_chunk=prompt_len)
-    records, plain_rate = [], None
-    for speculative in dict.fromkeys([False, draft > 0]):
-        decoder.generate([prompt], min(8, new_tokens), speculative=speculative)  # compile
-        out = decoder.generate([prompt], new_tokens, speculative=speculative)
-        generated = np.asarray(out.tokens[0][:new_tokens])
-        rate = out.tokens_per_second
-        plain_rate = plain_rate or rate
-        records.append({"draft": draft if speculative else 0, "tokens_per_s": rate,
-                        "mean_accepted": out.mean_accepted, "forward_passes": out.forward_passes,
-                        "speedup": rate / plain_rate if plain_rate else None,
-                        "chain_accuracy": float(np.mean(generated == truth[:generated.size]))})
-    return {"status": "done", "batch": 1, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "records": records}

@@ -1,7 +1,10 @@
 """Pallas kernels on plain arrays, with their jnp references; they import nothing of stepjax.
 
-- `flash_attention`: causal / sliding-window flash attention with segment ids and sinks
-  (`attention_impl=pallas`);
+- `attention`: `attention_impl=pallas`, which picks a flash-attention family per device and
+  input: `flash_attention_mgpu` (+ `_bwd`, `mgpu_attention_common`, block table
+  `flash_attention_blocks`) on Mosaic GPU for sm90, `flash_attention` (Triton; interpret mode
+  on CPU) elsewhere; causal / sliding-window with segment ids and sinks;
+- `gpu_arch`: the NVIDIA compute capability kernel families are chosen by;
 - `grouped_matmul`: grouped matmuls over row groups of one expert each (`moe_impl=pallas`,
   through `model.ops.pallas_moe`), Mosaic kernels for TPU and the differentiable `gmm` that
   picks a kernel family; `grouped_matmul_triton`: the same kernels in Triton for GPU;

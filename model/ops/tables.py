@@ -41,8 +41,8 @@ class ImplementationTable:
 # (`model.ops.attention_cores.AttentionCore`).
 ATTENTION = ImplementationTable("attention_impl", {
     "xla": "model.ops.attention_cores:xla_attention",
-    "cudnn": "model.ops.attention_cores:cudnn_attention",
-    "pallas": "pallas_kernels.flash_attention:flash_attention_core",
+    "cudnn": "model.ops.cudnn_attention:cudnn_attention",
+    "pallas": "pallas_kernels.attention:flash_attention_core",
 })
 
 # moe_impl: (x [N,D], indices [N,k], ExpertWeights, SwiGLUClamp, block_size)
