@@ -1,7 +1,7 @@
 """Data at scale: prepare throughput, the pipeline from token shards against what a `gpu_1b` step
 consumes, and peak memory / time to the first step of training from raw files and from shards.
 
-    python -m benchmarks.data_shards [--sizes-mb 6,60,600] [--workers N] [--keep]
+    python -m benchmarks.data_shards [--sizes-mb 6,60,600] [--workers N] [--parts P,...] [--keep]
 
 1. Consumption: `configs/gpu_1b.yaml`'s training FLOPs per token (train/telemetry/mfu.py) and an
    H100 SXM's dense bf16 peak (989 TFLOP/s) at 30% MFU give the tokens/s one GPU eats.
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import machine, markdown_table, save
+from benchmarks.common import RESULTS, machine, markdown_table, save
 
 REPO = Path(__file__).resolve().parents[1]
 H100_BF16_PEAK = 989e12  # FLOP/s, dense, SXM
@@ -136,41 +136,53 @@ def pipeline_rate(source: Path, seq_len: int, batch_size: int, workers: int = 0,
             "tokens_per_s": tokens / (time.perf_counter() - start)}
 
 
+PARTS = ("prepare", "pipeline", "start-up")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes-mb", default="6,60,600")
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
                         help="prepare's worker processes for 'all cores' (default: all)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help="which measurements (default: all); the others keep their results")
     parser.add_argument("--keep", action="store_true", help="keep the corpora and shards")
     args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes_mb.split(",")]
+    sizes, parts = [int(s) for s in args.sizes_mb.split(",")], args.parts.split(",")
+    path = RESULTS / "data_shards.json"
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    record.update(machine={**machine(), "shared": True}, consumption=consumption())
     root = Path(tempfile.mkdtemp(prefix="stepjax-data-bench-"))
-    record = {"machine": {**machine(), "shared": True}, "consumption": consumption()}
     try:
         corpora = write_corpora(root, sizes)
         middle = f"web_{sizes[len(sizes) // 2]}mb"
-        record["prepare"] = [prepare(corpora[middle], root / f"{middle}.prep{w}", w)
-                             for w in sorted({1, args.workers})]
-        prepared = {}
-        for name, path in corpora.items():
-            prepared[name] = root / f"{name}.prepared"
-            record.setdefault("prepare_all", {})[name] = prepare(path, prepared[name],
+        if "prepare" in parts:
+            record["prepare"] = [prepare(corpora[middle], root / f"{middle}.prep{w}", w)
+                                 for w in sorted({1, args.workers})]
+        prepared = {name: root / f"{name}.prepared" for name in corpora}
+        needed = corpora if "start-up" in parts else [f"web_{max(sizes)}mb"]
+        for name in needed:
+            record.setdefault("prepare_all", {})[name] = prepare(corpora[name], prepared[name],
                                                                 args.workers)
-        # At gpu_1b's batch shape; side by side: shards in-process and in worker processes,
-        # and the same documents read raw (tokenized on the fly).
-        largest, consumer = f"web_{max(sizes)}mb", record["consumption"]
-        shape = (consumer["seq_len"], consumer["batch_size"])
-        record["pipeline"] = [
-            {**pipe, "headroom": pipe["tokens_per_s"] / consumer["tokens_per_s"]}
-            for pipe in (pipeline_rate(prepared[largest], *shape),
-                         pipeline_rate(prepared[largest], *shape, workers=args.workers),
-                         pipeline_rate(corpora[middle].parent, *shape))]
-        cache = root / "xla-cache"
-        first_step(corpora[f"web_{min(sizes)}mb"], root / "warm", cache)  # compiles once
-        record["first_step"] = {f"{name} {kind}": first_step(source, root / "run", cache)
-                                for name in corpora
-                                for kind, source in (("raw", corpora[name].parent),
-                                                     ("prepared", prepared[name]))}
+        if "pipeline" in parts:
+            # At gpu_1b's batch shape; side by side: shards in-process and in worker
+            # processes, and the same kind of documents read raw (tokenized on the fly).
+            largest, consumer = f"web_{max(sizes)}mb", record["consumption"]
+            shape = (consumer["seq_len"], consumer["batch_size"])
+            record["pipeline"] = [
+                {**pipe, "headroom": pipe["tokens_per_s"] / consumer["tokens_per_s"]}
+                for pipe in (pipeline_rate(prepared[largest], *shape),
+                             pipeline_rate(prepared[largest], *shape, workers=args.workers),
+                             pipeline_rate(corpora[middle].parent, *shape))]
+        if "start-up" in parts:
+            cache = root / "xla-cache"
+            first_step(corpora[f"web_{min(sizes)}mb"], root / "warm", cache)  # compiles once
+            record["first_step"] = {f"{name} {kind}": first_step(source, root / "run", cache)
+                                    for name in corpora
+                                    for kind, source in (("raw", corpora[name].parent),
+                                                         ("prepared", prepared[name]))}
+        for part in parts:
+            record.setdefault("measured", {})[part] = time.strftime("%Y-%m-%d %H:%M")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -180,9 +192,10 @@ def main() -> None:
 
 def report(record: dict) -> None:
     consumer = record["consumption"]
+    peak = consumer["h100_bf16_peak_flops"] / 1e12
     print(f"gpu_1b: {consumer['gpu_1b_train_flops_per_token'] / 1e9:.3f} GFLOP per trained "
-          f"token; one H100 at {consumer['mfu']:.0%} of {consumer['h100_bf16_peak_flops'] / 1e12:.0f}"
-          f" TFLOP/s eats {consumer['tokens_per_s']:,.0f} tokens/s")
+          f"token; one H100 at {consumer['mfu']:.0%} of {peak:.0f} TFLOP/s eats "
+          f"{consumer['tokens_per_s']:,.0f} tokens/s")
     print(markdown_table(["prepare (jsonl)", "workers", "tokens/s", "per worker", "peak RSS"], [
         [f"{p['input_mb']:.0f} MB", str(p["workers"]), f"{p['tokens_per_s'] / 1e6:.2f}M",
          f"{p['tokens_per_s'] / p['workers'] / 1e6:.2f}M", f"{p['peak_rss_mb']:.0f} MB"]

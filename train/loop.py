@@ -24,7 +24,7 @@ from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
 from train.config import RunConfig, resume_changes
 from train.data.pipeline import make_dataset
-from train.data.sources import RawSource, check_data, open_data
+from train.data.sources import check_data, open_data
 from train.eval import evaluate, limited, make_eval_step
 from train.interrupts import stop_requests
 from train.parallel.distributed import (
@@ -118,10 +118,7 @@ class Trainer:
         self.data_source = open_data(run.train.data, self.tokenizer)
         check_data(self.data_source, run.train.data, self.tokenizer, loss_mask=run.train.loss_mask,
                    heldout=run.train.eval_every > 0, shard_count=jax.process_count())
-        # Raw chat data is rendered by the run's chat template, which is part of the data.
-        raw_chats = any(isinstance(s, RawSource) and s.has_chats
-                        for s in self.data_source.sources.values())
-        chat = chat_tokenizer_for(self.tokenizer) if raw_chats else None
+        chat = chat_tokenizer_for(self.tokenizer) if self.data_source.renders_chats else None
         note = check_and_record(self.workdir, self.tokenizer, run.train.data, chat,
                                 resuming=self.resume_step is not None,
                                 allow_data_change=allow_data_change, write=is_lead(),

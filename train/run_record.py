@@ -9,8 +9,6 @@ and gets one.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 from model.interop.workdir_record import (
@@ -22,6 +20,7 @@ from model.interop.workdir_record import (
 from model.tokenizers.chat import ChatTokenizer
 from model.tokenizers.text import TextTokenizer
 from train.config import DataConfig
+from train.data.chat import templates_sha256
 from train.data.fingerprint import data_changes, data_fingerprint
 
 ALLOW_FLAG = "--allow-data-change"
@@ -44,8 +43,7 @@ def check_and_record(workdir: Path, tokenizer: TextTokenizer, data: DataConfig,
                        for k, v in data_fingerprint(source).items()}
     fingerprint = dict(fingerprint)
     if chat is not None:
-        fingerprint[CHAT_TEMPLATE] = {"sha256": hashlib.sha256(
-            json.dumps(chat.templates, sort_keys=True).encode()).hexdigest()}
+        fingerprint[CHAT_TEMPLATE] = {"sha256": templates_sha256(chat)}
     source = {"mixture": dict(data.mixture)} if data.mixture else {"source": data.source}
     current = {"tokenizer": tokenizer_identity(tokenizer),
                "data": {**source, "fingerprint": fingerprint}}

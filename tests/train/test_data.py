@@ -11,6 +11,7 @@ import json.decoder
 from pathlib import Path
 
 import grain
+from grain.experimental import WindowShuffleIterDataset
 import jax
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from train.data.documents import Document, heldout_score, split_documents
 from train.data.packing import FEATURES, pack, unpack
 from train.data.encoder import DocumentEncoder
 from train.data.pipeline import host_records, make_dataset
+from train.data.shuffle import WindowShuffle
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = Path(json.decoder.__file__).read_text()  # real Python source for small documents
@@ -256,6 +258,29 @@ def test_train_stream_is_deterministic_and_resumes(tok, corpus, monkeypatch):
         assert_same_batches(batches_of(resumed, 8), first[k:k + 8])
     with pytest.raises(ValueError, match="seq_len 64 -> 32"):
         make_dataset(cfg, tok, seq_len=32, batch_size=4, split="train", seed=7).set_state(state)
+
+
+def test_row_shuffle_permutes_windows_and_resumes_from_its_and_grains_states():
+    rows = grain.MapDataset.range(50).to_iter_dataset()
+    shuffled = lambda: WindowShuffle(rows, window_size=8, seed=3)  # noqa: E731
+    ours = list(shuffled())
+    assert ours != list(range(50)) and ours == list(shuffled())
+    for start in range(0, 50, 8):  # every window: a permutation of its own rows
+        assert sorted(ours[start:start + 8]) == list(range(start, min(start + 8, 50)))
+    for k in (0, 5, 8, 13, 49, 50):
+        it = iter(shuffled())
+        list(itertools.islice(it, k))
+        resumed = iter(shuffled())
+        resumed.set_state(json.loads(json.dumps(it.get_state())))
+        assert list(resumed) == ours[k:]
+    # A state of grain's WindowShuffleIterDataset (checkpoints written with it): the rest of its
+    # window exactly as grain goes on, then our windows.
+    theirs = iter(WindowShuffleIterDataset(rows, window_size=8, seed=3))
+    list(itertools.islice(theirs, 13))
+    resumed = iter(shuffled())
+    resumed.set_state(json.loads(json.dumps(theirs.get_state())))
+    rest = list(resumed)
+    assert rest[:3] == list(itertools.islice(theirs, 3)) and rest[3:] == ours[16:]
 
 
 @pytest.mark.slow

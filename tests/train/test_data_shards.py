@@ -53,7 +53,8 @@ def write_corpus(root: Path) -> str:
     and a blank line -> a source naming them."""
     root.mkdir(parents=True, exist_ok=True)
     for i in range(12):
-        (root / f"doc{i:02d}.txt").write_text(f"# doc {i}\n" + SAMPLE[i * 300:i * 300 + 50 + 40 * i])
+        text = SAMPLE[i * 300:i * 300 + 50 + 40 * i]
+        (root / f"doc{i:02d}.txt").write_text(f"# doc {i}\n{text}")
     (root / "long.txt").write_text((SAMPLE * 16)[:3 * PIECE_BYTES + 1000])
     with open(root / "records.jsonl", "w") as f:
         for i in range(30):
@@ -185,7 +186,8 @@ def test_parquet_text_and_chat_columns(tmp_path, tok, monkeypatch):
     texts = [SAMPLE[i * 90:i * 90 + 40 + i] for i in range(25)]
     pq.write_table(pa.table({"text": texts, "lang": ["EN"] * 25}), tmp_path / "t.parquet",
                    row_group_size=4)
-    chats = [json.loads(line) for line in write_chats(tmp_path / "c.jsonl").read_text().splitlines()]
+    chats = [json.loads(line)
+             for line in write_chats(tmp_path / "c.jsonl").read_text().splitlines()]
     pq.write_table(pa.table({"messages": [c["messages"] for c in chats]}), tmp_path / "c.parquet")
     manifest = prepared(f"{tmp_path}/*.parquet", tmp_path / "out", fraction=0.4, unit_bytes=200)
     assert manifest["sources"][f"{tmp_path}/*.parquet"]["documents"] == 37
@@ -231,7 +233,8 @@ def test_prepare_reruns_resumes_and_never_overwrites_other_data(tmp_path, monkey
         prepared(source, out)
     assert not (out / "manifest.json").exists()
     calls.clear()
-    monkeypatch.setattr(prepare_module, "prepare_unit", lambda *a: calls.append(a[0]) or original(*a))
+    monkeypatch.setattr(prepare_module, "prepare_unit",
+                        lambda *a: calls.append(a[0]) or original(*a))
     manifest = prepared(source, out, log=logs.append)
     units = len(json.loads((out / "manifest.json").read_text())["splits"]["train"]["shards"])
     assert logs[0].startswith("resuming: 3 of ") and calls[0] == 3 and len(calls) >= units - 3
@@ -273,8 +276,8 @@ def test_bad_prepared_data_is_one_line_before_any_work(corpus, tmp_path, tok, ca
         message = str(err.value)
         assert "\n" not in message and all(n in message for n in needles), message
 
-    refused(data(heldout_fraction=0.05), "--heldout-fraction 0.3",
-            "train.data.heldout_fraction=0.3")
+    refused(data(heldout_fraction=0.05), f"train.data.source {str(out)!r}: prepared with "
+            "--heldout-fraction 0.3; set train.data.heldout_fraction=0.3")
     refused(data(), "prepared with tokenizer 'default'", "train.data.tokenizer=default",
             tokenizer=load_tokenizer("arith_chars"))
     refused(data(source=f"{good},{source}"), "combine several with train.data.mixture")
@@ -370,8 +373,8 @@ def test_raw_files_are_read_once_and_long_texts_in_pieces(tmp_path, tok, monkeyp
     source = write_corpus(tmp_path)
     opened = []
     original = readers.blocks
-    monkeypatch.setattr(readers, "blocks",
-                        lambda path, *a, **k: opened.append(Path(path).name) or original(path, *a, **k))
+    monkeypatch.setattr(readers, "blocks", lambda path, *a, **k: opened.append(Path(path).name)
+                        or original(path, *a, **k))
     cfg = DataConfig(source=source, heldout_fraction=0.3)
     data = open_data(cfg, tok)
     check_data(data, cfg, tok, loss_mask="auto", heldout=True)

@@ -18,6 +18,8 @@ user's questions.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Mapping
 
 import numpy as np
@@ -52,6 +54,11 @@ def trains_assistant_only(loss_mask: str, has_chats: bool) -> bool:
                           "chat data, but the run's data holds no chat records (jsonl with "
                           "'messages'); use 'all' or 'auto'")
     return has_chats and loss_mask in ("assistant", "auto")
+
+
+def templates_sha256(chat: ChatTokenizer) -> str:
+    """sha256 of the chat templates: part of the data, since another template is other text."""
+    return hashlib.sha256(json.dumps(chat.templates, sort_keys=True).encode()).hexdigest()
 
 
 def chat_example(chat: ChatTokenizer, doc: Document, assistant_only: bool) -> dict:

@@ -32,19 +32,16 @@ import json
 import grain
 import numpy as np
 from absl import flags
-from grain.experimental import WindowShuffleIterDataset
 
 from model.tokenizers.text import TextTokenizer
 from train.config import DataConfig
 from train.data.chat import trains_assistant_only
 from train.data.packing import pack, pad_batch
+from train.data.shuffle import WindowShuffle
 from train.data.sources import SPLITS, TrainingData, open_data
 
 SHUFFLE_WINDOW_TOKENS = 1 << 18  # packed rows are shuffled within windows of this many tokens
 MIXTURE = "mixture"  # a mixture's rows carry their source's index under this key
-# One background thread reads (and, for raw documents, tokenises) a few records ahead,
-# overlapping the train step.
-READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=8)
 
 
 def host_records(records: grain.MapDataset, split: str, shard_index: int = 0,
@@ -95,7 +92,7 @@ def build_dataset(data_cfg: DataConfig, tokenizer: TextTokenizer, *, seq_len: in
             shuffled = records.shuffle(seed=(seed + index) % 2**32)
             records = (shuffled if data_cfg.shuffle else records).repeat()
         example = source.example_fn(split, tokenizer, data_cfg.meta_tokens, assistant_only)
-        rows = pack(records.map(example).to_iter_dataset(READ_OPTIONS), seq_len)
+        rows = pack(records.map(example).to_iter_dataset(source.read_options), seq_len)
         streams[name] = rows if data.weights is None else rows.map(TagSource(index))
     if data.weights is None:
         (rows,) = streams.values()
@@ -103,7 +100,7 @@ def build_dataset(data_cfg: DataConfig, tokenizer: TextTokenizer, *, seq_len: in
         rows = grain.IterDataset.mix(streams, data.weights)
     if train and data_cfg.shuffle:
         window = max(SHUFFLE_WINDOW_TOKENS // seq_len, 2 * batch_size)
-        rows = WindowShuffleIterDataset(rows, window_size=window, seed=seed % 2**32)
+        rows = WindowShuffle(rows, window_size=window, seed=seed % 2**32)
     batches = rows.batch(batch_size, drop_remainder=train)
     if not train:
         batches = batches.map(functools.partial(pad_batch, batch_size=batch_size))

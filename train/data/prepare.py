@@ -38,6 +38,7 @@ from model.interop.workdir_record import tokenizer_identity
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
 from train.config import DataConfig
+from train.data.chat import templates_sha256
 from train.data.corpus import PROCEDURAL_SOURCES, stdlib_documents
 from train.data.documents import heldout_score
 from train.data.encoder import DocumentEncoder
@@ -54,7 +55,7 @@ from train.data.shards import (
     token_dtype,
     verify_shards,
 )
-from train.data.sources import SPLITS, chat_templates_sha256
+from train.data.sources import SPLITS
 
 PLAN = "plan.json"
 REPORT_BYTES = 4 << 20  # a worker reports its progress every this many input bytes
@@ -150,7 +151,10 @@ def _existing(out: Path, settings: dict, inputs: list[dict], force: bool) -> dic
     stored = None
     for name in (MANIFEST, PLAN):
         if (out / name).is_file():
-            stored = json.loads((out / name).read_text())
+            try:
+                stored = json.loads((out / name).read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                stored = {"unreadable": name}
             break
     if stored is None:
         if out.exists() and any(out.iterdir()):
@@ -164,7 +168,8 @@ def _existing(out: Path, settings: dict, inputs: list[dict], force: bool) -> dic
         old = {i.get("path", i["entry"]): i for i in stored.get("inputs", [])}
         new = {i.get("path", i["entry"]): i for i in inputs}
         changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-        what = f"input changed: {', '.join(changed[:3])}" if changed else "settings changed"
+        what = (f"its {stored['unreadable']} is unreadable" if "unreadable" in stored else
+                f"input changed: {', '.join(changed[:3])}" if changed else "settings changed")
         raise ValueError(f"--out {out} holds a preparation of other data ({what}); pass "
                          "--force to replace it or choose another --out")
     for name in (MANIFEST, PLAN):
@@ -233,7 +238,8 @@ def write_manifest(out: Path, source: str, settings: dict, inputs: list[dict],
                 "heldout_rule": "a document is held out iff sha256(key)[:8] / 2**64 < "
                                 "heldout_fraction (train/data/documents.py)",
                 "chats": chats,
-                "chat_templates_sha256": chat_templates_sha256(tokenizer) if chats else None,
+                "chat_templates_sha256":
+                    templates_sha256(chat_tokenizer_for(tokenizer)) if chats else None,
                 "sources": sources, "splits": splits, "inputs": inputs}
     write_text_atomically(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     (out / PLAN).unlink(missing_ok=True)
