@@ -389,6 +389,8 @@ def test_raw_files_are_read_once_and_long_texts_in_pieces(tmp_path, tok, monkeyp
     # encoded as one document: metadata before the first, end-of-text after the last only.
     pieces = [d for d in data.sources[source].documents if d.key == "long.txt"]
     text = (tmp_path / "long.txt").read_text()
+    (tmp_path / "crlf.txt").write_bytes(b"a\r\nb\rc\n")  # read with universal newlines
+    assert [d.text for d in load_corpus(str(tmp_path / "crlf.txt")).documents] == ["a\nb\nc\n"]
     assert "".join(d.text for d in pieces) == text
     assert all(len(d.text.encode()) <= PIECE_BYTES and d.text.endswith("\n") for d in pieces[:-1])
     encode = DocumentEncoder(tok, True)

@@ -113,7 +113,8 @@ def read_txt(path: Path, name: str, span: Span | None = None,
     offset = 0 if span is None else span.start
     stop = size if span is None else span.stop
     for piece in split_pieces(blocks(path, offset, stop, digest)):
-        text = _decode(piece, str(path), offset)
+        # Universal newlines, as Python reads text files (\r\n and \r become \n).
+        text = _decode(piece, str(path), offset).replace("\r\n", "\n").replace("\r", "\n")
         starts, ends = offset == 0, offset + len(piece) == size
         offset += len(piece)
         if starts and ends and not text.strip():
