@@ -32,10 +32,8 @@ from train.data.documents import Document, heldout_score, split_documents
 from train.data.encoder import DocumentEncoder
 from train.data.packing import FEATURES
 from train.data.pipeline import make_dataset
-from train.data.prepare import main as prepare_main
-from train.data.prepare import prepare
 from train.data.readers import PIECE_BYTES
-from train.data.shards import ShardSplit, read_manifest
+from train.data.shards import ShardSplit
 from train.data.sources import check_data, open_data
 from train.loop import Trainer
 from train.run_record import check_and_record
@@ -63,12 +61,12 @@ def write_corpus(root: Path) -> str:
     return f"{root}/*.txt,{root / 'records.jsonl'}"
 
 
-def prepared(source: str, out: Path, *, tokenizer: str = "default", fraction: float = 0.3,
-             unit_bytes: int = 40_000, force: bool = False, log=lambda _: None) -> dict:
-    args = argparse.Namespace(source=source, out=out, tokenizer=tokenizer, workers=1,
-                              heldout_fraction=fraction, unit_bytes=unit_bytes, force=force,
-                              progress=False)
-    return prepare(args, log=log)
+def prepared(source: str, out: Path, *, fraction: float = 0.3, unit_bytes: int = 40_000,
+             force: bool = False, log=lambda _: None) -> dict:
+    """`python -m train.data.prepare` in this process (one worker, no progress bar)."""
+    return prepare_module.prepare(argparse.Namespace(
+        source=source, out=out, tokenizer="default", workers=1, heldout_fraction=fraction,
+        unit_bytes=unit_bytes, force=force, progress=False), log=log)
 
 
 def batches(cfg: DataConfig, tok, n=None, **kwargs) -> list[dict]:
@@ -240,22 +238,20 @@ def test_prepare_reruns_resumes_and_never_overwrites_other_data(tmp_path, monkey
     assert logs[0].startswith("resuming: 3 of ") and calls[0] == 3 and len(calls) >= units - 3
     assert manifest["splits"] == reference["splits"]  # the same shards, byte for byte (sha256)
     assert not list(out.rglob("*.partial")) and not (out / "plan.json").exists()
-    # Unchanged input: nothing to do, nothing written.
-    calls.clear()
+    calls.clear()  # unchanged input: nothing to do, nothing written
     stamp = (out / "manifest.json").stat().st_mtime_ns
     prepared(source, out, log=logs.append)
     assert not calls and "is up to date" in logs[-1]
     assert (out / "manifest.json").stat().st_mtime_ns == stamp
     # Changed input: refused (one line, exit 2) unless --force.
     (tmp_path / "raw" / "doc03.txt").write_text("changed\n")
-    code = prepare_main(["--source", source, "--out", str(out), "--workers", "1",
-                         "--heldout-fraction", "0.3", "--unit-mb", str(40_000 / 2**20)])
+    code = prepare_module.main(["--source", source, "--out", str(out), "--workers", "1",
+                                "--heldout-fraction", "0.3", "--unit-mb", str(40_000 / 2**20)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "doc03.txt" in err[0] and "--force" in err[0], err
     assert (out / "manifest.json").stat().st_mtime_ns == stamp
     assert prepared(source, out, force=True)["splits"] != reference["splits"]
-    # A directory holding anything else is never written to.
-    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine").mkdir()  # a directory holding anything else is never written to
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     with pytest.raises(ValueError, match="is not empty and holds no prepared corpus"):
         prepared(source, tmp_path / "mine", force=True)
@@ -303,7 +299,7 @@ def test_bad_prepared_data_is_one_line_before_any_work(corpus, tmp_path, tok, ca
     assert not (workdir / "run_record.json").exists()
     # A shard whose bytes changed at the same size: the manifest's hashes catch it.
     shard.write_bytes(content[:-2] + bytes(255 - b for b in content[-2:]))
-    assert prepare_main(["--verify", str(out)]) == 2
+    assert prepare_module.main(["--verify", str(out)]) == 2
     assert "differ from the manifest" in capsys.readouterr().err
 
 
@@ -315,7 +311,7 @@ def test_a_resume_refuses_shards_prepared_again(corpus, tmp_path, tok):
     record = dict(resuming=False, allow_data_change=False, write=True)
     fingerprint = open_data(cfg, tok).fingerprint
     assert check_and_record(tmp_path, tok, cfg, fingerprint=fingerprint, **record) is None
-    (Path(source.split(",")[1])).write_text('{"text": "other data"}\n')
+    Path(source.split(",")[1]).write_text('{"text": "other data"}\n')
     prepared(source, out, force=True)
     changed = open_data(cfg, tok).fingerprint
     with pytest.raises(ValueError, match=rf"its data changed since the run started: {out} "
@@ -323,11 +319,12 @@ def test_a_resume_refuses_shards_prepared_again(corpus, tmp_path, tok):
         check_and_record(tmp_path, tok, cfg, fingerprint=changed, **{**record, "resuming": True})
 
 
-def test_mixture_interleaves_sources_by_weight_and_trains(tmp_path, tok, monkeypatch):
+def test_mixture_interleaves_sources_by_weight_and_reports_the_shares(tmp_path, tok,
+                                                                     monkeypatch):
     """Two prepared sources of disjoint tokens ('a' and 'b' runs), weights 1:3: every row comes
     from one source, in proportion 1:3 up to the row shuffle's window; the realised shares are
-    counted right and resume with the state; the trainer reports them as metrics
-    data/mix/<source>."""
+    counted right and resume with the state; held-out rows come from both; the trainer reports
+    the shares as metrics data/mix/<source>."""
     monkeypatch.setattr(pipeline, "SHUFFLE_WINDOW_TOKENS", 1024)  # a few rows: quick to fill
     dirs, letters = {}, {}
     for letter, count in (("a", 4), ("b", 9)):
@@ -342,9 +339,11 @@ def test_mixture_interleaves_sources_by_weight_and_trains(tmp_path, tok, monkeyp
     cfg = DataConfig(mixture={str(dirs["a"]): 1.0, str(dirs["b"]): 3.0}, heldout_fraction=0.2,
                      meta_tokens=False)
     assert not letters["a"] & letters["b"]
+    kinds = lambda bs: ["a" if r <= letters["a"] else "b" if r <= letters["b"] else "?"  # noqa
+                        for b in bs for t, s in zip(b["tokens"], b["segment_ids"])
+                        if (r := set(t[s > 0].tolist()) - {tok.eos_id})]
     it = make_dataset(cfg, tok, seq_len=32, batch_size=8, split="train", seed=1)
-    rows = [set(r.tolist()) - {tok.eos_id} for b in itertools.islice(it, 50) for r in b["tokens"]]
-    kind = ["a" if r <= letters["a"] else "b" if r <= letters["b"] else "?" for r in rows]
+    kind = kinds(itertools.islice(it, 50))
     # 400 rows, 1:3 exactly as mixed; the row shuffle's 32-row window moves a few across
     assert "?" not in kind and abs(kind.count("a") - 100) <= 32
     assert it.mixture_shares() == {"a": kind.count("a") / 400, "b": kind.count("b") / 400}
@@ -353,8 +352,8 @@ def test_mixture_interleaves_sources_by_weight_and_trains(tmp_path, tok, monkeyp
     resumed.set_state(state)
     assert_same(list(itertools.islice(resumed, 3)), list(itertools.islice(it, 3)))
     assert resumed.mixture_shares() == it.mixture_shares()
-    # The held-out stream mixes the held-out splits (one pass each, up to the first's end).
-    assert batches(cfg, tok, 1, split="heldout", seq_len=32, batch_size=2)
+    # The held-out stream mixes the held-out splits (1.txt and 2.txt of each, by key).
+    assert set(kinds(batches(cfg, tok, split="heldout", seq_len=32, batch_size=2))) == {"a", "b"}
     # The trainer reads the mixture the CLI override names and reports its shares as metrics
     # (nothing compiled: the state is only built at the first step).
     run = load_run_config(TINY, [*SMALL_LOOP, "train.data.heldout_fraction=0.2",
