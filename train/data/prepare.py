@@ -93,7 +93,7 @@ def unit_documents(item: dict, unit: dict, progress: _Progress):
     return read_file(Path(item["path"]), item["name"], Span(*unit["span"]), digest=progress)
 
 
-class Direct:
+class _InProcessQueue:
     """In-process progress: a queue's `put` that calls `show(input_bytes, tokens)`."""
 
     def __init__(self, show: Callable[[int, int], None]):
@@ -186,7 +186,7 @@ def run_units(out: Path, settings: dict, inputs: list[dict], units: list[dict], 
     pending = [(n, inputs[u["input"]], u) for n, u in enumerate(units)
                if not (out / SHARDS / f"{n:05d}.done").is_file()]
     if workers <= 1 or len(pending) <= 1:
-        _init_worker(settings, str(out), Direct(show))
+        _init_worker(settings, str(out), _InProcessQueue(show))
         for args in pending:
             prepare_unit(*args)
         return

@@ -29,6 +29,7 @@ from train.data.readers import (
     blocks,
     parquet_columns,
     parquet_file,
+    parquet_is_chat,
     record_is_chat,
     split_lines,
     split_pieces,
@@ -116,8 +117,7 @@ def _jsonl_is_chat(path: Path) -> bool:
 
 def _parquet_spans(path: Path, unit_bytes: int) -> Iterator[tuple[list, int]]:
     table = parquet_file(path)
-    columns = parquet_columns(table, path)
-    chat = "messages" in columns and "text" not in columns
+    chat = parquet_is_chat(parquet_columns(table, path))
     meta = table.metadata
     start = row = first = size = 0
     for group in range(meta.num_row_groups):

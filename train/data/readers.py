@@ -148,7 +148,7 @@ def read_parquet(path: Path, name: str, span: Span | None = None,
     table = parquet_file(path)
     span = span or Span(0, table.num_row_groups)
     columns = parquet_columns(table, path)
-    chat = span.chat if span.chat is not None else "messages" in columns and "text" not in columns
+    chat = parquet_is_chat(columns) if span.chat is None else span.chat
     batches = table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns,
                                  row_groups=range(span.start, span.stop))
     number = span.first
@@ -179,6 +179,11 @@ def parquet_columns(table, path: Path) -> list[str]:
         raise ValueError(f"{path}: expected a 'text' column (or 'messages' for chats), found "
                          f"{names}")
     return [c for c in ("text", "messages", "tools", *META_FIELDS) if c in names]
+
+
+def parquet_is_chat(columns: list[str]) -> bool:
+    """A parquet file holds chats if it has a `messages` column and no `text` column."""
+    return "messages" in columns and "text" not in columns
 
 
 def record_is_chat(record: Any) -> bool:
