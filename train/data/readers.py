@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -137,10 +138,26 @@ def read_jsonl(path: Path, name: str, span: Span | None = None,
             raise ValueError(f"{where}: malformed JSON ({err.msg})") from None
         except UnicodeDecodeError as err:
             raise ValueError(f"{where}: not UTF-8 text ({err.reason})") from None
+        if _SURROGATE_ESCAPE.search(raw):
+            _check_unicode(record, where)
         chat = record_is_chat(record) if chat is None else chat
         doc = record_document(record, f"{name}:{number}", name, chat, where)
         if doc is not None:
             yield doc
+
+
+# JSON can spell a lone UTF-16 surrogate (`"\ud800"`), which no tokenizer reads as text; a
+# cheap look at the line first, the exact check only where one may be.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_unicode(record: Any, where: str) -> None:
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{where}: a string holds a lone UTF-16 surrogate "
+                         f"({err.object[err.start]!r}), which is not text; fix or remove it"
+                         ) from None
 
 
 def read_parquet(path: Path, name: str, span: Span | None = None,
