@@ -19,7 +19,7 @@ from model.interop.workdir_record import (
 )
 from model.tokenizers.chat import ChatTokenizer
 from model.tokenizers.text import TextTokenizer
-from train.config import DataConfig
+from train.data.config import DataConfig
 from train.data.chat import templates_sha256
 from train.data.fingerprint import data_changes, data_fingerprint
 

@@ -34,7 +34,7 @@ import numpy as np
 from absl import flags
 
 from model.tokenizers.text import TextTokenizer
-from train.config import DataConfig
+from train.data.config import DataConfig
 from train.data.chat import trains_assistant_only
 from train.data.packing import pack, pad_batch
 from train.data.shuffle import WindowShuffle

@@ -37,7 +37,7 @@ from model.interop.atomic_file import write_text_atomically
 from model.interop.workdir_record import tokenizer_identity
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
-from train.config import DataConfig
+from train.data.config import DataConfig
 from train.data.chat import templates_sha256
 from train.data.corpus import PROCEDURAL_SOURCES, stdlib_documents
 from train.data.documents import heldout_score

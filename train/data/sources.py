@@ -25,7 +25,7 @@ import numpy as np
 from model.interop.workdir_record import describe_tokenizer, tokenizer_identity
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import TextTokenizer
-from train.config import DataConfig
+from train.data.config import DataConfig
 from train.data.chat import chat_example, templates_sha256, trains_assistant_only
 from train.data.corpus import load_corpus, source_entries
 from train.data.documents import split_documents
