@@ -64,7 +64,6 @@ from model.config import (
     check_int,
     check_nonnegative,
     check_positive,
-    config_from_dict,
     config_to_dict,
     read_yaml,
 )
@@ -299,10 +298,20 @@ class RLConfig(LoopConfig):
         if self.tis is not None:
             check_bool("tis", self.tis)
         check_positive("tis_cap", self.tis_cap)
-        if self.batch_size < max(self.actor_minibatches, self.critic_minibatches):
-            raise ConfigError("", f"{self.batch_size} rollouts per iteration cannot fill "
-                              f"{max(self.actor_minibatches, self.critic_minibatches)} minibatches")
+        used = ("actor", "critic") if self.uses_critic else ("actor",)  # no critic: not split
+        for name in used:
+            if self.batch_size < getattr(self, f"{name}_minibatches"):
+                raise ConfigError(f"{name}_minibatches", f"{self.batch_size} rollouts per "
+                                  f"iteration (rl.prompts_per_iteration x rl.samples_per_prompt) "
+                                  f"cannot fill {getattr(self, f'{name}_minibatches')} minibatches")
         self._validate_switches()
+        # MOPD (eq. 9) adds its teachers' signal to the group advantages: that one still trains.
+        if not self.uses_critic and self.algorithm != "mopd" and self.samples_per_prompt < 2:
+            why, fix = ((f"rl.algorithm={self.algorithm} uses group advantages", "raise it")
+                        if self.algorithm in GROUP_ALGORITHMS else
+                        ("rl.advantages=group", "raise it or use rl.advantages=gae"))
+            raise ConfigError("samples_per_prompt", f"{why}: a group of 1 sample has advantage "
+                              f"0 and trains nothing; {fix}")
         self._validate_warmups()
         # Estimation decodes batches of rl.batch_size rows (the rollouts' shape: no new
         # compilation, and the rows split over the mesh as the rollouts do).
@@ -383,7 +392,7 @@ def rl_config_from_dict(values: Mapping[str, Any]) -> RLRunConfig:
     if unknown:
         raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; expected "
                          f"{', '.join(SECTIONS)}")
-    model = config_from_dict(values["model"]) if values.get("model") else None
+    model = build_dataclass(ModelConfig, values["model"], "model.") if values.get("model") else None
     return RLRunConfig(model=model, rl=build_dataclass(RLConfig, values.get("rl") or {}, "rl."),
                        task=task_config_from_dict(values.get("task")))
 

@@ -35,6 +35,7 @@ from model.interop.workdir_record import tokenizer_mismatch
 from model.lm import CausalLM, abstract_variables, init_variables, join_variables
 from model.parallel.rules import param_axes, replicated
 from model.tokenizers.text import load_tokenizer
+from model.weights import load_model
 from rl.budget import BudgetTable, budget_table, toggled_rewards
 from rl.config import RLRunConfig
 from rl.distill.distillation import Distillation
@@ -56,7 +57,6 @@ from rl.parallel import (
     sharded_jit,
     variables_sharding,
 )
-from rl.policies import load_policy
 from rl.resume import resumed_config
 from rl.rollout import Rollouts, collect_rollouts
 from rl.routing_replay import replay_metrics
@@ -100,7 +100,7 @@ class RLTrainer:
             run = resumed_config(run, self.checkpoints.read_config(self.resume_step),
                                  self.workdir)
         elif init_from:
-            config, self.initial_variables = load_policy(init_from, self.mesh)
+            config, self.initial_variables = load_model(init_from, self.mesh)
             run = run.with_model(config)
         elif run.model is None:
             raise TrainingError("no policy to start from: pass --init-from (a training workdir, "

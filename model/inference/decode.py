@@ -38,11 +38,11 @@ import numpy as np
 from tqdm import tqdm
 
 from model.config import ModelConfig
-from model.inference.compressed_cache import CompressorCache
+from model.config.model_config import INT32_MAX
+from model.inference.cache_memory import free_memory
 from model.inference.kv_cache import KVCacheSpec
 from model.inference.sampling import Sampling, sample, sample_with_logprob, token_probs
 from model.inference.speculative import accept_drafts
-from model.layers.layer_plan import layer_kinds, plan_segments
 from model.lm import CausalLM
 
 
@@ -82,8 +82,12 @@ class Decoder:
         if not 0 <= draft <= config.mtp.num_heads:
             raise ValueError(f"draft: {draft} speculative tokens need as many MTP heads; the "
                              f"model has mtp.num_heads={config.mtp.num_heads}")
+        if max_len + draft > INT32_MAX:
+            raise ValueError(f"a cache of {max_len} positions: positions are int32, so at most "
+                             f"{INT32_MAX}; generate fewer new tokens")
         self.config, self.variables = config, variables
         self.spec = KVCacheSpec(max_len, draft)
+        self._fitting_batches: set[int] = set()
         self.model = CausalLM(config, self.spec)
         self.prefill_chunk = max(1, min(prefill_chunk, max_len))
         self._init = jax.jit(self._init_cache, static_argnums=1)
@@ -102,7 +106,18 @@ class Decoder:
         return other
 
     def init_cache(self, batch: int):
-        """Empty caches for `batch` rows: the `cache` collection of the decoding model."""
+        """Empty caches for `batch` rows: the `cache` collection of the decoding model. Refused
+        (ValueError) before anything is allocated when they would not fit in free memory."""
+        if batch not in self._fitting_batches:
+            shapes = jax.eval_shape(self._init, self.variables, batch)
+            need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+            free = free_memory()
+            if need > free:
+                raise ValueError(f"the KV caches of {batch} row(s) x {self.spec.max_len} "
+                                 f"positions need {need / 2**30:.2f} GiB, more than the "
+                                 f"{free / 2**30:.2f} GiB of free memory; generate fewer new "
+                                 "tokens (or fewer rows at once)")
+            self._fitting_batches.add(batch)
         return self._init(self.variables, batch)
 
     # ---- pure steps (jitted above) ------------------------------------------------------------
@@ -346,30 +361,3 @@ def _routes_per_row(prefill, steps, lengths, outputs) -> list[np.ndarray]:
            else np.zeros((layers, len(outputs), 0, k), np.int32))
     return [np.concatenate([prefill[:, b, :length], fed[:, b, :len(out) - 1]], axis=1)
             for b, (length, out) in enumerate(zip(lengths, outputs))]
-
-
-def cache_bytes(config: ModelConfig, cache) -> dict[str, int]:
-    """Bytes of a decode cache (`Decoder.init_cache`) by kind: 'full' (F layers), 'swa' (the
-    sliding-window rings: S and W layers, the window branch of C / H layers, the MTP heads),
-    'compressed' (C / H layers' compressed entries and compressor tails), 'indexer' (the CSA
-    indexers' keys and tails); the last two are 0 without DeepSeek-V4 compressed layers."""
-    kinds = layer_kinds(config)
-    segments = plan_segments(kinds)
-    totals = {"full": 0, "swa": 0, "compressed": 0, "indexer": 0}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
-        names = [getattr(p, "key", "") for p in path]
-        if names[0] == "layers" and names[1].startswith("segment_"):
-            segment = segments[int(names[1].removeprefix("segment_"))]
-            kind = kinds[segment.start + int(names[2].removeprefix("block_"))]
-        elif names[0] == "layers":
-            kind = kinds[int(names[1].removeprefix("layer_"))]
-        else:
-            kind = None  # an MTP head
-        if "indexer" in names:
-            category = "indexer"
-        elif names[-1] in CompressorCache._fields:
-            category = "compressed"
-        else:
-            category = "full" if kind is not None and kind.attention_type == "F" else "swa"
-        totals[category] += leaf.size * leaf.dtype.itemsize
-    return totals

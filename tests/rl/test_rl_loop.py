@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rl_workdir_source import check_rl_workdir_is_a_model_source
 from train_helpers import REPO
 
 import rl.trainer as rl_trainer
@@ -246,6 +247,7 @@ def test_loop_metrics_resume_and_cli_on_a_finished_run(tmp_path, capsys):
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "rl.algorithm" in error
     assert sorted(p.name for p in (straight.workdir / "checkpoints").iterdir()) == saved
+    check_rl_workdir_is_a_model_source(straight.workdir, small_run().model, tmp_path, capsys)
 
 
 @pytest.mark.slow
