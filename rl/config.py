@@ -23,16 +23,10 @@ rl.dynamic_sampling=false` is DAPO without dynamic sampling).
 | mopd | true | sequence_mean | false | 0 | 0 |
 | mis_po, ppo, gspo | true | token_mean | false | 0 | 0.001, k3_importance |
 
-`group_std`: divide group advantages by the group's std; `loss_aggregation`: see
-rl.objectives.losses; `dynamic_sampling`: rl.dynamic_sampling; `overlong_buffer`: L_cache tokens
-(rl.objectives.overlong); `kl_coef`, `kl_estimator`: the KL to the initial policy
-(rl.objectives.kl), aggregated like the loss.
-
-Each baseline's preset is its paper's objective (the equations are in rl/objectives/losses.py):
-`grpo` DeepSeekMath's (symmetric `grpo_clip`, k3 KL 0.04 inside the per-sequence mean), `dapo`
-(clip-higher `dapo_clip`), `dr_grpo` (symmetric `ppo_clip`), `kimi_k25` (K2.5 eq. 1, with
-`kimi_bounds` and `kimi_tau`). Variants are one override away, e.g. `rl.algorithm=grpo
-rl.grpo_clip=[0.2,0.28] rl.loss_aggregation=token_mean` is GRPO with DAPO's clip and mean.
+(`overlong_buffer`: DAPO's L_cache tokens; the KL is aggregated like the loss.) Each preset is
+its paper's objective (equations in rl/objectives/losses.py): `grpo` DeepSeekMath's (symmetric
+`grpo_clip`), `dapo` (clip-higher `dapo_clip`), `dr_grpo` (`ppo_clip`), `kimi_k25` (K2.5 eq. 1,
+`kimi_bounds`, `kimi_tau`). Variants are one override away (`rl.grpo_clip=[0.2,0.28]`).
 
 `rl.toggle` (Kimi K2.5's token-budget RL, rl/objectives/toggle.py and rl/budget.py) works with
 every algorithm: `rl.toggle.enabled=true`.

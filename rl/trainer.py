@@ -306,14 +306,13 @@ class RLTrainer:
             "entropy": float(losses.masked_mean(old["entropy"], mask)),
             "routing_confidence": float(per_rollout_confidence.mean()),
             "routing_confidence_hist": np.asarray(per_rollout_confidence),  # TensorBoard only
+            **({"kl": float(kl_estimate(rl.kl_method, old["logp"], old["logp"], ref_logp,
+                                        mask))} if rl.kl_weight else {}),  # needs a reference
             **{k: float(v) for k, v in {**filters, **off_policy}.items()}, **sampling,
             **update_metrics, **distill_metrics,
             "advantage_rms": float(jnp.sqrt(losses.masked_mean(advantages ** 2, mask))),
             "iteration_seconds": time.perf_counter() - started,
         }
-        if rl.kl_weight:  # the KL to the initial policy; without a KL term no reference is kept
-            metrics["kl"] = float(kl_estimate(rl.kl_method, old["logp"], old["logp"], ref_logp,
-                                              mask))
         if rl.overlong_buffer_tokens:
             metrics["overlong_penalty"] = float(np.mean(
                 overlong_penalty(lengths, rl.max_new_tokens, rl.overlong_buffer_tokens)))
