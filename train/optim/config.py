@@ -9,6 +9,7 @@ from typing import Any
 
 from model.config import (
     Config,
+    ConfigError,
     check_bool,
     check_choice,
     check_fraction,
@@ -17,13 +18,12 @@ from model.config import (
     check_positive,
     config_to_dict,
 )
-from train.optim.muon import ITERATION_DTYPES
+from train.optim.muon import ITERATION_DTYPES, ORTHOGONALIZERS
 
 OPTIMIZERS = ("muon", "adamw")
 # Optimizer fields a resumed run may change (dotted, under the optimizer's section): they round
 # Muon's iteration only; its momentum is float32 whatever the dtype.
 RESUMABLE_OPTIMIZER_CHANGES = {"muon.iteration_dtype"}
-ORTHOGONALIZERS = ("polar_express", "newton_schulz")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +33,13 @@ class MuonConfig(Config):
 
     momentum: float = 0.95
     nesterov: bool = True
-    orthogonalizer: str = "polar_express"  # or the classic Newton-Schulz-5 quintic
-    steps: int = 6  # T = 6 Polar Express iterations (report 4.1.1)
+    # train.optim.muon.ORTHOGONALIZERS: polar_express (Step 3.5, report 4.1.1), newton_schulz
+    # (the classic quintic), hybrid_newton_schulz (DeepSeek-V4 report 2.4, eq. 28: steps 10).
+    orthogonalizer: str = "polar_express"
+    steps: int = 6  # iterations in all (T = 6 Polar Express iterations, report 4.1.1)
+    # Of those, the last ones with the finishing polynomial (2, -1.5, 0.5); None: the
+    # orthogonalizer's default (2 for hybrid_newton_schulz; the others have none).
+    finish_steps: int | None = None
     # State and intermediates of the iteration (report 4.1.1: float16). 'auto': float16 on GPU,
     # float32 on CPU (float16 matmuls are float32 ones plus conversions there) and TPU (no
     # float16 MXU path); see train.optim.muon.resolve_iteration_dtype.
@@ -46,8 +51,14 @@ class MuonConfig(Config):
     def validate(self) -> None:
         check_fraction("momentum", self.momentum)
         check_bool("nesterov", self.nesterov)
-        check_choice("orthogonalizer", self.orthogonalizer, ORTHOGONALIZERS)
+        check_choice("orthogonalizer", self.orthogonalizer, tuple(ORTHOGONALIZERS))
         check_int("steps", self.steps, 1)
+        if self.finish_steps is not None:
+            check_int("finish_steps", self.finish_steps, 0)
+        try:
+            ORTHOGONALIZERS[self.orthogonalizer].coefficients(self.steps, self.finish_steps)
+        except ValueError as err:
+            raise ConfigError("finish_steps", str(err).removeprefix("orthogonalize: ")) from None
         check_choice("iteration_dtype", self.iteration_dtype, ITERATION_DTYPES)
         check_nonnegative("update_rms", self.update_rms)
 
