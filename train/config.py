@@ -133,9 +133,11 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     # per-offset weights; only MTP-1 trains in main training.
     mtp_loss_weight: float = 0.3
     mtp_offset_weights: tuple = (1.0,)
-    balance_loss_coef: float = 0.001  # EP-group balance loss, eq. 1
+    # Balance-loss weights per MoE layer with learned routing (the losses are summed over those
+    # layers, model.lm.collect_aux): Step 3.5's EP-group loss (eq. 1, 0.001) and the
+    # sequence-wise loss of DeepSeek-V4 (its report 2.1 / 4.2.2: 1e-4) and MiMo-V2-Flash (1e-5).
+    balance_loss_coef: float = 0.001
     router_bias_rate: float = 0.001  # loss-free balancing update u
-    # DeepSeek-V4 (report 2.1 / 4.2.2): the sequence-wise balance loss, weight 1e-4 there.
     sequence_balance_coef: float = 0.0
     # The CSA lightning indexer's KL loss (model/ops/sparse_indexer.py); it trains only the
     # indexer, whose inputs are detached, so 0 switches the indexer's learning off.
