@@ -47,7 +47,9 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
-ATTENTION_AUX = frozenset({"gate_mean", "indexer_loss"})  # per-layer aux of the attention
+# per-layer aux of the attention
+ATTENTION_AUX = frozenset({"gate_mean", "indexer_loss", "indexer_recall_hits",
+                           "indexer_recall_slots"})
 
 
 def balance_groups(cfg: ModelConfig) -> int:
@@ -61,7 +63,9 @@ def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
     """Stacks per-layer aux into: `moe` (dict of [L_moe, ...] arrays, including the per-layer
     `balance_loss` of eq. 1), `balance_loss` and `sequence_balance_loss` (DeepSeek-V4's), each
     the SUM over the MoE layers with learned routing (scalars with gradient), `attention_gate_mean`
-    (tuple of [H] per layer, headwise), `indexer_loss` (mean over the CSA layers).
+    (tuple of [H] per layer, headwise), `indexer_loss` (mean over the CSA layers) and, where
+    CSA attends densely, `indexer_recall`: the share of the indexer's top-k among the dense
+    attention's top-k, over the queries that see more than k entries (NaN: none does).
 
     Balance losses are summed over layers, as DeepSeek's reference attaches each MoE layer's
     alpha * L_bal to that layer's output (`AddAuxiliaryLoss` in its Hugging Face modeling code,
@@ -86,6 +90,11 @@ def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
     csa = [layer["indexer_loss"] for layer in per_layer if "indexer_loss" in layer]
     if csa:
         aux["indexer_loss"] = jnp.mean(jnp.stack(csa))
+    dense = [layer for layer in per_layer if "indexer_recall_hits" in layer]
+    if dense:  # CSA attending densely: the indexer's top-k recall, pooled over the layers
+        hits, slots = (sum(layer[k] for layer in dense)
+                       for k in ("indexer_recall_hits", "indexer_recall_slots"))
+        aux["indexer_recall"] = jnp.where(slots > 0, hits / jnp.maximum(slots, 1.0), jnp.nan)
     return aux
 
 

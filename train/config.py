@@ -35,6 +35,7 @@ from model.config import (
 )
 from model.parallel.rules import MESH_AXES
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
+from train.optim.schedules import decay_start
 
 SCHEDULES = ("cosine", "constant", "stages")
 # Which targets a chat document trains on (train/data/chat.py): its assistant turns, all its
@@ -132,6 +133,9 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     # MTP (report 2.2 / 3.1): total weight 0.3 (0.1 in stage 2) spread over heads by
     # per-offset weights; only MTP-1 trains in main training.
     mtp_loss_weight: float = 0.3
+    # DeepSeek-V4 / MiMo: the MTP weight from the step the learning rate starts to decay
+    # (train.optim.schedules.decay_start; V4 report 4.2.2: 0.3, then 0.1); None: no change.
+    mtp_loss_weight_at_decay: float | None = None
     mtp_offset_weights: tuple = (1.0,)
     # Balance-loss weights per MoE layer with learned routing (the losses are summed over those
     # layers, model.lm.collect_aux): Step 3.5's EP-group loss (eq. 1, 0.001) and the
@@ -172,6 +176,12 @@ class TrainConfig(OptimizerConfig, LoopConfig):
         self._validate_stages()
         for i, w in enumerate(self.mtp_offset_weights):
             check_nonnegative(f"mtp_offset_weights[{i}]", w)
+        if self.mtp_loss_weight_at_decay is not None:
+            check_nonnegative("mtp_loss_weight_at_decay", self.mtp_loss_weight_at_decay)
+            if decay_start(**self.schedule_settings()) is None:
+                raise ConfigError("mtp_loss_weight_at_decay", f"train.schedule={self.schedule} "
+                                  "never decays the learning rate; use a cosine schedule or a "
+                                  "decaying train.lr_stages entry, or leave it unset")
 
     def _validate_batch_warmup(self) -> None:
         previous = -1
@@ -289,6 +299,15 @@ class RunConfig(Config):
     mesh: MeshConfig = MeshConfig()
 
     def validate(self) -> None:
+        if self.train.trainable == "indexer":  # the indexer warm-up (DeepSeek-V4 report 4.2.2)
+            layers = range(self.model.num_layers)
+            if not any(self.model.attention_type(i) == "C" for i in layers):
+                raise ConfigError("train.trainable", "'indexer' trains the CSA lightning "
+                                  "indexers, but the model has no C layer in model.layout")
+            if self.train.router_bias_rate:
+                raise ConfigError("train.router_bias_rate", "must be 0 under train.trainable="
+                                  "indexer (only the indexers change); set "
+                                  "train.router_bias_rate=0")
         if len(self.train.mtp_offset_weights) > self.model.mtp.num_heads:
             raise ConfigError("train.mtp_offset_weights", f"{len(self.train.mtp_offset_weights)} "
                               f"weights but the model has model.mtp.num_heads="
@@ -300,7 +319,7 @@ class RunConfig(Config):
 
     def trained_mtp_heads(self) -> int:
         """MTP heads that enter the loss: up to the last non-zero per-offset weight."""
-        if not self.train.mtp_loss_weight:
+        if not (self.train.mtp_loss_weight or self.train.mtp_loss_weight_at_decay):
             return 0
         weights = self.train.mtp_offset_weights[:self.model.mtp.num_heads]
         return max((i + 1 for i, w in enumerate(weights) if w > 0), default=0)

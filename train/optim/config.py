@@ -19,6 +19,7 @@ from model.config import (
     config_to_dict,
 )
 from train.optim.muon import ITERATION_DTYPES, ORTHOGONALIZERS
+from train.optim.optimizer import TRAINABLE
 
 OPTIMIZERS = ("muon", "adamw")
 # Optimizer fields a resumed run may change (dotted, under the optimizer's section): they round
@@ -79,6 +80,9 @@ class OptimizerConfig(Config):
     adam_eps: float = 1e-8
     muon: MuonConfig = MuonConfig()
     freeze_router: bool = False  # mid-/post-training (report 3.2, 4.2): router weights fixed
+    # `indexer`: only the CSA lightning indexers train, everything else is frozen (DeepSeek-V4's
+    # indexer warm-up, report 4.2.2; with model.shared_kv_attention.csa_attention=dense).
+    trainable: str = "all"
 
     def validate(self) -> None:
         super().validate()
@@ -90,6 +94,7 @@ class OptimizerConfig(Config):
         check_fraction("adam_b1", self.adam_b1)
         check_fraction("adam_b2", self.adam_b2)
         check_bool("freeze_router", self.freeze_router)
+        check_choice("trainable", self.trainable, TRAINABLE)
 
     def schedule_settings(self) -> dict[str, Any]:
         """Keyword arguments of `train.optim.schedules.learning_rate_schedule`."""
@@ -101,4 +106,4 @@ class OptimizerConfig(Config):
         return {"optimizer": self.optimizer, "weight_decay": self.weight_decay,
                 "grad_clip": self.grad_clip, "adam_b1": self.adam_b1, "adam_b2": self.adam_b2,
                 "adam_eps": self.adam_eps, "muon": config_to_dict(self.muon),
-                "freeze_router": self.freeze_router}
+                "freeze_router": self.freeze_router, "trainable": self.trainable}
