@@ -179,9 +179,10 @@ class TrainConfig(OptimizerConfig, LoopConfig):
         if self.mtp_loss_weight_at_decay is not None:
             check_nonnegative("mtp_loss_weight_at_decay", self.mtp_loss_weight_at_decay)
             if decay_start(**self.schedule_settings()) is None:
-                raise ConfigError("mtp_loss_weight_at_decay", f"train.schedule={self.schedule} "
-                                  "never decays the learning rate; use a cosine schedule or a "
-                                  "decaying train.lr_stages entry, or leave it unset")
+                raise ConfigError("mtp_loss_weight_at_decay", "the learning rate never decays "
+                                  f"(train.schedule={self.schedule}); use a cosine with min_lr "
+                                  "< lr or a train.lr_stages entry that ends lower, or leave "
+                                  "it unset")
 
     def _validate_batch_warmup(self) -> None:
         previous = -1

@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from model.config import config_from_dict
@@ -237,3 +238,49 @@ def test_csa_layer_reports_indexer_loss_and_trains_indexer_only_through_it():
     assert from_indexer["indexer"] > 0
     assert all(v == 0.0 for k, v in from_indexer.items() if k != "indexer")
 
+
+
+def test_indexer_learns_the_dense_attention_in_a_short_warm_up():
+    """The warm-up signal (dense CSA: the KL from the attention over every visible entry)
+    trains a freshly initialised indexer, alone and on fresh random inputs each step, towards
+    the attention it stands in for: its top-k recall against the dense attention's top-k, on
+    inputs it never saw, rises from chance (measured 0.33 -> 0.53-0.61 after 300 Adam steps,
+    over four data seeds; the steps are one scan, ~0.3 s after compiling). The rest of the
+    layer is random and fixed."""
+    attn = dataclasses.replace(tiny_config("C").shared_kv_attention, csa_attention="dense",
+                               index_topk=4, index_heads=4, index_head_dim=12)
+    cfg = tiny_config("C").replace(shared_kv_attention=attn)
+    layer = SharedKVAttention(cfg, "C")
+    shape = (4, 48, cfg.d_model)
+    positions = jnp.broadcast_to(jnp.arange(shape[1]), shape[:2])
+    params = nn.meta.unbox(layer.init(jax.random.key(1), jnp.zeros(shape), positions,
+                                      None))["params"]
+    main = randomised({k: v for k, v in params.items() if k != "indexer"}, jax.random.key(2))
+
+    def aux(indexer, x):
+        return layer.apply({"params": {**main, "indexer": indexer}}, x, positions, None)[1]
+
+    def recall(indexer, x):
+        terms = aux(indexer, x)
+        return terms["indexer_recall_hits"] / terms["indexer_recall_slots"]
+
+    optimizer = optax.adam(1e-2)
+
+    @jax.jit
+    def warm_up(indexer):
+        def step(carry, key):
+            indexer, state = carry
+            loss, grads = jax.value_and_grad(lambda p: aux(p, jax.random.normal(key, shape))[
+                "indexer_loss"])(indexer)
+            updates, state = optimizer.update(grads, state)
+            return (optax.apply_updates(indexer, updates), state), loss
+        keys = jax.random.split(jax.random.key(100), 300)
+        (indexer, _), losses = jax.lax.scan(step, (indexer, optimizer.init(indexer)), keys)
+        return indexer, losses
+
+    held_out = jax.random.normal(jax.random.key(9), shape)
+    before = float(jax.jit(recall)(params["indexer"], held_out))
+    trained, losses = warm_up(params["indexer"])
+    after = float(jax.jit(recall)(trained, held_out))
+    assert after > before + 0.15, (before, after)
+    assert float(jnp.mean(losses[-20:])) < 0.9 * float(jnp.mean(losses[:20])), losses

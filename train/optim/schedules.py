@@ -72,18 +72,17 @@ def learning_rate_schedule(*, lr: float, warmup_steps: int, schedule: str = "con
 
 
 def decay_start(*, lr: float, warmup_steps: int, schedule: str = "constant",
-                stages: Sequence[tuple[int, float, str]] = (), **_) -> int | None:
-    """First step of `learning_rate_schedule`'s decay: where a decaying piece begins (cosine:
-    right after warm-up; stages: the first stage that ends lower than it starts, a constant one
-    at its end, where its lower end takes over); None if the rate never falls below `lr`.
-    Takes `learning_rate_schedule`'s keyword arguments. DeepSeek-V4 and MiMo switch the MTP
-    loss weight here (DeepSeek-V4 report 4.2.2: 0.3, then 0.1 from the start of the decay)."""
+                min_lr: float = 0.0, stages: Sequence[tuple[int, float, str]] = (), **_
+                ) -> int | None:
+    """The step where `learning_rate_schedule`'s decay begins (takes its keyword arguments):
+    cosine, right after warm-up; stages, where the first stage that ends below its start begins
+    (a constant one at its end, where its lower end_lr takes over). None where the rate never
+    decays. DeepSeek-V4 and MiMo switch the MTP loss weight there (DeepSeek-V4 report 4.2.2:
+    0.3, then 0.1 from the start of the decay)."""
     if schedule == "cosine":
-        return warmup_steps
-    if schedule != "stages":
-        return None
+        return warmup_steps if min_lr < lr else None
     step, start = warmup_steps, lr
-    for steps, end, shape in stages:
+    for steps, end, shape in stages if schedule == "stages" else ():
         if end < start:
             return step + steps if shape == "constant" else step
         step, start = step + steps, end
