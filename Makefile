@@ -21,7 +21,7 @@ TRAIN_DIR ?= runs/tiny
 train: $(STAMP)
 	$(PY) -m train --config configs/tiny.yaml --workdir $(TRAIN_DIR) $(ARGS)
 
-# RL acceptance run (README, "Reinforcement learning"): SFT warm start on the arithmetic task,
+# RL run (docs/post_training.md, "Reinforcement learning"): SFT warm start on the arithmetic task,
 # then MIS-PO; ARGS go to `python -m rl` (e.g. ARGS="rl.algorithm=ppo" RL_DIR=runs/ppo_arith).
 SFT_DIR ?= runs/sft_arith
 RL_DIR ?= runs/rl_arith
@@ -29,7 +29,7 @@ rl: $(STAMP)
 	$(PY) -m train --config configs/sft_arith.yaml --workdir $(SFT_DIR)
 	$(PY) -m rl --config configs/rl_arith.yaml --workdir $(RL_DIR) --init-from $(SFT_DIR) $(ARGS)
 
-# RL algorithms side by side on one SFT warm start (README, "Reinforcement learning"): one run
+# RL algorithms side by side on one SFT warm start (docs/post_training.md): one run
 # per algorithm in COMPARE_DIR/<algorithm>, then `python -m rl.compare` (table, JSON, plot).
 # Re-running resumes unfinished runs; ARGS go to every `python -m rl`.
 RL_ALGORITHMS ?= mis_po ppo grpo dapo dr_grpo
@@ -42,9 +42,9 @@ rl-compare: $(STAMP)
 	$(PY) -m rl.compare $(foreach a,$(RL_ALGORITHMS),$(a)=$(COMPARE_DIR)/$(a)) \
 		--json $(COMPARE_DIR)/compare.json --plot $(COMPARE_DIR)/compare.png
 
-# Kimi K2.5's Toggle (README, "Toggle"): an SFT warm start on the multi-step task, then the same
-# RL run with and without Toggle, compared by `python -m rl.compare` (response length against
-# accuracy). Re-running resumes unfinished runs; ARGS go to both `python -m rl`.
+# Kimi K2.5's Toggle (docs/post_training.md, "Toggle"): an SFT warm start on the multi-step task,
+# then the same RL run with and without Toggle, compared by `python -m rl.compare` (response
+# length against accuracy). Re-running resumes unfinished runs; ARGS go to both `python -m rl`.
 TOGGLE_SFT_DIR ?= runs/sft_multistep
 TOGGLE_DIR ?= runs/rl_toggle
 rl-toggle: $(STAMP)
@@ -57,10 +57,10 @@ rl-toggle: $(STAMP)
 	$(PY) -m rl.compare toggle=$(TOGGLE_DIR)/toggle baseline=$(TOGGLE_DIR)/baseline \
 		--json $(TOGGLE_DIR)/compare.json --plot $(TOGGLE_DIR)/compare.png
 
-# Multi-teacher on-policy distillation (README, "On-policy distillation"): from one SFT base, an
-# addition and a subtraction teacher (RL on one op each), then a student distilled from both by
-# MOPD and a mixed-task RL student for the same iterations, compared by `python -m rl.compare`.
-# ARGS go to the two students' runs (e.g. ARGS="rl.distill.signal=full_vocab").
+# Multi-teacher on-policy distillation (docs/post_training.md, "On-policy distillation"): from one
+# SFT base, an addition and a subtraction teacher (RL on one op each), then a student distilled
+# from both by MOPD and a mixed-task RL student for the same iterations, compared by `python -m
+# rl.compare`. ARGS go to the two students' runs (e.g. ARGS="rl.distill.signal=full_vocab").
 MOPD_DIR ?= runs/mopd
 MOPD_TEACHERS = task.tasks.add.teacher.checkpoint=$(MOPD_DIR)/teacher_add \
 	task.tasks.sub.teacher.checkpoint=$(MOPD_DIR)/teacher_sub
@@ -80,7 +80,7 @@ mopd: $(STAMP)
 		$(foreach m,$(MOPD_METRICS),--metric $(m)) \
 		--json $(MOPD_DIR)/compare.json --plot $(MOPD_DIR)/compare.png
 
-# Ablation sweep (README, "Experiments"):
+# Ablation sweep (docs/experiments.md):
 # SWEEP=layout|gate|optimizer|balance|deepseek_v4|families; re-running skips
 # finished runs and resumes unfinished ones. ARGS override every run, e.g.
 # ARGS="train.seed=1" SWEEP_DIR=runs/sweep_layout_seed1.
@@ -104,15 +104,15 @@ bench: $(STAMP)
 		"train.mtp_offset_weights=[1.0, 1.0, 1.0]"
 	$(PY) -m benchmarks.decode --workdir $(DECODE_DIR)
 
-# stepjax against transformers' torch implementation on the same checkpoint (README, Performance).
+# stepjax against transformers' torch implementation on the same checkpoint (docs/performance.md).
 bench-torch: $(STAMP)
 	$(PY) -m benchmarks.vs_torch $(ARGS)
 
-# Accelerator check (README, "GPU"): every kernel against XLA, kernel and train-step timings,
-# MFU, decode speed -> GPU_OUT/gpu_report.json and .md. Runs the Python it is given (default:
-# .venv's if there is one, else $(PYTHON)) and installs nothing: accelerator images bring their
-# own JAX. Without an accelerator it is a short dry run. ARGS go to the suite, e.g.
-# ARGS="--train-override model.remat_policy=none".
+# Accelerator check (docs/kernels.md, "make gpu-check"): every kernel against XLA, kernel and
+# train-step timings, MFU, decode speed -> GPU_OUT/gpu_report.json and .md. Runs the Python it is
+# given (default: .venv's if there is one, else $(PYTHON)) and installs nothing: accelerator
+# images bring their own JAX. Without an accelerator it is a short dry run. ARGS go to the suite,
+# e.g. ARGS="--train-override model.remat_policy=none".
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 GPU_OUT ?= benchmarks/results
 gpu-check:

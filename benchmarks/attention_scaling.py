@@ -2,7 +2,7 @@
 
     python benchmarks/attention_scaling.py [--lengths 2048 4096 8192 16384] [--window 512]
 
-Forward + backward of the XLA cores in float32 on one KV group. Target (issue #2): SWA time
+Forward + backward of the XLA cores in float32 on one KV group. Target: SWA time
 grows ~linearly, time(16k)/time(2k) <= 10; full attention grows ~quadratically.
 """
 

@@ -2,7 +2,7 @@
 
     python benchmarks/compile_time.py [--depths 12 48] [--no-unscanned]
 
-Layout `SSSF*k` with one leading dense layer. Target (issue #2): with scan on, 48 layers
+Layout `SSSF*k` with one leading dense layer. Target: with scan on, 48 layers
 compile within 2x the time of 12 layers (the scanned segments do not grow with depth).
 """
 

@@ -9,7 +9,7 @@ compression settings (window 128, CSA rate 4 with top-512 selection, HCA rate 12
 smaller width: d_model 512, 8 query heads of 128 channels (32 rotary), one shared KV entry,
 8 indexer heads of 32 channels (V4-Flash's indexer-to-attention width ratio, 1:4). The dense
 layer is Step 3.5's full-attention layer at that width (8 query heads, one KV head of 128,
-sink, XLA core). Target (issue #21): time(16k)/time(2k) <= 12 for CSA and HCA.
+sink, XLA core). Target: time(16k)/time(2k) <= 12 for CSA and HCA.
 
 A layer whose compiled scratch exceeds --max-scratch-gib is reported, not run.
 """

@@ -2,7 +2,7 @@
 
     python -m benchmarks.decode --workdir runs/tiny_mtp3 [--prompts 8] [--new-tokens 96]
 
-1. `--workdir`: a trained run (tiny, all MTP heads trained, README "Inference"). Greedy
+1. `--workdir`: a trained run (tiny, all MTP heads trained, as `make bench` trains it). Greedy
    continuations of held-out corpus prompts at batch 1: decode tokens/s with 0..3 drafted
    tokens, mean accepted length (tokens committed per main-model pass) and speedup.
 2. `medium` (d_model 1024, as benchmarks/train_step.py) with random weights: the cost of one

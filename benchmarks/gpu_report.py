@@ -1,5 +1,5 @@
 """`gpu_report.json` and `gpu_report.md` of `make gpu-check` (benchmarks.gpu_suite): the device,
-the versions, every section's records and the issue's targets, as data and as tables."""
+the versions, every section's records and the targets, as data and as tables."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from benchmarks.common import markdown_table
 
-# Issue #20's targets for the GPU run, checked from the section records (`targets`).
+# The GPU run's targets, checked from the section records (`targets`).
 MFU_TARGET = 0.35  # train step of the ~1B config
 PALLAS_SWA_LENGTH = 16384  # Pallas SWA at least as fast as the best of xla / cudnn there
 RAGGED_VS_DENSE = 2.0  # ragged_dot MoE within 2x of the dense FFN of equal active FLOPs
@@ -116,7 +116,7 @@ def render_markdown(report: dict) -> str:
              + (f" ({device['peak_note']})" if device.get("peak_note") else ""),
              f"- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
              f"- started {report['started']}, {report['seconds']:.0f} s in all; "
-             f"exit status {report['exit_status']}", "", "## Targets (issue #20)", "",
+             f"exit status {report['exit_status']}", "", "## Targets", "",
              markdown_table(["target", "value", "goal", "met"],
                             [[t["target"], _num(t["value"]), t["goal"],
                               {True: "yes", False: "NO", None: "-"}[t["met"]]]

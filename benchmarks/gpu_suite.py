@@ -1,4 +1,4 @@
-"""`make gpu-check`: the accelerator check of issue #20 in one command, on whatever JAX sees.
+"""`make gpu-check`: the accelerator check in one command, on whatever JAX sees.
 
     python -m benchmarks.gpu_suite [--dry-run] [--out DIR] [--sections checks attention ...]
         [--train-config PATH] [--train-override KEY=VALUE ...] [--limit SECTION=SECONDS ...]
@@ -13,10 +13,10 @@ Sections (benchmarks.gpu_plans sizes them; each records its results or "skipped:
 4. train: configs/gpu_1b.yaml (~1B, bfloat16) for a few dozen steps: tokens/s, MFU against
    the device's dense bf16 peak (benchmarks.pallas_attention.PEAKS; unknown device: omitted).
 5. decode: the trained model, batch 1, without and with MTP speculation: tokens/s.
-Writes DIR/gpu_report.json and DIR/gpu_report.md (default benchmarks/results/; README, "GPU",
-says how to read them). Exit status 1 if a correctness check failed or raised or a whole
-section failed (a timing case that fails, e.g. out of memory, is recorded and does not count),
-2 for bad arguments.
+Writes DIR/gpu_report.json and DIR/gpu_report.md (default benchmarks/results/;
+docs/kernels.md, "make gpu-check", says how to read them). Exit status 1 if a correctness check
+failed or raised or a whole section failed (a timing case that fails, e.g. out of memory, is
+recorded and does not count), 2 for bad arguments.
 
 Without an accelerator (CPU) it runs the dry run (`--dry-run` anywhere): tiny shapes and a
 couple of steps, in seconds. Installs nothing and needs no network.

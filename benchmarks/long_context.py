@@ -13,8 +13,8 @@ prompt grows.
    Step 3.5 Flash report Table 8 (whole-model FLOPs of layouts relative to S3F1 with 64 SWA
    heads, 64K / 256K), the MiMo-V2-Flash report's "KV-cache storage and attention compute
    reduced by nearly 6x" against all-global attention, the DeepSeek-V4 report's KV "about 2%"
-   of a BF16 GQA-8 baseline at 1M (§2.3.4; its V3.2 comparison, Figure 1, is in README
-   "DeepSeek-V4-Flash at 1M context").
+   of a BF16 GQA-8 baseline at 1M (§2.3.4; its V3.2 comparison, Figure 1, is in
+   docs/performance.md, "DeepSeek-V4-Flash at 1M context").
 2. Measured: greedy decode tokens/s at batch 1 of the three tiny presets (random weights,
    float32) at each prompt length, plain and with MTP drafts (every head the model has), each
    Decoder sized to its prompt (max_len = prompt + new tokens + drafts: a static-shape decoder's

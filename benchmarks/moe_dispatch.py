@@ -3,7 +3,8 @@
     python -m benchmarks.moe_dispatch [--tokens 4096] [--d-model 512] [--experts 64] [--top-k 8]
 
 Forward + backward in float32. The dense FFN has hidden = top_k * expert_hidden, so it does the
-same matmul FLOPs as the routed experts; it runs on `model.ops.linear` like the model's dense FFN. Target (issue #2): `sorted` <= 1.5x the dense time.
+same matmul FLOPs as the routed experts; it runs on `model.ops.linear` like the model's dense
+FFN. Target: `sorted` <= 1.5x the dense time.
 The cases are timed interleaved (one call of each per round) and the routing is an argument of
 the compiled step, not a constant, so load from other processes hits all cases alike and XLA
 cannot precompute the dispatch. Reports the median per case and its ratio to the dense median.

@@ -6,7 +6,7 @@ Times the jitted `train.step` (forward, backward, Muon/AdamW, loss-free bias upd
 on batches from the real input pipeline, after one warm-up step. MFU = model FLOPs per trained
 token (`model.flops`: forward x 3, MTP heads that train included) x tokens/s over the measured
 float32 matmul peak of this machine (`train.telemetry.mfu.measure_matmul_peak`, a 2048^3 product).
-The issue's target is MFU >= 40% on the medium config.
+Target: MFU >= 40% on the medium config.
 
 The optimizer update is timed on its own too. Muon's orthogonalisation costs a fixed ~4.5
 TFLOP per step on the medium model whatever the batch, so at the 2k tokens per step that fit

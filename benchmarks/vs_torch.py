@@ -13,7 +13,7 @@ allocator: `benchmarks.common.interleaved`); the losses must agree before anythi
 A per-module breakdown times fwd+bwd of one layer of each kind (weights from the checkpoint)
 the same way. The machine's float32 matmul peak
 (`train.telemetry.mfu.measure_matmul_peak`, large and small shapes) turns FLOP/s into MFU.
-Results: `benchmarks/results/vs_torch_<sizes>.json` and a markdown table for README.
+Results: `benchmarks/results/vs_torch_<sizes>.json` and a markdown table (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Definitions (report Table 6 conventions):
   excl-embeddings counts too, as Table 6's 198B / 13B do).
 - `breakdown`: {group: {total, active}} over the groups embeddings, attention (q/k/v/o/g
   projections, sink logits), dense_ffn, moe_routed, moe_shared, router, norms (layer, q/k and
-  final norms), lm_head, mtp, other (anything unclassified; 0 today). The groups sum to
+  final norms), lm_head, mtp, other (anything not in these groups). The groups sum to
   `with_mtp`.
 The `balance` collection (the router's loss-free bias) is state, not parameters: not counted.
 """

@@ -1,4 +1,4 @@
-"""Grouped matmuls for MoE expert dispatch (issue #3): `gmm` and its transpose `tgmm` in Pallas.
+"""Grouped matmuls for MoE expert dispatch: `gmm` and its transpose `tgmm` in Pallas.
 
     gmm(lhs [M, K], rhs [E, K, N], group_sizes [E]) -> [M, N]
         rows of lhs are sorted by group; row r of group g gives lhs[r] @ rhs[g].

@@ -1,4 +1,4 @@
-"""Grouped matmuls for NVIDIA GPUs (issue #20): `gmm` and `tgmm` as Pallas Triton kernels.
+"""Grouped matmuls for NVIDIA GPUs: `gmm` and `tgmm` as Pallas Triton kernels.
 
 Same signatures and semantics as the Mosaic (TPU) kernels of `pallas_kernels.grouped_matmul`,
 whose docstring defines them and the visit schedule:

@@ -57,7 +57,7 @@ def attention_reference(q, k, v, *, window=None, segment_ids=None, sink=None):
 
 
 # ================================================================================================
-# MoE references: added by the MoE half of the Pallas-kernels issue (keep sections separate).
+# MoE references (grouped matmuls).
 # ================================================================================================
 
 

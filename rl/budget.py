@@ -12,8 +12,8 @@ alternative, estimating a problem lazily at its first draw with the initial weig
 only the problems a run reaches, but needs a second copy of the weights when `rl.kl_coef` is 0
 and a table that grows with every checkpoint. Estimating everything up front is eq. 2 as the
 report states it ("once at the start"), and a problem's budget then never depends on which
-iteration drew it first. Cost: K samples of every training problem, at the rollouts' speed (README
-"Toggle" has the measurements).
+iteration drew it first. Cost: K samples of every training problem, at the rollouts' speed
+(docs/post_training.md, "Toggle", has the measurements).
 
 Deterministic: problems in the tasks' order and each task's training order, `rows // K` problems
 per batch, each repeated K times in adjacent rows (the last batch filled with repeats of its last

@@ -73,7 +73,7 @@ INFERENCE_DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class RLMeshConfig(MeshConfig):
-    """`rl.mesh`: the training mesh (`mesh:` of a training run, README "Parallelism") for the
+    """`rl.mesh`: the training mesh (`mesh:` of a training run, docs/parallelism.md) for the
     actor, critic, reference policy and rollouts (rl/parallel.py). No pipeline axis: the
     decoder runs whole layers (model/layers/stack.py refuses KV caches under one)."""
 
@@ -94,8 +94,8 @@ class ToggleConfig(Config):
     reward once the problem's group accuracy reaches `accuracy_threshold` (lambda), and an
     unconstrained phase. A problem's budget is the `percentile` (rho, 0-100) of the lengths of
     the correct ones among `budget_samples` (K) responses of the initial policy, estimated once
-    at the start. The source gives none of the four values; these defaults are ours (README,
-    "Toggle")."""
+    at the start. The source gives none of the four values; these defaults are ours
+    (docs/post_training.md, "Toggle")."""
 
     section = "rl.toggle"
 

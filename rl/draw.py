@@ -4,7 +4,7 @@
     drawn.rollouts, drawn.rewards                            # [P * N] rows, their rewards
     drawn.tasks, drawn.correct, drawn.problems               # per row: task name, exact match
 
-Each row carries its task's name, so per-domain work (metrics now, a teacher per domain in
+Each row carries its task's name, so per-domain work (per-task metrics, a teacher per domain in
 on-policy distillation) can pick rows by task. A problem's N samples are adjacent rows and
 belong to one task. `select_rows` keeps a subset of rows (e.g. the groups a filter keeps) with
 everything that belongs to them.

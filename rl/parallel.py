@@ -7,7 +7,7 @@ training lays out its state, and rollout rows split as training splits its batch
     with use_mesh(mesh):                          # model.parallel.rules; run_rl enters it
         ...
 
-What is sharded, and how (docs/architecture.md, "Parallelism" in README):
+What is sharded, and how (docs/parallelism.md):
 - the actor's and the critic's `TrainState`: params and router biases by the model's rules
   table (heads, FFN hidden and vocabulary over `tensor`, `embed` over `fsdp`, routed experts
   over `expert`), optimizer states like their params and, with `rl.mesh.zero1`, also over

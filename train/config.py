@@ -244,7 +244,7 @@ class TrainConfig(OptimizerConfig, LoopConfig):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(Config):
-    """Device mesh sizes (train/parallel/sharding.py, README "Parallelism"); -1 takes the devices
+    """Device mesh sizes (train/parallel/sharding.py, docs/parallelism.md); -1 takes the devices
     the other axes leave (at most one axis may say -1). Report 3.2 trained with pipeline 8,
     expert 8 and ZeRO-1 data parallelism.
 

@@ -28,11 +28,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = ArgumentParser(
         prog="python -m train.tokenizer",
         description="Train the byte-level BPE tokenizer on the train split of the stdlib corpus.")
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--out", type=Path, default=DEFAULT_PATH)
+    parser.add_argument("--vocab-size", type=int, default=4096, metavar="N",
+                        help="(default 4096)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_PATH, metavar="PATH",
+                        help="tokenizer.json to write (default: the shipped one, "
+                             f"{DEFAULT_PATH.relative_to(DEFAULT_PATH.parents[3])})")
     parser.add_argument("--source", default="stdlib", help="corpus (as train.data.source)")
     parser.add_argument("--heldout-fraction", type=float, default=DataConfig.heldout_fraction,
-                        help="documents of the held-out split are left out of training")
+                        metavar="F", help="documents of the held-out split are left out of "
+                                          "training")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     args = parser.parse_args(argv)
     if args.vocab_size < 256 + len(SPECIAL_TOKENS):

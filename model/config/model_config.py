@@ -113,7 +113,7 @@ class MoEConfig(Config):
     # model/layers/hash_routing.py) and have no loss-free bias.
     hash_layers: int = 0
     # `sorted`: largest row chunk of an expert's matmuls (256: 1.4x a dense FFN of equal FLOPs on
-    # CPU, 128: 1.55x; README, Performance); `pallas`: the grouped matmuls' row tile.
+    # CPU, 128: 1.55x; docs/performance.md); `pallas`: the grouped matmuls' row tile.
     block_size: int = 256
 
     def validate(self) -> None:

@@ -172,7 +172,7 @@ def fused_attention_backend(q: jax.Array) -> str:
     """`implementation` of `jax.nn.dot_product_attention` for q [B, T, H, D]: "cudnn" on an
     NVIDIA GPU for the inputs its fused kernel takes (16-bit, D <= 128, a multiple of 8), else
     "xla". Named explicitly: `implementation=None` always takes the XLA path (JAX 0.10-0.11,
-    "defaults to XLA for now"), which the first H200 run showed (README, "First GPU run")."""
+    "defaults to XLA for now"; an H200 run's compiled HLO held no cuDNN call, docs/kernels.md)."""
     head_dim = q.shape[-1]
     takes = (q.dtype in CUDNN_DTYPES and head_dim <= CUDNN_MAX_HEAD_DIM and head_dim % 8 == 0)
     return "cudnn" if jax.default_backend() == "gpu" and takes else "xla"

@@ -9,7 +9,7 @@ weights. `sorted` and `ragged_dot` permute with gathers whose gradients are gath
 - `sorted` (CPU default): a loop over the experts runs each one's SwiGLU on its (contiguous)
   sorted rows in row chunks of a few static sizes, at most `block_size` rows, one plain matmul
   per projection and chunk (`model.ops.grouped_swiglu`); no padding. `ragged_dot` is ~100x slower
-  on CPU (docs/architecture.md, "Measured on CPU"; README, Performance).
+  on CPU (docs/architecture.md, "Measured on CPU"; docs/performance.md).
 - `ragged_dot`: `jax.lax.ragged_dot` grouped matmuls (GPU/TPU).
 - `pallas`: `model.ops.pallas_moe` on the grouped-matmul kernels of `pallas_kernels`.
 

@@ -1,4 +1,4 @@
-"""MiMo-V2-Flash's attention geometry (issue #22): per-type KV heads and Q/K head dims, values
+"""MiMo-V2-Flash's attention geometry: per-type KV heads and Q/K head dims, values
 narrower than keys (Dv < D), the sink on one layer type only, `value_scale`, partial RoPE on
 the leading int(0.334 * 48) = 16 dims, the window convention (query i sees keys i - W < j <= i,
 transformers' `kv_idx > q_idx - sliding_window`) and packed documents, through the `Attention`

@@ -1,4 +1,4 @@
-"""KV-cache decoding of MiMo-V2-Flash models (configs/tiny_mimo.yaml at test sizes; issue #22):
+"""KV-cache decoding of MiMo-V2-Flash models (configs/tiny_mimo.yaml at test sizes):
 per-type geometry (1 KV head on full layers, 2 on SWA; Q/K heads of 24 dims, values of 16),
 partial RoPE, value_scale, the sink on SWA layers only (and on the MTP heads' SWA blocks),
 group-limited routing, checked against the training-path full forward pass of CausalLM: logits

@@ -1,4 +1,4 @@
-"""Parity of MiMo-V2-Flash's attention and router pieces (issue #22) with transformers'
+"""Parity of MiMo-V2-Flash's attention and router pieces with transformers'
 `mimo_v2_flash` (torch, float64): the `Attention` layer on a full and a sliding-window layer
 (per-type KV heads 1 / 2, Q/K heads of 48 dims with 32-dim values, partial RoPE on int(0.334 *
 48) = 16 dims, value scale 0.707, the sink on SWA only) against `MiMoV2FlashAttention` with the

@@ -1,4 +1,4 @@
-"""Group-limited routing (DeepSeek-V3's, as MiMo-V2-Flash's release configures it; issue #22):
+"""Group-limited routing (DeepSeek-V3's, as MiMo-V2-Flash's release configures it):
 `moe.num_groups` contiguous expert groups, a group scores the sum of its two highest biased
 scores, and the top-k is taken within the best `moe.topk_groups` groups. Against a float64
 numpy loop written here (nothing from `model/`) and a hand-worked case."""

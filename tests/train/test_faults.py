@@ -1,4 +1,4 @@
-"""Fault injection, part 1: processes killed, interrupted and contending (issue "Nothing lost").
+"""Fault injection, part 1: processes killed, interrupted and contending (nothing saved is lost).
 
 Run alone: `python -m pytest tests/train/test_faults.py tests/train/test_faults_files.py`
 (or `-m faults`). Every test starts real `python -m train` processes on the small model of

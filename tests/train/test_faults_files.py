@@ -1,5 +1,5 @@
-"""Fault injection, part 2: damaged files of every kind the project reads (issue "Nothing
-lost"): orbax checkpoint items, metrics.jsonl, tokenizer.json, and a Hugging Face checkpoint's
+"""Fault injection, part 2: damaged files of every kind the project reads (nothing saved
+is lost): orbax checkpoint items, metrics.jsonl, tokenizer.json, and a Hugging Face checkpoint's
 safetensors shards and config.json.
 
 Each test damages one file the way a crash, a full disk or a bad copy would, checks that the

@@ -112,7 +112,8 @@ def test_a_named_run_may_start_from_its_own_base(tmp_path):
 
 def test_families_sweep_matches_active_parameters():
     """configs/sweeps/families.yaml: each family from its own preset, active parameters without
-    embeddings and output head within 1.5% of the Step 3.5 run's (the README states them)."""
+    embeddings and output head within 1.5% of the Step 3.5 run's (docs/experiments.md states
+    them)."""
     root = Path(__file__).resolve().parents[2]
     sweep = load_sweep(root / "configs" / "sweeps" / "families.yaml")
     configs = {r.name: sweep.run_config(r) for r in sweep.runs}

@@ -1,7 +1,7 @@
 """Ablation sweeps: one base run config, a grid and/or a list of overridden runs.
 
-    python -m train.sweep --sweep configs/sweeps/layout.yaml --workdir runs/sweep_layout \
-        [key=value ...]
+    python -m train.sweep --sweep configs/sweeps/layout.yaml --workdir runs/sweep_layout \\
+        [--only NAME] [--list] [key=value ...]
 
 Sweep file (YAML):
 
