@@ -27,6 +27,7 @@ Parameter names map onto the Hugging Face checkpoint (`...self_attn.compressor.i
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -129,6 +130,15 @@ def _chosen_scores(queries, head_weights, keys, indices, valid) -> jax.Array:
     return jnp.where(valid, scores, -jnp.inf)
 
 
+def _query_chunks(x: jax.Array, chunk_size: int, fill=0) -> jax.Array:
+    """[B, T, ...] -> [num_chunks, B, chunk_size, ...], the last chunk padded with `fill`."""
+    batch, length = x.shape[:2]
+    num_chunks = -(-length // chunk_size)
+    x = jnp.pad(x, [(0, 0), (0, num_chunks * chunk_size - length)] + [(0, 0)] * (x.ndim - 2),
+                constant_values=fill)
+    return jnp.moveaxis(x.reshape(batch, num_chunks, chunk_size, *x.shape[2:]), 1, 0)
+
+
 def select_entries(
     queries: jax.Array,
     head_weights: jax.Array,
@@ -153,14 +163,9 @@ def select_entries(
     short documents) are invalid. The scores of valid slots carry gradients into the indexer.
     """
     batch, length = query_positions.shape
-    num_chunks = -(-length // chunk_size)
-    padded = num_chunks * chunk_size
+    padded = -(-length // chunk_size) * chunk_size
 
-    def chunked(x):
-        """[B, T, ...] -> [num_chunks, B, chunk_size, ...] (padding queries are dropped later)."""
-        x = jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(batch, num_chunks, chunk_size, *x.shape[2:])
-        return jnp.moveaxis(x, 1, 0)
+    chunked = functools.partial(_query_chunks, chunk_size=chunk_size)  # `unchunked` drops padding
 
     placement = (query_positions,) if query_segment_ids is None else (query_positions,
                                                                         query_segment_ids)
@@ -276,18 +281,8 @@ def dense_indexer_terms(
     target [B, T, S]: the main attention's probability of each entry summed over heads (no
     gradient); positions / segment ids as in `select_entries`.
     """
-    batch, length = query_positions.shape
-    num_chunks = -(-length // chunk_size)
-    padded = num_chunks * chunk_size
-
-    def chunked(x, fill=0):
-        """[B, T, ...] -> [num_chunks, B, chunk_size, ...]; padding queries see no entry."""
-        x = jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2),
-                    constant_values=fill)
-        return jnp.moveaxis(x.reshape(batch, num_chunks, chunk_size, *x.shape[2:]), 1, 0)
-
-    segments = (() if query_segment_ids is None else
-                (chunked(query_segment_ids),))
+    chunked = functools.partial(_query_chunks, chunk_size=chunk_size)
+    segments = () if query_segment_ids is None else (chunked(query_segment_ids),)
     target = jax.lax.stop_gradient(target)
 
     def one_chunk(xs):
