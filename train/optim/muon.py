@@ -73,6 +73,12 @@ class Orthogonalizer:
     safety: float = 1.0
     finish: tuple[float, float, float] | None = None
     finish_steps: int = 0  # the default number of finishing iterations
+    # May float32 iterations of wide matrices run on the Gram side (`_iterate_on_gram`)? There
+    # a null direction's eigenvalue of X X^T, a rounding error of ~1e-7 that may be negative,
+    # grows by a^2 per step: x3.4e6 over Polar Express's 6 steps, x6e9 over eq. 28's 10, after
+    # which a negative one diverges (measured: singular values of 1e25 on a rank-4 32 x 128
+    # matrix; the direct form keeps null directions near 0).
+    gram_form: bool = True
 
     def coefficients(self, steps: int, finish_steps: int | None = None
                      ) -> list[tuple[float, float, float]]:
@@ -95,7 +101,7 @@ ORTHOGONALIZERS = {
     # DeepSeek-V4 report 2.4, eq. 28: M_0 = M / ||M||_F, 8 fast iterations then 2 that pin the
     # singular values at 1 (10 in all: `steps` counts both kinds).
     "hybrid_newton_schulz": Orthogonalizer(NEWTON_SCHULZ_COEFFS, finish=HYBRID_FINISH_COEFFS,
-                                           finish_steps=2),
+                                           finish_steps=2, gram_form=False),
 }
 _FINISHING = tuple(name for name, o in ORTHOGONALIZERS.items() if o.finish is not None)
 
@@ -139,8 +145,9 @@ def orthogonalize(g: jax.Array, *, method: str = "polar_express", steps: int = 6
     intermediate are in `dtype` (float16 by default: bfloat16 can produce rare extreme outliers
     through cumulative addition error, report 4.1.1; `scale_by_muon` picks the dtype per backend,
     see `resolve_iteration_dtype`). A zero matrix maps to zero. `gram_form`: iterate on the
-    small Gram side (`_iterate_on_gram`); None: where that saves work, float32 iterations of
-    matrices at least twice as wide as tall.
+    small Gram side (`_iterate_on_gram`); None: where that saves work and the orthogonalizer
+    allows it (`Orthogonalizer.gram_form`), float32 iterations of matrices at least twice as
+    wide as tall.
     """
     if g.ndim < 2:
         raise ValueError(f"orthogonalize: need [..., m, n], got shape {g.shape}")
@@ -153,7 +160,7 @@ def orthogonalize(g: jax.Array, *, method: str = "polar_express", steps: int = 6
     norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
     x = (x / (norm * iteration.safety + _NORM_EPS)).astype(dtype)  # spectral norm <= 1 / safety
     if gram_form is None:
-        gram_form = (jnp.dtype(dtype) == jnp.float32
+        gram_form = (iteration.gram_form and jnp.dtype(dtype) == jnp.float32
                      and x.shape[-1] >= _GRAM_FORM_MIN_ASPECT * x.shape[-2])
     if gram_form:
         x = _iterate_on_gram(x, coefficients)
