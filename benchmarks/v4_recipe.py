@@ -13,7 +13,8 @@
 3. Both final weights on the same held-out batches at each `--eval-lens` length: the main head's
    loss with sparse attention (as trained and deployed) and the indexer's top-k recall against
    the dense attention (C layers switched to dense: the share of the indexer's top-k among the
-   attention's top-k entries, over the queries that see more than k).
+   attention's top-k entries, over the queries that see more than k); the recall also after
+   every recipe stage, at 512 tokens.
 Re-running skips finished training. Results: benchmarks/results/v4_recipe.json and
 docs/images/v4_recipe.png (training loss per token seen; held-out loss and recall).
 """
@@ -72,7 +73,7 @@ def train_both(workdir: Path) -> dict[str, Path]:
             "step35": workdir / "step35"}
 
 
-def evaluate(run_dir: Path, seq_len: int, batches: int) -> dict:
+def evaluate(run_dir: Path, seq_len: int, batches: int, loss: bool = True) -> dict:
     """Held-out main-head loss (sparse, as trained) and the indexer's recall (dense C layers)."""
     config, variables = load_model(run_dir)
     data_cfg = load_run_config(PRESET).train.data
@@ -90,49 +91,68 @@ def evaluate(run_dir: Path, seq_len: int, batches: int) -> dict:
     recalls = []
     for _, batch in zip(range(batches), data):
         batch = {k: jnp.asarray(v) for k, v in batch.items()}
-        loss_sum, weight = loss_step(params, balance, batch)
-        total, count = total + float(loss_sum), count + float(weight)
+        if loss:
+            loss_sum, weight = loss_step(params, balance, batch)
+            total, count = total + float(loss_sum), count + float(weight)
         recalls.append(float(recall_step(variables, batch)))
-    return {"loss": total / count, "recall": float(np.nanmean(recalls)), "tokens": int(count)}
+    out = {"recall": float(np.nanmean(recalls))}
+    return {"loss": total / count, "tokens": int(count), **out} if loss else out
+
+
+def tokens_seen(run_dir: Path) -> int:
+    records = [r for r in read_metrics(run_dir / METRICS_FILE) if "tokens_seen" in r]
+    return records[-1]["tokens_seen"]
 
 
 def loss_curve(run_dirs: list[Path]) -> tuple[np.ndarray, np.ndarray, list[float]]:
     """(tokens seen, main-head training loss) over the runs in order, and where each starts."""
-    tokens, losses, starts, seen = [], [], [], 0.0
+    tokens, losses, starts, seen = [], [], [], 0
     for run_dir in run_dirs:
         starts.append(seen)
-        records = [r for r in read_metrics(run_dir / METRICS_FILE) if "loss/lm" in r]
-        for r in records:
-            tokens.append(seen + r["tokens_seen"])
-            losses.append(r["loss/lm"])
-        seen += records[-1]["tokens_seen"] if records else 0
+        for r in read_metrics(run_dir / METRICS_FILE):
+            if "loss/lm" in r:
+                tokens.append(seen + r["tokens_seen"])
+                losses.append(r["loss/lm"])
+        seen += tokens_seen(run_dir)
     return np.array(tokens), np.array(losses), starts
 
 
 def plot(workdir: Path, results: dict, lens: list[int]) -> None:
     recipe = sorted((workdir / "recipe" / "stages").iterdir())
-    fig, (curves, bars) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (curves, bars, recall) = plt.subplots(1, 3, figsize=(16, 4.5))
     for name, dirs in (("V4 recipe", recipe), ("Step 3.5 defaults", [workdir / "step35"])):
         x, y, starts = loss_curve(dirs)
         curves.plot(x, y, label=name)
-        if len(starts) > 1:
-            for start, stage in zip(starts[1:], dirs[1:]):
-                curves.axvline(start, color="grey", lw=0.5, ls=":")
-                curves.text(start, curves.get_ylim()[1], stage.name[3:], rotation=90,
-                            va="top", fontsize=7, color="grey")
+        for start, stage in zip(starts[1:], dirs[1:]):
+            curves.axvline(start, color="grey", lw=0.5, ls=":")
+            curves.text(start, 0.99, stage.name[3:], rotation=90, va="top", fontsize=7,
+                        color="grey", transform=curves.get_xaxis_transform())
     curves.set(xlabel="training tokens", ylabel="main-head training loss (nats)",
                title="training loss (each stage at its own length)")
     curves.legend()
-    width = 0.2
-    for i, (name, color) in enumerate((("recipe", "C0"), ("step35", "C1"))):
+    width = 0.35
+    for i, (name, label) in enumerate((("recipe", "V4 recipe"), ("step35", "Step 3.5 defaults"))):
+        values = [results[name][str(n)]["loss"] for n in lens]
         xs = np.arange(len(lens)) + (i - 0.5) * width
-        bars.bar(xs - width, [results[name][str(n)]["loss"] for n in lens], width, color=color,
-                 label=f"{name}: held-out loss")
-        bars.bar(xs + width + 0.02, [results[name][str(n)]["recall"] for n in lens], width,
-                 color=color, alpha=0.45, hatch="//", label=f"{name}: indexer recall")
+        bars.bar(xs, values, width, label=label)
+        for x, v in zip(xs, values):
+            bars.text(x, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
+    low = min(results[n][str(t)]["loss"] for n in ("recipe", "step35") for t in lens)
+    bars.set_ylim(low - 0.3, None)
     bars.set_xticks(np.arange(len(lens)), [f"{n} tokens" for n in lens])
-    bars.set(title="held-out loss (sparse) and indexer top-k recall (vs dense attention)")
-    bars.legend(fontsize=7)
+    bars.set(ylabel="held-out loss (nats)", title="held-out loss, sparse attention")
+    bars.legend(fontsize=8)
+    stages = results["recipe_stages"]
+    recall.plot([s["tokens"] for s in stages], [s["recall"] for s in stages], "o-",
+                label="V4 recipe, after each stage")
+    for s in stages:
+        recall.annotate(s["stage"], (s["tokens"], s["recall"]), fontsize=7,
+                        textcoords="offset points", xytext=(3, -10))
+    recall.plot([results["step35_tokens"]], [results["step35"]["512"]["recall"]], "s",
+                color="C1", label="Step 3.5 defaults, end")
+    recall.set(xlabel="training tokens", ylabel="top-k recall at 512 tokens",
+               title="indexer recall against dense attention")
+    recall.legend(fontsize=8)
     fig.tight_layout()
     IMAGE.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(IMAGE, dpi=110)
@@ -148,8 +168,16 @@ def main(argv=None) -> int:
     runs = train_both(args.workdir)
     results = {name: {str(n): evaluate(path, n, args.eval_batches) for n in args.eval_lens}
                for name, path in runs.items()}
-    rows = [[name, n, f"{r[str(n)]['loss']:.3f}", f"{r[str(n)]['recall']:.3f}"]
-            for name, r in results.items() for n in args.eval_lens]
+    seen, results["recipe_stages"] = 0, []
+    for stage in sorted((args.workdir / "recipe" / "stages").iterdir()):
+        seen += tokens_seen(stage)
+        results["recipe_stages"].append({"stage": stage.name[3:], "tokens": seen, **evaluate(
+            stage, 512, args.eval_batches, loss=False)})
+    results["step35_tokens"] = tokens_seen(runs["step35"])
+    rows = [[name, n, f"{results[name][str(n)]['loss']:.3f}",
+             f"{results[name][str(n)]['recall']:.3f}"] for name in runs for n in args.eval_lens]
+    rows += [[f"recipe after {s['stage']}", 512, "", f"{s['recall']:.3f}"]
+             for s in results["recipe_stages"]]
     print(markdown_table(["run", "eval length", "held-out loss", "indexer recall"], rows))
     save("v4_recipe", {"results": results, "eval_batches": args.eval_batches,
                        "step35_overrides": STEP35})
