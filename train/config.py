@@ -30,6 +30,7 @@ from model.config import (
     check_open_fraction,
     config_from_dict,
     config_to_dict,
+    expand_layout,
     model_values,
     read_yaml,
 )
@@ -133,13 +134,11 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     # MTP (report 2.2 / 3.1): total weight 0.3 (0.1 in stage 2) spread over heads by
     # per-offset weights; only MTP-1 trains in main training.
     mtp_loss_weight: float = 0.3
-    # DeepSeek-V4 / MiMo: the MTP weight from the step the learning rate starts to decay
-    # (train.optim.schedules.decay_start; V4 report 4.2.2: 0.3, then 0.1); None: no change.
+    # MTP weight from the LR decay's start on (DeepSeek-V4 report 4.2.2: 0.3 -> 0.1); None: same
     mtp_loss_weight_at_decay: float | None = None
     mtp_offset_weights: tuple = (1.0,)
-    # Balance-loss weights per MoE layer with learned routing (the losses are summed over those
-    # layers, model.lm.collect_aux): Step 3.5's EP-group loss (eq. 1, 0.001) and the
-    # sequence-wise loss of DeepSeek-V4 (its report 2.1 / 4.2.2: 1e-4) and MiMo-V2-Flash (1e-5).
+    # Per MoE layer with learned routing (summed over them, model.lm.collect_aux): the EP-group
+    # loss (eq. 1) and the sequence-wise one (DeepSeek-V4 1e-4, MiMo-V2-Flash 1e-5).
     balance_loss_coef: float = 0.001
     router_bias_rate: float = 0.001  # loss-free balancing update u
     sequence_balance_coef: float = 0.0
@@ -179,10 +178,10 @@ class TrainConfig(OptimizerConfig, LoopConfig):
         if self.mtp_loss_weight_at_decay is not None:
             check_nonnegative("mtp_loss_weight_at_decay", self.mtp_loss_weight_at_decay)
             if decay_start(**self.schedule_settings()) is None:
-                raise ConfigError("mtp_loss_weight_at_decay", "the learning rate never decays "
-                                  f"(train.schedule={self.schedule}); use a cosine with min_lr "
-                                  "< lr or a train.lr_stages entry that ends lower, or leave "
-                                  "it unset")
+                raise ConfigError("mtp_loss_weight_at_decay", "the learning rate never decays; "
+                                  "use a cosine with min_lr < lr or a lower lr_stages end")
+        if self.trainable == "indexer" and self.router_bias_rate:
+            raise ConfigError("router_bias_rate", "must be 0 under train.trainable=indexer")
 
     def _validate_batch_warmup(self) -> None:
         previous = -1
@@ -300,15 +299,8 @@ class RunConfig(Config):
     mesh: MeshConfig = MeshConfig()
 
     def validate(self) -> None:
-        if self.train.trainable == "indexer":  # the indexer warm-up (DeepSeek-V4 report 4.2.2)
-            layers = range(self.model.num_layers)
-            if not any(self.model.attention_type(i) == "C" for i in layers):
-                raise ConfigError("train.trainable", "'indexer' trains the CSA lightning "
-                                  "indexers, but the model has no C layer in model.layout")
-            if self.train.router_bias_rate:
-                raise ConfigError("train.router_bias_rate", "must be 0 under train.trainable="
-                                  "indexer (only the indexers change); set "
-                                  "train.router_bias_rate=0")
+        if self.train.trainable == "indexer" and "C" not in expand_layout(self.model.layout):
+            raise ConfigError("train.trainable", "'indexer' needs a C layer in model.layout")
         if len(self.train.mtp_offset_weights) > self.model.mtp.num_heads:
             raise ConfigError("train.mtp_offset_weights", f"{len(self.train.mtp_offset_weights)} "
                               f"weights but the model has model.mtp.num_heads="
