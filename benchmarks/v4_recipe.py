@@ -5,7 +5,7 @@
 1. `recipe`: configs/recipes/tiny_deepseek_v4.yaml (dense attention at 128 and 256 tokens, the
    indexer warm-up at 512, sparse attention at 512 with the decay and MTP weight 0.3 -> 0.1,
    1024 tokens with YaRN; V4's optimizer and losses).
-2. `step35`: the same model trained as the V4 preset used to be, with Step 3.5's defaults: Muon
+2. `step35`: the same model with Step 3.5's training defaults: Muon
    with Polar Express (T = 6, update RMS 0.2), AdamW eps 1e-8, the EP-group balance loss 0.001
    on top of the sequence-wise 1e-4, sparse attention from the first step (the indexer learns
    only from the KL over its own top-k), MTP weight 0.3 throughout, one length (512), warm-up
@@ -16,7 +16,8 @@
    attention's top-k entries, over the queries that see more than k); the recall also after
    every recipe stage, at 512 tokens.
 Re-running skips finished training. Results: benchmarks/results/v4_recipe.json and
-docs/images/v4_recipe.png (training loss per token seen; held-out loss and recall).
+docs/images/v4_recipe.png (training loss per token seen; held-out loss; recall through the
+recipe's stages and at the baseline's end).
 """
 
 import argparse
