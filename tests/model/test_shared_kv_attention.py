@@ -5,6 +5,7 @@ rotation of the output at the query position, and the grouped low-rank output pr
 packed rows (two documents) so compression and the window restart at the boundary."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -15,6 +16,7 @@ import pytest
 
 from model.config import config_from_dict
 from model.layers.shared_kv_attention import SharedKVAttention
+from tests.train_helpers import FAST_COMPILE
 from tests.compression_references import (
     reference_attention,
     reference_compress,
@@ -35,6 +37,13 @@ def tiny_config(layout="WH"):
                                  query_chunk=8),
         moe=dict(num_experts=4, top_k=2, expert_hidden=8, shared_hidden=8, num_ep_groups=1),
         mtp=dict(num_heads=0)))
+
+
+def random_params(layer, key, *inputs):
+    """The layer's params, every leaf random (the zero-initialised norms, sinks and slot biases
+    included); only their shapes come from `init` (traced, not run)."""
+    shapes = jax.eval_shape(layer.init, jax.random.key(1), *inputs)
+    return randomised(nn.meta.unbox(shapes)["params"], key)
 
 
 def randomised(params, key):
@@ -177,9 +186,9 @@ def test_layer_matches_float64_loop_reference(attention_type):
     segments = np.array([[0] * 8 + [1] * 6, [0] * 14], np.int32)
     from model.lm import positions_from_segments
     positions = positions_from_segments(jnp.asarray(segments))
-    params = nn.meta.unbox(layer.init(jax.random.key(1), x, positions, segments))["params"]
-    params = randomised(params, jax.random.key(2))
-    got, aux = layer.apply({"params": params}, x, positions, jnp.asarray(segments))
+    params = random_params(layer, jax.random.key(2), x, positions, segments)
+    got, aux = jax.jit(layer.apply, compiler_options=FAST_COMPILE)(
+        {"params": params}, x, positions, jnp.asarray(segments))
     want, _ = reference_layer(params, cfg, x, segments, attention_type)
     assert aux == {}
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5)
@@ -198,10 +207,10 @@ def test_csa_layer_end_to_end_matches_float64_loop_reference(csa_attention):
     x = jax.random.normal(jax.random.key(3), (2, 14, cfg.d_model))
     segments = np.array([[0] * 8 + [1] * 6, [0] * 14], np.int32)
     positions = document_positions(segments) + np.array([[7], [100]])
-    params = nn.meta.unbox(layer.init(jax.random.key(1), x, jnp.asarray(positions),
-                                      jnp.asarray(segments)))["params"]
-    params = randomised(params, jax.random.key(4))
-    got, aux = layer.apply({"params": params}, x, jnp.asarray(positions), jnp.asarray(segments))
+    params = random_params(layer, jax.random.key(4), x, jnp.asarray(positions),
+                           jnp.asarray(segments))
+    got, aux = jax.jit(layer.apply, compiler_options=FAST_COMPILE)(
+        {"params": params}, x, jnp.asarray(positions), jnp.asarray(segments))
     want, want_aux = reference_layer(params, cfg, x, segments, "C", positions)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5)
     assert set(aux) == set(want_aux)
@@ -219,14 +228,13 @@ def test_csa_layer_reports_indexer_loss_and_trains_indexer_only_through_it():
     layer = SharedKVAttention(cfg, "C")
     x = jax.random.normal(jax.random.key(0), (1, 12, cfg.d_model))
     positions = jnp.arange(12)[None]
-    params = nn.meta.unbox(layer.init(jax.random.key(1), x, positions, None))["params"]
-    params = randomised(params, jax.random.key(2))
+    params = random_params(layer, jax.random.key(2), x, positions, None)
 
     def grads(which):
         def loss(p):
             y, aux = layer.apply({"params": p}, x, positions, None)
             return jnp.sum(y * y) if which == "output" else aux["indexer_loss"]
-        return jax.grad(loss)(params)
+        return jax.jit(jax.grad(loss), compiler_options=FAST_COMPILE)(params)
 
     def norms(tree):
         return {k: float(sum(jnp.sum(jnp.abs(v)) for v in jax.tree.leaves(sub)))
@@ -253,8 +261,8 @@ def test_indexer_learns_the_dense_attention_in_a_short_warm_up():
     layer = SharedKVAttention(cfg, "C")
     shape = (4, 48, cfg.d_model)
     positions = jnp.broadcast_to(jnp.arange(shape[1]), shape[:2])
-    params = nn.meta.unbox(layer.init(jax.random.key(1), jnp.zeros(shape), positions,
-                                      None))["params"]
+    params = nn.meta.unbox(jax.jit(layer.init, compiler_options=FAST_COMPILE)(
+        jax.random.key(1), jnp.zeros(shape), positions, None))["params"]
     main = randomised({k: v for k, v in params.items() if k != "indexer"}, jax.random.key(2))
 
     def aux(indexer, x):
@@ -266,7 +274,7 @@ def test_indexer_learns_the_dense_attention_in_a_short_warm_up():
 
     optimizer = optax.adam(1e-2)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
     def warm_up(indexer):
         def step(carry, key):
             indexer, state = carry
@@ -279,8 +287,9 @@ def test_indexer_learns_the_dense_attention_in_a_short_warm_up():
         return indexer, losses
 
     held_out = jax.random.normal(jax.random.key(9), shape)
-    before = float(jax.jit(recall)(params["indexer"], held_out))
+    recall = jax.jit(recall, compiler_options=FAST_COMPILE)
+    before = float(recall(params["indexer"], held_out))
     trained, losses = warm_up(params["indexer"])
-    after = float(jax.jit(recall)(trained, held_out))
+    after = float(recall(trained, held_out))
     assert after > before + 0.15, (before, after)
     assert float(jnp.mean(losses[-20:])) < 0.9 * float(jnp.mean(losses[:20])), losses
