@@ -148,13 +148,11 @@ def reference_layer(p, cfg, x, segments, attention_type, positions=None):
             [[(r + [-1] * top_k)[:top_k] for r in rows] for rows in ranked])
         o, probs = reference_attention(q, kv, entries, p["sinks"], cfg.window, segments,
                                        selected, entry_probs=True)
-        kls = []
-        for b, t in np.ndindex(batch, length):
-            support = scores[b][t] if dense else {s: scores[b][t][s]
-                                                  for s in ranked[b][t][:top_k]}
-            kl = reference_kl(probs[b][t], support)
-            kls.append(kl) if kl is not None else None
-        aux["indexer_loss"] = np.mean(kls)
+        supports = {(b, t): scores[b][t] if dense else
+                    {s: scores[b][t][s] for s in ranked[b][t][:top_k]}
+                    for b, t in np.ndindex(batch, length)}
+        kls = [reference_kl(probs[b][t], support) for (b, t), support in supports.items()]
+        aux["indexer_loss"] = np.mean([kl for kl in kls if kl is not None])
         if dense:  # queries that see more than k entries: indexer top-k among attention top-k
             crowded = [(b, t) for b, t in np.ndindex(batch, length) if len(scores[b][t]) > top_k]
             best = {(b, t): sorted(probs[b][t], key=probs[b][t].get, reverse=True)[:top_k]
