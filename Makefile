@@ -99,6 +99,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.layout_flops
 	$(PY) -m benchmarks.long_context
 	$(PY) -m benchmarks.data_pipeline
+	$(PY) -m benchmarks.data_shards
 	$(PY) -m benchmarks.train_step
 	$(PY) -m train --config configs/tiny.yaml --workdir $(DECODE_DIR) train.steps=480 \
 		"train.mtp_offset_weights=[1.0, 1.0, 1.0]"

@@ -45,11 +45,15 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 def layer_step(kind: str, length: int):
     """(compiled fwd+bwd of the layer on [1, length, 512], its arguments)."""
     if kind == "dense":
-        cfg = load_config(CONFIGS / "tiny.yaml", DENSE_WIDTH)
-        module = Attention(cfg, "F")
-    else:
-        cfg = load_config(CONFIGS / "tiny_deepseek_v4.yaml", V4_WIDTH)
-        module = SharedKVAttention(cfg, kind)
+        return model_layer_step(load_config(CONFIGS / "tiny.yaml", DENSE_WIDTH), kind, length)
+    return model_layer_step(load_config(CONFIGS / "tiny_deepseek_v4.yaml", V4_WIDTH), kind,
+                            length)
+
+
+def model_layer_step(cfg, kind: str, length: int):
+    """(compiled fwd+bwd of one attention layer of `cfg` on [1, length, d_model], its
+    arguments): kind "C", "H" or "W" a shared-KV layer, "dense" a full-attention layer."""
+    module = Attention(cfg, "F") if kind == "dense" else SharedKVAttention(cfg, kind)
     x = jax.random.normal(jax.random.key(length), (1, length, cfg.d_model), jnp.float32)
     positions = jnp.arange(length, dtype=jnp.int32)[None]
     segment_ids = jnp.ones((1, length), jnp.int32)

@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.gpu_attention_checks import attention_verdict
 from model.ops.moe_dispatch import ExpertWeights
+from model.ops.pallas_moe import expert_plan
 from model.ops.swiglu import SwiGLUClamp
 from model.ops.tables import ATTENTION, MOE
 
@@ -44,6 +46,7 @@ class AttentionCase(NamedTuple):
     segments: bool  # two packed documents per row
     sink: bool  # a per-head sink logit
     dtype: str
+    v_head_dim: int | None = None  # None: head_dim (MiMo-V2-Flash: 192 / 128)
 
 
 class MoECase(NamedTuple):
@@ -100,10 +103,11 @@ def reference_moe(x, indices, weights: ExpertWeights, clamp: SwiGLUClamp, block_
 def attention_inputs(case: AttentionCase, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     b, t, h, kv, d = case.batch, case.length, case.heads, case.kv_heads, case.head_dim
+    dv = case.v_head_dim or d
     dtype = jnp.dtype(case.dtype)
     arrays = {name: jnp.asarray(rng.normal(size=shape), F32).astype(dtype) for name, shape in
-              (("q", (b, t, h, d)), ("k", (b, t, kv, d)), ("v", (b, t, kv, d)))}
-    arrays["cotangent"] = jnp.asarray(rng.normal(size=(b, t, h, d)), F32)
+              (("q", (b, t, h, d)), ("k", (b, t, kv, d)), ("v", (b, t, kv, dv)))}
+    arrays["cotangent"] = jnp.asarray(rng.normal(size=(b, t, h, dv)), F32)
     # Row r: a second document starts at token t // (3 + r).
     starts = t // (3 + np.arange(b))[:, None]
     arrays["segment_ids"] = (jnp.asarray(1 + (np.arange(t)[None, :] >= starts), jnp.int32)
@@ -192,12 +196,8 @@ def kernel_note(impl: str, backend: str, hlo: str) -> str:
     """What actually ran behind `impl` here, from the compiled HLO where it can tell."""
     if backend == "cpu" and impl == "pallas":
         return "Pallas interpret mode"
-    if backend == "gpu" and impl == "pallas":  # flash attention and grouped matmuls alike
+    if backend == "gpu" and impl == "pallas":
         return "Pallas Triton kernels"
-    if impl == "cudnn":
-        if "__cudnn$fmha" in hlo:  # the custom call of XLA's cuDNN fused attention
-            return "cuDNN fused attention"
-        return "XLA fallback of jax.nn.dot_product_attention (no cuDNN call in the HLO)"
     return ""
 
 
@@ -208,8 +208,9 @@ def _record(table: str, impl: str, label: str, shape: str, dtype: str, **fields)
 def check_attention(case: AttentionCase, backend: str) -> list[dict]:
     inputs = attention_inputs(case)
     want, _ = attention_outputs(reference_attention, case, inputs)
+    dims = f"{case.head_dim}/{case.v_head_dim}" if case.v_head_dim else case.head_dim
     shape = (f"B={case.batch} T={case.length} H={case.heads} K={case.kv_heads} "
-             f"D={case.head_dim} W={case.window or 'full'}"
+             f"D={dims} W={case.window or 'full'}"
              + (" segments" if case.segments else "") + (" sink" if case.sink else ""))
     records = []
     for impl in ATTENTION.names:
@@ -222,10 +223,13 @@ def check_attention(case: AttentionCase, backend: str) -> list[dict]:
         try:
             got, hlo = attention_outputs(ATTENTION.resolve(impl), case, inputs)
             errors = relative_errors(got, want)
+            note, problem = attention_verdict(impl, backend, inputs, case.window, hlo)
             records.append(_record("attention", impl, case.label, shape, case.dtype,
-                                   status=verdict(errors, fields["tolerance"]), errors=errors,
+                                   status="fail" if problem else verdict(errors,
+                                                                         fields["tolerance"]),
+                                   errors=errors,
                                    compared=int(sum(np.size(w) for w in want.values())),
-                                   note=kernel_note(impl, backend, hlo), **fields))
+                                   note=f"{note}: {problem}" if problem else note, **fields))
         except Exception as err:  # one broken kernel must not hide the others' results
             records.append(_record("attention", impl, case.label, shape, case.dtype,
                                    status="error", note=first_line(err), **fields))
@@ -250,11 +254,23 @@ def check_moe(case: MoECase, backend: str) -> list[dict]:
             records.append(_record("moe", impl, case.label, shape, case.dtype,
                                    status=verdict(errors, fields["tolerance"]), errors=errors,
                                    compared=int(sum(np.size(w) for w in want.values())),
-                                   note=kernel_note(impl, backend, ""), **fields))
+                                   note=moe_kernels(case, backend) if impl == "pallas"
+                                   else kernel_note(impl, backend, ""), **fields))
         except Exception as err:
             records.append(_record("moe", impl, case.label, shape, case.dtype,
                                    status="error", note=first_line(err), **fields))
     return records
+
+
+def moe_kernels(case: MoECase, backend: str) -> str:
+    """The grouped-matmul kernels of `moe_impl=pallas` for this case, per leg (both expert
+    matmuls' when they differ), as the choice table picks them here."""
+    if backend == "cpu":
+        return "Pallas interpret mode"
+    plan = expert_plan(None, case.d_model, case.hidden, jnp.dtype(case.dtype), 8,
+                       interpret=False)
+    return "; ".join(f"{leg} " + "/".join(dict.fromkeys(
+        getattr(legs, leg).backend for legs in plan)) for leg in ("fwd", "dx", "dw"))
 
 
 def first_line(err: BaseException, limit: int = 300) -> str:

@@ -15,8 +15,13 @@ import dataclasses
 from benchmarks.gpu_checks import AttentionCase, MoECase
 from benchmarks.gpu_timings import AttentionShape
 from model.config import ModelConfig
+from pallas_kernels.grouped_common import Tiling
+from pallas_kernels.grouped_legs import LegChoice
 
-SECTIONS = ("checks", "attention", "moe", "train", "decode")
+# In the order they run, most wanted first: the per-leg kernel sweep before the train step,
+# which uses its winners; the train step (the MFU figure) before the sections that add detail.
+SECTIONS = ("checks", "legs", "train", "moe", "profile", "attention", "remat", "decode",
+            "attention_sweep", "v4_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +43,18 @@ class Plan:
     train_steps: int
     decode_prompt: int
     decode_new_tokens: int
+    decode_batches: tuple[int, ...]
+    # untrained configs to decode: (label, config path, overrides)
+    decode_others: tuple[tuple[str, str, tuple[str, ...]], ...]
+    v4_cases: tuple[tuple[int, str], ...]  # (T, layer kind) of the v4_layers section, in order
+    v4_dry_run: bool  # shrink the V4 layers (benchmarks.gpu_v4_layers.layer_config)
     limits: dict  # section -> seconds after which it starts no new case
     budget_s: float  # sections starting later than this are skipped
+    legs_repeats: int = 10  # timed calls per grouped-matmul candidate
+    legs_candidates: dict | None = None  # leg -> LegChoices; None: gpu_moe_legs.CANDIDATES
+    profile_steps: int = 2
+    remat_policy: str = "dots_with_kernels"  # timed against the train config's policy
+    remat_steps: int = 10
 
     def with_changes(self, **changes) -> "Plan":
         return dataclasses.replace(self, **changes)
@@ -64,6 +79,10 @@ ACCELERATOR = Plan(
         AttentionCase("tiny full", 2, 128, 4, 2, 32, None, True, True, "float32"),
         AttentionCase("medium swa", 1, 2048, 18, 2, 128, 512, True, False, "bfloat16"),
         AttentionCase("medium full", 1, 2048, 12, 2, 128, None, False, False, "bfloat16"),
+        # cuDNN's sliding window and the sink folded from its lse; the Mosaic kernels' window
+        AttentionCase("swa sink", 1, 2048, 16, 2, 128, 512, False, True, "bfloat16"),
+        # MiMo-V2-Flash's head dims (Q/K 192, V 128), window, segments, sink
+        AttentionCase("mimo dims", 1, 1024, 8, 2, 192, 128, True, True, "bfloat16", 128),
     ),
     moe_checks=(
         MoECase("tiny", 64, 32, 8, 2, 16, 1.0, "float32"),
@@ -72,7 +91,8 @@ ACCELERATOR = Plan(
         MoECase("medium", 4096, 1536, 32, 4, 512, 0.0, "bfloat16"),
     ),
     attention_lengths=(4096, 8192, 16384, 32768),
-    attention_impls=("xla", "cudnn", "pallas"),
+    # `pallas` runs the Mosaic GPU kernels on sm90; `pallas_triton` the Triton kernel beside it
+    attention_impls=("pallas", "cudnn", "pallas_triton", "xla"),
     attention_batch=1,
     attention_repeats=5,
     moe_tokens=32768,
@@ -87,10 +107,22 @@ ACCELERATOR = Plan(
     # kernels fail).
     train_overrides=("train.warmup_steps=3", "model.moe_impl=pallas"),
     train_warmup=3,
-    train_steps=30,
+    train_steps=20,
     decode_prompt=64,
-    decode_new_tokens=128,
-    limits={"checks": 120, "attention": 150, "moe": 45, "train": 240, "decode": 90},
+    decode_new_tokens=64,
+    decode_batches=(1, 32),
+    decode_others=(("gpu_1b_mimo (random init)", "configs/gpu_1b_mimo.yaml", ()),
+                   ("gpu_1b_deepseek_v4 (random init)", "configs/gpu_1b_deepseek_v4.yaml", ())),
+    # 16k first (CSA vs dense there), then how CSA grows with T, then the rest
+    v4_cases=((16384, "C"), (16384, "dense"), (8192, "C"), (65536, "C"), (32768, "C"),
+              (16384, "H"), (16384, "W"), (65536, "dense")),
+    v4_dry_run=False,
+    # Expected on an H100, compiles included: checks ~90 s, legs <= 60 s (up to 48 kernel
+    # compiles), train ~60 s (a ~45 s compile), moe ~25 s, profile ~15 s, attention ~90 s, remat
+    # ~55 s, decode ~60 s: about 460 s, so the two sweeps after them start only with --budget
+    # raised or --sections chosen. The train limit leaves room for its kernel fallbacks.
+    limits={"checks": 90, "legs": 60, "train": 150, "moe": 45, "profile": 30, "attention": 100,
+            "remat": 90, "decode": 75, "attention_sweep": 60, "v4_layers": 60},
     budget_s=480,
 )
 
@@ -102,6 +134,7 @@ DRY_RUN = ACCELERATOR.with_changes(
     attention_checks=(
         AttentionCase("tiny swa", 1, 64, 4, 2, 16, 16, True, True, "float32"),
         AttentionCase("tiny full", 1, 64, 4, 2, 16, None, False, False, "float32"),
+        AttentionCase("tiny mimo", 1, 64, 4, 2, 16, 16, False, True, "float32", 8),
     ),
     moe_checks=(MoECase("tiny", 32, 16, 4, 2, 8, 1.0, "float32"),),
     attention_lengths=(128,),
@@ -121,6 +154,19 @@ DRY_RUN = ACCELERATOR.with_changes(
     train_steps=2,
     decode_prompt=8,
     decode_new_tokens=8,
-    limits={"checks": 60, "attention": 30, "moe": 30, "train": 60, "decode": 30},
-    budget_s=120,
+    decode_batches=(1,),
+    decode_others=(),  # benchmarks.gpu_decode's untrained path: tests/test_gpu_suite.py
+    v4_cases=((128, "W"),),  # a shrunken V4 sliding-window layer
+    v4_dry_run=True,
+    limits={"checks": 60, "legs": 30, "train": 60, "moe": 30, "profile": 30, "attention": 30,
+            "remat": 60, "decode": 30, "attention_sweep": 30, "v4_layers": 30},
+    budget_s=300,  # generous: a dry run is to run every section, on any machine
+    legs_repeats=2,
+    # One interpreted Pallas candidate, one that needs a Hopper GPU (skipped) and XLA's.
+    legs_candidates={"fwd": (LegChoice("mosaic_gpu"), LegChoice("triton", Tiling(16, 16, 16)),
+                             LegChoice("xla")),
+                     "dx": (LegChoice("xla"),), "dw": (LegChoice("xla"),)},
+    # tiny.yaml's own policy: the section skips a comparison with itself (its compile would be
+    # the dry run's most expensive step); tests/test_gpu_suite.py runs it with a stubbed step
+    remat_policy="none",
 )

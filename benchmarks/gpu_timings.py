@@ -35,21 +35,46 @@ class AttentionShape(NamedTuple):
     window: int | None
 
 
+def _triton_attention():
+    from pallas_kernels.attention import triton_attention
+    return triton_attention
+
+
+# Timed beside the implementation tables' cores: `pallas` runs the Mosaic GPU kernels on sm90,
+# `pallas_triton` the Triton kernel there, for comparison.
+EXTRA_CORES = {"pallas_triton": _triton_attention}
+
+
+def kernel_family_note(impl: str, backend: str, shape: "AttentionShape", dtype) -> str:
+    """Which flash-attention family `pallas` runs for this shape on this device."""
+    if impl != "pallas" or backend != "gpu":
+        return ""
+    from pallas_kernels.attention import kernel_family
+    from pallas_kernels.gpu_arch import compute_capability
+
+    q = jax.ShapeDtypeStruct((1, 128, shape.heads, shape.head_dim), dtype)
+    k = jax.ShapeDtypeStruct((1, 128, shape.kv_heads, shape.head_dim), dtype)
+    return {"mosaic": "Mosaic GPU", "triton": "Triton"}[kernel_family(q, k, k,
+                                                                      compute_capability())]
+
+
 def timing_skip_reason(impl: str, backend: str) -> str | None:
     """Why a timing of `impl` on `backend` would not be a performance figure, or None."""
-    if backend == "cpu" and impl == "pallas":
+    if backend == "cpu" and impl.startswith("pallas"):
         return "Pallas runs in interpret mode on CPU: its time is not a performance figure"
     if backend == "cpu" and impl == "cudnn":
         return "no cuDNN on CPU (jax.nn.dot_product_attention falls back to XLA)"
-    if backend == "tpu" and impl in ("pallas", "cudnn"):
+    if backend == "tpu" and impl in ("pallas", "pallas_triton", "cudnn"):
         return f"attention_impl={impl} does not run on TPU"
     return None
 
 
 def attention_seconds(impl: str, shape: AttentionShape, length: int, batch: int, dtype,
-                      repeats: int) -> float:
-    """Median seconds of jitted forward + backward (all of dq, dk, dv) of one attention core."""
-    core = ATTENTION.resolve(impl)
+                      repeats: int, core=None) -> float:
+    """Median seconds of jitted forward + backward (all of dq, dk, dv) of one attention core
+    (`core`, default: the one `impl` names)."""
+    if core is None:
+        core = ATTENTION.resolve(impl) if impl in ATTENTION.names else EXTRA_CORES[impl]()
     keys = jax.random.split(jax.random.key(length), 4)
     q = jax.random.normal(keys[0], (batch, length, shape.heads, shape.head_dim), dtype)
     k, v = (jax.random.normal(key, (batch, length, shape.kv_heads, shape.head_dim), dtype)
@@ -91,7 +116,8 @@ def time_attention(shapes: list[AttentionShape], lengths: list[int], impls: list
                 tflops = flops / seconds / 1e12
                 records.append({**record, "status": "done", "fwd_bwd_ms": seconds * 1e3,
                                 "tflops": tflops, "of_peak": tflops / peak_tflops
-                                if peak_tflops else None})
+                                if peak_tflops else None,
+                                "note": kernel_family_note(impl, backend, shape, dtype)})
     return records
 
 

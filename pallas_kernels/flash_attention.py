@@ -1,4 +1,6 @@
 """Flash attention for causal full and sliding-window (SWA) layers: Pallas kernels + custom VJP.
+The Triton family of `attention_impl=pallas` (pallas_kernels/attention.py picks it everywhere
+but on sm90, where flash_attention_mgpu.py runs) and its interpret mode on CPU.
 
 Semantics are those of the XLA attention path (docs/architecture.md, "Exact semantics"):
 q [B, T, H, D], k/v [B, T, K, D], H = K * G (GQA: query head h reads KV head h // G, never repeated
@@ -80,6 +82,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from pallas_kernels.saved_names import name_attention
+from pallas_kernels.target import target_backend
 
 _NEG = -1e30  # finite "minus infinity" for masked scores, as in the XLA attention path
 DEFAULT_BLOCKS = {"gpu": (64, 64)}  # (block_q, block_k) per backend (see the docstring)
@@ -427,18 +432,22 @@ def _flash(q, k, v, segment_ids, sink, cfg: _Config):
 
 
 def _flash_fwd(q, k, v, segment_ids, sink, cfg: _Config):
-    out, lse = _forward(q, k, v, segment_ids, sink, cfg)
+    out, lse = name_attention(*_forward(q, k, v, segment_ids, sink, cfg))  # named for remat
     return out, (q, k, v, segment_ids, sink, out, lse)
 
 
 def _flash_bwd(cfg: _Config, residuals, d_out):
     q, k, v, segment_ids, sink, out, lse = residuals
     dq, dk, dv, delta = _backward(q, k, v, segment_ids, out, lse, d_out, cfg)
-    d_sink = None
-    if sink is not None:  # -sum_{b,i} exp(sink_h - lse_{b,h,i}) delta_{b,i,h} (module docstring)
-        sink_mass = jnp.exp(sink.astype(jnp.float32)[None, :, None] - lse[:, :, : cfg.seq_len])
-        d_sink = -jnp.sum(sink_mass * jnp.swapaxes(delta, 1, 2), axis=(0, 2)).astype(sink.dtype)
+    d_sink = None if sink is None else sink_gradient(sink, lse[:, :, : cfg.seq_len], delta)
     return dq, dk, dv, None, d_sink
+
+
+def sink_gradient(sink, lse, delta):
+    """dL/dsink_h = -sum_{b,i} exp(sink_h - lse_{b,h,i}) delta_{b,i,h} (module docstring).
+    sink [H]; lse [B, H, T] natural log-sum-exp including the sink; delta [B, T, H]."""
+    sink_mass = jnp.exp(sink.astype(jnp.float32)[None, :, None] - lse)
+    return -jnp.sum(sink_mass * jnp.swapaxes(delta, 1, 2), axis=(0, 2)).astype(sink.dtype)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -480,7 +489,7 @@ def flash_attention(q, k, v, *, window=None, segment_ids=None, sink=None, block_
         raise ValueError(f"segment_ids: expected shape {(batch, length)}, got {segment_ids.shape}")
     if sink is not None and sink.shape != (heads,):
         raise ValueError(f"sink: expected shape {(heads,)}, got {sink.shape}")
-    backend = jax.default_backend()
+    backend = target_backend()
     interpret = backend == "cpu" if interpret is None else bool(interpret)
     if not interpret and backend == "tpu":
         raise NotImplementedError(
@@ -502,8 +511,3 @@ def flash_attention(q, k, v, *, window=None, segment_ids=None, sink=None, block_
         interpret=interpret, backend=backend, poison=bool(debug_poison_outputs),
     )
     return _flash(q, k, v, segment_ids, sink, cfg)
-
-
-def flash_attention_core(q, k, v, *, window, segment_ids, sink):
-    """The attention-core signature of `attention_impl` (entry "pallas" of the model's table)."""
-    return flash_attention(q, k, v, window=window, segment_ids=segment_ids, sink=sink)

@@ -27,61 +27,23 @@ from model.config import (
     check_choice,
     check_int,
     check_nonnegative,
-    check_open_fraction,
-    config_from_dict,
     config_to_dict,
     expand_layout,
     model_values,
     read_yaml,
 )
 from model.parallel.rules import MESH_AXES
+from train.anticipatory_routing import AnticipatoryRoutingConfig
+from train.data.config import DataConfig
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
 from train.optim.schedules import decay_start
+from train.preset_fit import fit_warmup
 
 SCHEDULES = ("cosine", "constant", "stages")
 # Which targets a chat document trains on (train/data/chat.py): its assistant turns, all its
 # tokens, or `auto`: the assistant turns when the data holds chats. Plain text trains on all.
 LOSS_MASKS = ("auto", "assistant", "all")
 STAGE_SHAPES = ("cosine", "linear", "constant")
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig(Config):
-    """Where tokens come from (train/data).
-
-    `source`: `stdlib` (the running Python's standard-library `.py` files: real text on every
-    machine, no download), `arith` / `arith_multistep` (procedural arithmetic problems,
-    train/data/arithmetic.py, train/data/multistep.py) or a comma-separated list of them and of
-    `.txt`/`.jsonl` paths or globs (a `.jsonl` of `messages` records is chat data, rendered with
-    the tokenizer's chat template: train/data/chat.py).
-    `tokenizer`: `default` (byte-level BPE trained once on the stdlib corpus and shipped),
-    `arith_chars` (one token per character of the arithmetic task) or the path of a Hugging
-    Face `tokenizer.json`.
-    """
-
-    section = "train.data"
-
-    source: str = "stdlib"
-    tokenizer: str = "default"
-    heldout_fraction: float = 0.05  # share of documents (by path hash) kept for evaluation
-    meta_tokens: bool = True  # report A.3: prepend "<|meta|>type=... lang=... source=...\n"
-    # Report A.3 / Fig. 3 marker 4: after this many training tokens the metadata positions
-    # leave the loss (eq. 8); 0 = masked from the start, -1 = never masked.
-    meta_loss_mask_after_tokens: int = -1
-    shuffle: bool = True
-    num_workers: int = 0  # grain worker processes (0 = in-process)
-
-    def validate(self) -> None:
-        if not isinstance(self.source, str) or not self.source.strip():
-            raise ConfigError("source", "must be 'stdlib' or paths/globs of .txt/.jsonl files")
-        if not isinstance(self.tokenizer, str) or not self.tokenizer:
-            raise ConfigError("tokenizer", "must be 'default', 'arith_chars' or a "
-                              "tokenizer.json path")
-        check_open_fraction("heldout_fraction", self.heldout_fraction)
-        check_bool("meta_tokens", self.meta_tokens)
-        check_int("meta_loss_mask_after_tokens", self.meta_loss_mask_after_tokens, -1)
-        check_bool("shuffle", self.shuffle)
-        check_int("num_workers", self.num_workers, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +112,8 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     max_consecutive_skips: int = 5  # non-finite loss/grad skips before giving up
     peak_flops: float = 0.0  # per device, for MFU; 0 = measure a float32 matmul at start-up
     data: DataConfig = DataConfig()
+    # DeepSeek-V4's switch against loss spikes (report 4.2.3; train/anticipatory_routing.py)
+    anticipatory_routing: AnticipatoryRoutingConfig = AnticipatoryRoutingConfig()
 
     def validate(self) -> None:
         super().validate()
@@ -326,7 +290,7 @@ def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
     if unknown:
         raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; "
                          f"expected {', '.join(SECTIONS)}")
-    return RunConfig(model=config_from_dict(values.get("model") or {}),
+    return RunConfig(model=build_dataclass(ModelConfig, values.get("model") or {}, "model."),
                      train=build_dataclass(TrainConfig, values.get("train") or {}, "train."),
                      mesh=build_dataclass(MeshConfig, values.get("mesh") or {}, "mesh."))
 
@@ -340,7 +304,9 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfi
         values = {"model": values}
     values["model"] = model_values(values, path)
     check_override_sections(overrides, SECTIONS)
-    return run_config_from_dict(apply_overrides(values, overrides))
+    fitted = fit_warmup(values, apply_overrides(values, overrides), overrides,
+                        {"steps": TrainConfig.steps, "warmup_steps": TrainConfig.warmup_steps})
+    return run_config_from_dict(fitted)
 
 
 def check_override_sections(overrides: Sequence[str], sections: Sequence[str]) -> None:
@@ -358,12 +324,14 @@ def check_override_sections(overrides: Sequence[str], sections: Sequence[str]) -
 # Everything else shapes the state or the data stream.
 RESUMABLE_CHANGES = {
     "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "mesh.pipeline", "mesh.zero1",
-    "model.ep_collective", "model.pipeline_microbatches",
+    "model.ep_collective", "model.pipeline_microbatches", "model.pipeline_virtual_stages",
     "model.attention_impl", "model.moe_impl", "model.moe.block_size", "model.remat_policy",
     "model.compute_dtype",
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
     "train.peak_flops", "train.progress", "train.xla_cache_dir", "train.data.num_workers", "train.loss_chunk_size",
+    *(f"train.anticipatory_routing.{f.name}"
+      for f in dataclasses.fields(AnticipatoryRoutingConfig)),
     *(f"train.{field}" for field in RESUMABLE_OPTIMIZER_CHANGES),
 }
 

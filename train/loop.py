@@ -17,15 +17,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.interop.workdir import Checkpointer, restore_target
-from model.interop.workdir_lock import workdir_lock
+from model.interop.workdir_lock import claimed_workdir
 from model.lm import split_variables
 from model.parallel.rules import named, replicated, use_mesh
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
+from train.anticipatory_routing import AnticipatoryRouting
+from train.checkpoint import check_training_checkpoint
 from train.config import RunConfig, resume_changes
-from train.data.corpus import load_documents
-from train.data.chat import chat_example, trains_assistant_only
-from train.data.pipeline import check_splits, make_dataset
+from train.data.pipeline import make_dataset
+from train.data.sources import check_data, open_data
 from train.eval import evaluate, limited, make_eval_step
 from train.interrupts import stop_requests
 from train.parallel.distributed import (
@@ -68,16 +69,6 @@ class TrainSummary:
     interrupted: bool
 
 
-def prepare_workdir(workdir: Path) -> None:
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / f".write-test-{jax.process_index()}"  # processes may share workdir
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise TrainingError(f"workdir {workdir} is not writable: {err.strerror or err}") from None
-
-
 def meta_loss_masked(switch_after_tokens: int, tokens_seen: int) -> bool:
     """Report A.3: metadata tokens leave the loss once `tokens_seen` reaches the switch point
     (`train.data.meta_loss_mask_after_tokens`; -1 = never)."""
@@ -105,28 +96,29 @@ class Trainer:
         self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.train.keep_checkpoints)
         self.resume_step = from_lead(self.checkpoints.latest_step())
         if self.resume_step is not None:
-            changed = resume_changes(self.checkpoints.read_config(self.resume_step), run)
+            saved = self.checkpoints.read_config(self.resume_step)
+            check_training_checkpoint(saved, self.workdir, "use another --workdir")
+            changed = resume_changes(saved, run)
             if changed:
                 raise TrainingError(
                     f"cannot resume {self.workdir}: the config differs from the checkpoint's in "
                     f"{', '.join(changed)}; use another --workdir or restore those values")
         self.mesh = make_mesh(run.mesh)
         check_batch_fits(run, self.mesh)
+        if run.train.anticipatory_routing.enabled:
+            check_anticipatory_routing(run)
         self.tokenizer = load_tokenizer(run.train.data.tokenizer)
-        # Read once: the train stream and every held-out evaluation split this list. Checked
-        # here, before any model work, so a bad split or changed data fails in seconds.
-        self.documents = load_documents(run.train.data.source)
-        check_splits(run.train.data, self.documents, heldout=run.train.eval_every > 0,
-                     shard_count=jax.process_count())
-        # Chat data (train/data/chat.py) needs a chat template and a train.loss_mask that fits.
-        trains_assistant_only(run.train.loss_mask, self.documents)
-        chats = [d for d in self.documents if d.chat is not None]
-        chat = chat_tokenizer_for(self.tokenizer) if chats else None
-        if chats:  # a template that cannot render this data fails now, not in the data thread
-            chat_example(chat, chats[0], assistant_only=False)
+        # Opened once (raw documents read, or prepared manifests and shard sizes checked): the
+        # train stream and every held-out evaluation read it. Checked here, before any model
+        # work, so bad or changed data fails in seconds.
+        self.data_source = open_data(run.train.data, self.tokenizer)
+        check_data(self.data_source, run.train.data, self.tokenizer, loss_mask=run.train.loss_mask,
+                   heldout=run.train.eval_every > 0, shard_count=jax.process_count())
+        chat = chat_tokenizer_for(self.tokenizer) if self.data_source.renders_chats else None
         note = check_and_record(self.workdir, self.tokenizer, run.train.data, chat,
                                 resuming=self.resume_step is not None,
-                                allow_data_change=allow_data_change, write=is_lead())
+                                allow_data_change=allow_data_change, write=is_lead(),
+                                fingerprint=self.data_source.fingerprint)
         if note and is_lead():
             print(note, file=sys.stderr)
         vocab = self.tokenizer.get_vocab_size()
@@ -138,12 +130,17 @@ class Trainer:
         self.state_sharding = named(self.mesh, state_specs(
             self.abstract_state, self.training.variable_axes, self.mesh, run))
         self.batch_sharding = named(self.mesh, batch_spec(self.mesh))
+        self.anticipatory = None
+        if run.train.anticipatory_routing.enabled:
+            self.anticipatory = AnticipatoryRouting(
+                run.train.anticipatory_routing, self.training.model, self.batch_sharding,
+                self.workdir, is_lead())
         self._eval_step = None
         self.data = make_dataset(
             run.train.data, self.tokenizer, seq_len=run.train.seq_len,
             batch_size=run.train.micro_batch() // jax.process_count(), split="train",
             seed=run.train.seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
-            documents=self.documents, loss_mask=run.train.loss_mask)
+            data=self.data_source, loss_mask=run.train.loss_mask)
 
     def initial_state(self, start_from: dict | None = None) -> TrainState:
         """A fresh state, created directly in its shardings, or the latest checkpoint restored
@@ -159,10 +156,26 @@ class Trainer:
             key = jax.random.split(jax.random.key(seed))[1]
             return jax.jit(lambda v: state_from_variables(v, optimizer, key),
                            out_shardings=self.state_sharding)(start_from)
+        return self.restore(self.resume_step)
+
+    def restore(self, step: int) -> TrainState:
+        """The checkpoint of `step` in the state's shardings; the data stream continues from
+        its position (each process: its own data shard)."""
         state, data_state = self.checkpoints.restore(
-            self.resume_step, restore_target(self.abstract_state, self.state_sharding))
-        self.data.set_state(process_state(data_state))  # each process: its own data shard
+            step, restore_target(self.abstract_state, self.state_sharding))
+        self.data.set_state(process_state(data_state))
         return state
+
+    def roll_back(self, before: int) -> tuple[TrainState, int] | None:
+        """Back to the latest checkpoint of a step before `before`, whose later checkpoints are
+        deleted -> (its state, its step), or None without one (anticipatory routing)."""
+        self.checkpoints.wait()
+        earlier = [s for s in self.checkpoints.all_steps() if s < before]
+        target = from_lead(earlier[-1] if earlier else None)
+        if target is None:
+            return None
+        self.checkpoints.delete_after(target)
+        return self.restore(target), target
 
     def _check_start_variables(self, variables: dict) -> None:
         expected = (self.abstract_state.params, self.abstract_state.balance)
@@ -190,6 +203,13 @@ class Trainer:
                  for k, v in local.items()}
         return batch, local["tokens"].size * jax.process_count()
 
+    def mixture_shares(self) -> dict[str, float]:
+        """A mixture's realised share of this process's training rows, by source (metrics
+        `data/mix/<source>`; rows hold equal tokens, so these are token shares)."""
+        if not self.run.train.data.mixture:
+            return {}
+        return {f"data/mix/{k}": v for k, v in self.data.mixture_shares().items()}
+
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """Held-out loss and perplexity over the first `train.eval_batches` batches of the
         held-out split (the same batches every time)."""
@@ -198,7 +218,7 @@ class Trainer:
             self._eval_step = make_eval_step(self.training.model, cfg.loss_chunk_size)
         data = make_dataset(cfg.data, self.tokenizer, seq_len=cfg.seq_len,
                             batch_size=cfg.micro_batch(), split="heldout", seed=cfg.seed,
-                            documents=self.documents, loss_mask=cfg.loss_mask)
+                            data=self.data_source, loss_mask=cfg.loss_mask)
         # Every process reads the same held-out rows; each device evaluates its share of them.
         rows = NamedSharding(self.mesh, P(*batch_spec(self.mesh)[1:]))
         shard = lambda batch: {k: jax.make_array_from_callback(  # noqa: E731
@@ -220,6 +240,18 @@ class Trainer:
                               self.run.to_dict())
 
 
+def check_anticipatory_routing(run: RunConfig) -> None:
+    """Anticipatory routing replays an expert choice: it needs learned-routing MoE layers and
+    whole layers (no pipeline axis)."""
+    model = run.model
+    if all(model.is_hash_layer(i) for i in model.moe_layer_indices()):
+        raise TrainingError("train.anticipatory_routing: the model has no MoE layer with learned "
+                            "routing; set train.anticipatory_routing.enabled=false")
+    if run.mesh.pipeline != 1:
+        raise TrainingError("train.anticipatory_routing: replayed routing needs whole layers; "
+                            "use mesh.pipeline=1")
+
+
 def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
           start_from: dict | None = None, allow_data_change: bool = False) -> TrainSummary:
     """Trains to `run.train.steps`, resuming from `workdir` if it holds checkpoints.
@@ -229,10 +261,9 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
     continuing the previous one, train/experiments/recipe.py). `allow_data_change`: resume
     even though the data files changed since the run started (train/run_record.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)
-    prepare_workdir(Path(workdir))
     # Stop requests from here on: a Ctrl-C while the state is built or restored is acknowledged
     # and honoured after the first step, a second one exits at once (train/interrupts.py).
-    with workdir_lock(Path(workdir)), stop_requests() as stop:
+    with claimed_workdir(Path(workdir)), stop_requests() as stop:
         trainer = Trainer(run, Path(workdir), allow_data_change)
         try:
             with use_mesh(trainer.mesh):
@@ -245,7 +276,15 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                stop_after: int | None) -> TrainSummary:
     run, cfg = trainer.run, trainer.run.train
     first_step = step = saved_step = int(state.step)
+    # The step of the newest checkpoint known intact (None: none yet).
+    intact = first_step if trainer.resume_step is not None else None
     if first_step >= cfg.steps:
+        if int(state.consecutive_skips) >= cfg.max_consecutive_skips:
+            raise TrainingError(
+                f"the checkpoint of step {first_step} in {trainer.checkpoints.directory} ends "
+                f"{int(state.consecutive_skips)} consecutive non-finite steps: the run "
+                f"diverged, it did not finish; move checkpoints/{first_step} away to resume "
+                "from an earlier one, or train again with a lower train.lr in a new --workdir")
         return TrainSummary(workdir=trainer.workdir, first_step=first_step, last_step=first_step,
                             losses=[], skipped=int(state.skipped), interrupted=False)
     flops_per_token = train_flops_per_token(run.model, cfg.seq_len, run.trained_mtp_heads())
@@ -258,11 +297,22 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
         losses.append(float(metrics["loss"]))
         clock.finished(timed_tokens)
         progress.update(first_step + len(losses), loss=losses[-1])
-        if int(metrics["consecutive_skips"]) >= cfg.max_consecutive_skips:
-            raise TrainingError(
-                f"{cfg.max_consecutive_skips} consecutive steps had a non-finite loss or gradient "
-                f"(up to step {first_step + len(losses)}); stopped, the last checkpoint is intact")
+        raise_if_diverged(metrics, first_step + len(losses))
 
+    def raise_if_diverged(metrics, last: int) -> None:
+        """Stops the run when the steps up to `last` ended `train.max_consecutive_skips`
+        non-finite ones in a row."""
+        if int(metrics["consecutive_skips"]) >= cfg.max_consecutive_skips:
+            kept = (f"the checkpoint of step {intact} is intact (resuming repeats the same "
+                    "steps: lower train.lr in a new --workdir, or raise "
+                    "train.max_consecutive_skips)" if intact is not None else
+                    "no checkpoint was saved: lower train.lr and re-run")
+            raise TrainingError(
+                f"the run diverged: {cfg.max_consecutive_skips} consecutive steps had a "
+                f"non-finite loss or gradient (up to step {last}); stopped "
+                f"without saving its state; {kept}")
+
+    anticipatory = trainer.anticipatory  # DeepSeek-V4's switch, or None
     lead = is_lead()  # one process writes metrics and shows progress
     writer = MetricsWriter(trainer.workdir) if lead else DiscardingWriter()
     with writer, ProgressBar(cfg.steps, first_step, enabled=cfg.progress and lead) as progress:
@@ -271,9 +321,13 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
         clock, pending = CompletedSteps(), None
         while step < cfg.steps:
             batch, batch_tokens = trainer.next_batch(step)
+            if anticipatory is not None:
+                batch = anticipatory.prepare(step, state, batch)
             mask_meta = meta_loss_masked(cfg.data.meta_loss_mask_after_tokens, tokens_seen)
             call_start = time.perf_counter()
             state, metrics = step_fn(state, batch, np.bool_(mask_meta))
+            if anticipatory is not None:
+                metrics = {**metrics, **anticipatory.metrics(step)}
             timed_tokens = batch_tokens
             if step == first_step:  # the first call compiled (or loaded from the cache) the step
                 jax.block_until_ready(metrics)
@@ -285,11 +339,28 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
             tokens_seen += batch_tokens
             if pending is not None:
                 check(*pending)
+                spiked = first_step + len(losses) - 1  # the update whose loss was just read
+                if anticipatory is not None and anticipatory.is_spike(spiked, losses[-1]):
+                    rollback = trainer.roll_back(spiked + 1)
+                    event = anticipatory.start_window(spiked + 1, losses[-1],
+                                                      rollback[1] if rollback else step)
+                    progress.write(f"loss spike at step {spiked + 1} ({event['loss']:.4g}, median "
+                                   f"{event['median']:.4g}): anticipatory routing from step "
+                                   f"{event['rollback_to']} to {event['active_until']}")
+                    if rollback is not None:  # re-train from the checkpoint
+                        state, step = rollback
+                        writer.truncate_after(step)
+                        first_step = min(first_step, step)
+                        del losses[step - first_step:]
+                        tokens_seen, saved_step, pending = tokens_before(run, step), step, None
+                        intact = step
+                        clock.restart()
+                        continue
             pending = (metrics, timed_tokens)
             evaluate_now = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
             if step % cfg.log_every == 0 or step == cfg.steps or evaluate_now:
                 rate = clock.tokens_per_sec()
-                record = {**metrics, "tokens_seen": tokens_seen}
+                record = {**metrics, "tokens_seen": tokens_seen, **trainer.mixture_shares()}
                 if rate is not None:  # None until a step after the compiling one has finished
                     record.update(tokens_per_sec=rate, mfu=rate * flops_per_token / peak)
                     progress.update(first_step + len(losses), tokens_per_sec=rate)
@@ -305,11 +376,15 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                 interrupted = True
                 break
             if step % cfg.checkpoint_every == 0:
+                # A state that ended the run's divergence is never saved: a re-run would find
+                # it at the last step and call the run finished. (Its loss is still read one
+                # step late, where a spike rolls back past this checkpoint.)
+                raise_if_diverged(pending[0], step)
                 # Rows lag the steps (the writer waits for their values): a kill after this
                 # checkpoint must not lose rows a resume from it would not write again.
                 writer.flush()
                 trainer.save(state)
-                saved_step = step
+                saved_step = intact = step
         if pending is not None:
             check(*pending)
         if saved_step != step:

@@ -5,7 +5,9 @@ the loss-free router-bias update, non-finite skipping, and the stability monitor
     state, metrics = step_fn(state, batch, mask_meta)
 
 batch: dict of `tokens`, `segment_ids`, `positions` (int32), `meta_mask` and optionally
-`loss_mask` (bool; absent: every token is a target), each [num_micro, micro_batch, T];
+`loss_mask` (bool; absent: every token is a target), each [num_micro, micro_batch, T], and
+`routed_experts` [num_micro, micro_batch, L_moe, T, k] to replay an expert choice
+(train/anticipatory_routing.py);
 mask_meta: bool scalar (report A.3 switch). Metrics stay on device: the caller hands them to the
 background writer without waiting.
 """
@@ -15,9 +17,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from model.lm import CausalLM, join_variables, output_head_params
+from model.lm import CausalLM, join_variables, learned_routing_mean, output_head_params
 from model.parallel.mesh import mesh_axis_size
-from model.parallel.pipeline import bubble_fraction, num_microbatches
+from model.parallel.pipeline import stage_plan
 from train.balance import has_router_bias, update_router_bias
 from train.config import RunConfig
 from train.losses import chunked_cross_entropy, shifted_targets
@@ -39,8 +41,10 @@ def loss_fn(model: CausalLM, run: RunConfig, params, balance, micro, mask_meta, 
     mtp_weight = train.mtp_loss_weight if mtp_weight is None else mtp_weight
     heads = run.trained_mtp_heads()
     variables = join_variables(params, balance)
+    routes = micro.get("routed_experts")
     out = model.apply(variables, micro["tokens"], micro["segment_ids"], micro["positions"],
-                      compute_logits=False, num_mtp_heads=heads)
+                      compute_logits=False, num_mtp_heads=heads,
+                      routed_experts=None if routes is None else jnp.swapaxes(routes, 0, 1))
 
     def head_loss(hidden, offset, head):
         targets = shifted_targets(micro["tokens"], micro["segment_ids"], micro["meta_mask"],
@@ -126,7 +130,9 @@ def make_train_step(training: Training, run: RunConfig
         def accumulate(grads, micro):
             (loss, (parts, aux)), g = grad_and_aux(state.params, state.balance, micro, mask_meta,
                                                    counts, num_micro, mtp_weight)
-            return jax.tree.map(jnp.add, grads, g), (loss, parts, aux.get("moe", {}))
+            # the experts of every token (aux moe.routed_experts) are not a monitor
+            moe = {k: v for k, v in aux.get("moe", {}).items() if k != "routed_experts"}
+            return jax.tree.map(jnp.add, grads, g), (loss, parts, moe)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         grads, (losses, parts, moe_aux) = jax.lax.scan(accumulate, zeros, batch)
@@ -148,7 +154,7 @@ def make_train_step(training: Training, run: RunConfig
         metrics = {"loss": loss, **parts, **update_stats,
                    # share of the step's positions whose next token is a target (chat SFT:
                    # the assistant turns; plain text: all but document ends and padding)
-                   "trained_fraction": counts[0] / batch["tokens"].size,
+                   "trained_fraction": counts[0] / float(batch["tokens"].size),
                    "lr": learning_rate(applied_updates(state.opt_state)),  # this update's rate
                    "skipped_steps": new_state.skipped,
                    **({"mtp_weight": mtp_weight}
@@ -158,7 +164,10 @@ def make_train_step(training: Training, run: RunConfig
         stages = mesh_axis_size("pipeline")
         if stages > 1:
             metrics["pipeline/bubble_fraction"] = jnp.float32(
-                bubble_fraction(stages, num_microbatches(run.model, stages)))
+                stage_plan(run.model, stages).bubble)
+        if "replay_mismatch" in moe_aux:  # anticipatory routing's replayed choice
+            metrics["anticipatory_routing/mismatch"] = jnp.mean(
+                learned_routing_mean(run.model, moe_aux.pop("replay_mismatch")))
         if moe_aux:
             metrics.update(moe_monitors(moe_aux, run.model.moe_layer_indices()))
             metrics.update(expert_param_norms(new_state.params, run.model))

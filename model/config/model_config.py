@@ -32,8 +32,13 @@ from model.ops.tables import ATTENTION, MOE
 
 ROUTER_ACTIVATIONS = ("sigmoid", "softmax", "sqrt_softplus")  # sqrt_softplus: DeepSeek-V4
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots", "save_attention_out", "save_ffn_out")
+REMAT_POLICIES = ("none", "full", "dots", "dots_with_kernels", "save_attention_out",
+                  "save_ffn_out")
 EP_COLLECTIVES = ("auto", "ragged", "padded")
+INT32_MAX = 2**31 - 1
+# Far beyond any model (the largest have ~100 layers); bounds what per-layer lists a config
+# (or a checkpoint's config.json) makes us build.
+MAX_LAYERS = 10_000
 
 # One character per layer: Step 3.5's GQA attention, full (F) or sliding-window (S), or
 # DeepSeek-V4's shared-KV attention, sliding-window only (W), CSA (C) or HCA (H).
@@ -66,6 +71,8 @@ def expand_layout(layout: str) -> str:
         unit, repeat = match.group(1), int(match.group(2) or 1)
         if repeat < 1:
             raise ConfigError("layout", f"repeat count in {term!r} must be >= 1")
+        if sum(map(len, expanded)) + len(unit) * repeat > MAX_LAYERS:
+            raise ConfigError("layout", f"{layout!r} expands to more than {MAX_LAYERS} layers")
         expanded.append(unit * repeat)
     return "".join(expanded)
 
@@ -212,13 +219,17 @@ class ModelConfig(Config):
     # Parallel execution under a device mesh (model/parallel/expert_parallel.py,
     # model/parallel/pipeline.py): the collective that moves tokens to their experts' devices
     # (`ragged`: ragged_all_to_all, GPU/TPU; `padded`: all_to_all of worst-case-sized chunks, any
-    # backend; `auto`: padded on CPU, whose XLA lacks ragged_all_to_all), and GPipe micro-batches
-    # per pipelined forward (0 = twice the number of stages).
+    # backend; `auto`: padded on CPU, whose XLA lacks ragged_all_to_all), the micro-batches per
+    # pipelined forward (0 = twice the number of stages) and the virtual stages per device
+    # (1: GPipe; V > 1: the interleaved schedule).
     ep_collective: str = "auto"
     pipeline_microbatches: int = 0
+    pipeline_virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         check_int("num_layers", self.num_layers, 1)  # the per-layer lists below depend on it
+        if self.num_layers > MAX_LAYERS:
+            raise ConfigError("num_layers", f"must be at most {MAX_LAYERS}, got {self.num_layers}")
         object.__setattr__(self, "layout", expand_layout(self.layout))
         for name in ("swiglu_limits", "swiglu_limits_shared"):
             object.__setattr__(self, name, self._per_layer_limits(name, getattr(self, name)))
@@ -249,6 +260,10 @@ class ModelConfig(Config):
         for name in ("vocab_size", "d_model", "num_layers", "window", "head_dim", "num_kv_heads",
                      "dense_hidden"):
             check_int(name, getattr(self, name), 1)
+        for name in ("vocab_size", "window"):  # token ids and positions are int32
+            if getattr(self, name) > INT32_MAX:
+                raise ConfigError(name, f"must be at most {INT32_MAX} (token ids and positions "
+                                  f"are int32), got {getattr(self, name)}")
         if len(self.layout) != self.num_layers:
             raise ConfigError("layout", f"expands to {len(self.layout)} layers ({self.layout!r}) "
                               f"but num_layers={self.num_layers}")
@@ -288,6 +303,7 @@ class ModelConfig(Config):
         check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
         check_choice("ep_collective", self.ep_collective, EP_COLLECTIVES)
         check_int("pipeline_microbatches", self.pipeline_microbatches, 0)
+        check_int("pipeline_virtual_stages", self.pipeline_virtual_stages, 1)
         for name in ("qk_norm", "tie_embeddings", "scan_layers"):
             check_bool(name, getattr(self, name))
 

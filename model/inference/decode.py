@@ -7,6 +7,8 @@
     out.mean_accepted   # tokens committed per main-model forward pass (speculative)
     out.logprobs        # log-probability of each generated token under the sampling
                         # distribution (plain decoding; RL records it as pi_infer)
+    out.routed_experts  # with record_routing=True: the experts every MoE layer routed each
+                        # processed token to (RL replays them: Rollout Routing Replay)
 
 Caches (model/inference/kv_cache.py) hold max_len positions on full layers and a W + draft ring on
 SWA layers; DeepSeek-V4's W / C / H layers (model/inference/compressed_cache.py) a W + draft ring of
@@ -36,11 +38,11 @@ import numpy as np
 from tqdm import tqdm
 
 from model.config import ModelConfig
-from model.inference.compressed_cache import CompressorCache
+from model.config.model_config import INT32_MAX
+from model.inference.cache_memory import free_memory
 from model.inference.kv_cache import KVCacheSpec
 from model.inference.sampling import Sampling, sample, sample_with_logprob, token_probs
 from model.inference.speculative import accept_drafts
-from model.layers.layer_plan import layer_kinds, plan_segments
 from model.lm import CausalLM
 
 
@@ -54,6 +56,10 @@ class Generation(NamedTuple):
     # per prompt, log-probability of each generated token under the sampling distribution it
     # was drawn from (plain decoding); None with speculative decoding
     logprobs: list[list[float]] | None = None
+    # per prompt (`generate(record_routing=True)`, plain decoding, a model with MoE layers):
+    # int32 [L_moe, P + G - 1, k], the experts each MoE layer sent the prompt's P tokens and
+    # the first G - 1 of the G generated ones to (the last generated token is never fed back)
+    routed_experts: list[np.ndarray] | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -76,8 +82,12 @@ class Decoder:
         if not 0 <= draft <= config.mtp.num_heads:
             raise ValueError(f"draft: {draft} speculative tokens need as many MTP heads; the "
                              f"model has mtp.num_heads={config.mtp.num_heads}")
+        if max_len + draft > INT32_MAX:
+            raise ValueError(f"a cache of {max_len} positions: positions are int32, so at most "
+                             f"{INT32_MAX}; generate fewer new tokens")
         self.config, self.variables = config, variables
         self.spec = KVCacheSpec(max_len, draft)
+        self._fitting_batches: set[int] = set()
         self.model = CausalLM(config, self.spec)
         self.prefill_chunk = max(1, min(prefill_chunk, max_len))
         self._init = jax.jit(self._init_cache, static_argnums=1)
@@ -96,7 +106,18 @@ class Decoder:
         return other
 
     def init_cache(self, batch: int):
-        """Empty caches for `batch` rows: the `cache` collection of the decoding model."""
+        """Empty caches for `batch` rows: the `cache` collection of the decoding model. Refused
+        (ValueError) before anything is allocated when they would not fit in free memory."""
+        if batch not in self._fitting_batches:
+            shapes = jax.eval_shape(self._init, self.variables, batch)
+            need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+            free = free_memory()
+            if need > free:
+                raise ValueError(f"the KV caches of {batch} row(s) x {self.spec.max_len} "
+                                 f"positions need {need / 2**30:.2f} GiB, more than the "
+                                 f"{free / 2**30:.2f} GiB of free memory; generate fewer new "
+                                 "tokens (or fewer rows at once)")
+            self._fitting_batches.add(batch)
         return self._init(self.variables, batch)
 
     # ---- pure steps (jitted above) ------------------------------------------------------------
@@ -113,7 +134,7 @@ class Decoder:
         """Empty caches of every layer (and of the MTP heads used for drafting)."""
         tokens = jnp.zeros((batch, 1), jnp.int32)
         padding = jnp.full((batch, 1), -1, jnp.int32)
-        (_, h), cache = self._apply(variables, {}, CausalLM.decode_chunk, tokens, padding)
+        (_, h, _), cache = self._apply(variables, {}, CausalLM.decode_chunk, tokens, padding)
         for head in range(1, self.spec.draft + 1):
             (_, h), cache = self._apply(variables, cache, CausalLM.mtp_chunk, head, h, tokens,
                                         padding)
@@ -121,11 +142,12 @@ class Decoder:
 
     def _prefill_step(self, variables, cache, tokens, positions, last_index):
         """tokens/positions [B, C]; last_index [B]: chunk index whose logits to return.
-        -> (cache, logits [B, V], pre-norm hidden [B, C, D])."""
-        (normed, h), cache = self._apply(variables, cache, CausalLM.decode_chunk, tokens,
-                                         positions)
+        -> (cache, logits [B, V], pre-norm hidden [B, C, D], routed experts [L_moe, B, C, k]
+        or None)."""
+        (normed, h, routed), cache = self._apply(variables, cache, CausalLM.decode_chunk, tokens,
+                                                 positions)
         rows = jnp.arange(tokens.shape[0])
-        return cache, self._logits(variables, normed[rows, last_index]), h
+        return cache, self._logits(variables, normed[rows, last_index]), h, routed
 
     def _draft_step(self, variables, cache, h_prev, positions, known_tokens, known, last, key,
                     sampling):
@@ -149,11 +171,12 @@ class Decoder:
 
     def _decode_step(self, variables, cache, token, position, key, sampling):
         """token/position [B] (position -1 = frozen row) -> (cache, next token [B], its
-        log-probability [B])."""
-        (normed, _), cache = self._apply(variables, cache, CausalLM.decode_chunk, token[:, None],
-                                         position[:, None])
+        log-probability [B], the experts `token` was routed to [L_moe, B, k] or None)."""
+        (normed, _, routed), cache = self._apply(variables, cache, CausalLM.decode_chunk,
+                                                 token[:, None], position[:, None])
         probs = token_probs(self._logits(variables, normed[:, 0]), sampling)
-        return cache, *sample_with_logprob(key, probs)
+        return (cache, *sample_with_logprob(key, probs),
+                None if routed is None else routed[:, :, 0])
 
     def _speculative_step(self, variables, cache, token, position, drafts, draft_probs, key,
                           sampling):
@@ -163,7 +186,8 @@ class Decoder:
         offsets = jnp.arange(draft + 1)
         positions = jnp.where(position[:, None] >= 0, position[:, None] + offsets, -1)
         chunk = jnp.concatenate([token[:, None], drafts], axis=1)
-        (normed, h), cache = self._apply(variables, cache, CausalLM.decode_chunk, chunk, positions)
+        (normed, h, _), cache = self._apply(variables, cache, CausalLM.decode_chunk, chunk,
+                                            positions)
         target_probs = token_probs(self._logits(variables, normed), sampling)
         accept_key, draft_key = jax.random.split(key)
         accepted, committed = accept_drafts(accept_key, target_probs, draft_probs, drafts)
@@ -178,18 +202,23 @@ class Decoder:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  sampling: Sampling = Sampling(), speculative: bool = False,
                  key: jax.Array | None = None, stop_ids: Sequence[int] = (),
-                 progress: bool = False) -> Generation:
+                 progress: bool = False, record_routing: bool = False) -> Generation:
         """Continues every prompt (a non-empty list of token ids) by up to `max_new_tokens`,
-        stopping a row early at any of `stop_ids`."""
+        stopping a row early at any of `stop_ids`. `record_routing`: also return the experts
+        every token was routed to (`Generation.routed_experts`; plain decoding only)."""
         sampling.validate()
+        if record_routing and speculative:
+            raise ValueError("record_routing: recording the routed experts needs plain decoding "
+                             "(speculative=False)")
         lengths = self._check_prompts(prompts, max_new_tokens, speculative)
         key = jax.random.key(0) if key is None else key
         batch, draft = len(prompts), self.spec.draft if speculative else 0
         started = time.perf_counter()
         cache = self.init_cache(batch)
         key, first_key, draft_key = jax.random.split(key, 3)
-        cache, last_logits, hidden, padded, positions = self._prefill_prompts(cache, prompts,
-                                                                              lengths)
+        cache, last_logits, hidden, padded, positions, prefill_routes = self._prefill_prompts(
+            cache, prompts, lengths)
+        step_routes = []
         first, first_logprob = self._sample(first_key, last_logits, sampling)
         if draft:
             cache, drafts, draft_probs = self._draft_prompts(cache, hidden, padded, positions,
@@ -215,8 +244,10 @@ class Decoder:
                 accepted, committed = np.asarray(accepted), np.asarray(committed)
                 new = [committed[b, :accepted[b] + 1] for b in range(batch)]
             else:
-                cache, token, token_logprob = self._decode(self.variables, cache, current,
-                                                           frozen_position, step_key, sampling)
+                cache, token, token_logprob, routed = self._decode(
+                    self.variables, cache, current, frozen_position, step_key, sampling)
+                if record_routing and routed is not None:
+                    step_routes.append(routed)
                 new = [[t] for t in np.asarray(token)]
                 new_logprobs = np.asarray(token_logprob)
             passes += 1
@@ -243,8 +274,12 @@ class Decoder:
                 timed_tokens += step_tokens
         bar.close()
         decode_seconds = time.perf_counter() - timer if timer is not None else 0.0
+        routed_experts = None
+        if record_routing and prefill_routes is not None:
+            routed_experts = _routes_per_row(prefill_routes, step_routes, lengths, outputs)
         return Generation(outputs, passes, row_tokens / row_passes if row_passes else 0.0,
-                          prefill_seconds, decode_seconds, timed_tokens, logprobs)
+                          prefill_seconds, decode_seconds, timed_tokens, logprobs,
+                          routed_experts)
 
     def _check_prompts(self, prompts, max_new_tokens: int, speculative: bool) -> np.ndarray:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
@@ -271,7 +306,8 @@ class Decoder:
     def _prefill_prompts(self, cache, prompts, lengths):
         """Runs the prompts through the backbone in chunks of `prefill_chunk` tokens.
         -> (cache, logits at each prompt's last token [B, V], per-chunk hidden states,
-        padded prompts [B, P], positions [B, P] with -1 on padding)."""
+        padded prompts [B, P], positions [B, P] with -1 on padding, the routed experts
+        [L_moe, B, P, k] or None without MoE layers)."""
         chunk = self.prefill_chunk
         width = -(-int(lengths.max()) // chunk) * chunk
         padded = np.zeros((len(prompts), width), np.int32)
@@ -279,16 +315,19 @@ class Decoder:
             padded[b, :len(prompt)] = prompt
         index = np.arange(width)
         positions = np.where(index < lengths[:, None], index, -1).astype(np.int32)
-        last_logits, hidden = None, []
+        last_logits, hidden, routes = None, [], []
         for start in range(0, width, chunk):
             last_index = np.clip(lengths - 1 - start, 0, chunk - 1)
-            cache, logits, h = self._prefill(self.variables, cache, padded[:, start:start + chunk],
-                                             positions[:, start:start + chunk], last_index)
+            cache, logits, h, routed = self._prefill(
+                self.variables, cache, padded[:, start:start + chunk],
+                positions[:, start:start + chunk], last_index)
+            routes.append(routed)
             ends_here = ((lengths - 1) // chunk == start // chunk)[:, None]
             last_logits = logits if last_logits is None else jnp.where(ends_here, logits,
                                                                        last_logits)
             hidden.append(h)
-        return cache, last_logits, hidden, padded, positions
+        routed = None if routes[0] is None else jnp.concatenate(routes, axis=2)
+        return cache, last_logits, hidden, padded, positions, routed
 
     def _draft_prompts(self, cache, hidden, padded, positions, lengths, first, key, sampling):
         """Fills the MTP caches over the prompt and drafts the tokens after `first`, the token
@@ -312,28 +351,13 @@ class Decoder:
         return cache, drafts, draft_probs
 
 
-def cache_bytes(config: ModelConfig, cache) -> dict[str, int]:
-    """Bytes of a decode cache (`Decoder.init_cache`) by kind: 'full' (F layers), 'swa' (the
-    sliding-window rings: S and W layers, the window branch of C / H layers, the MTP heads),
-    'compressed' (C / H layers' compressed entries and compressor tails), 'indexer' (the CSA
-    indexers' keys and tails); the last two are 0 without DeepSeek-V4 compressed layers."""
-    kinds = layer_kinds(config)
-    segments = plan_segments(kinds)
-    totals = {"full": 0, "swa": 0, "compressed": 0, "indexer": 0}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
-        names = [getattr(p, "key", "") for p in path]
-        if names[0] == "layers" and names[1].startswith("segment_"):
-            segment = segments[int(names[1].removeprefix("segment_"))]
-            kind = kinds[segment.start + int(names[2].removeprefix("block_"))]
-        elif names[0] == "layers":
-            kind = kinds[int(names[1].removeprefix("layer_"))]
-        else:
-            kind = None  # an MTP head
-        if "indexer" in names:
-            category = "indexer"
-        elif names[-1] in CompressorCache._fields:
-            category = "compressed"
-        else:
-            category = "full" if kind is not None and kind.attention_type == "F" else "swa"
-        totals[category] += leaf.size * leaf.dtype.itemsize
-    return totals
+def _routes_per_row(prefill, steps, lengths, outputs) -> list[np.ndarray]:
+    """The prefill's routes [L_moe, B, P_max, k] and each decode step's [L_moe, B, k] -> per row
+    [L_moe, P_b + G_b - 1, k]: its prompt's P_b tokens, then the generated tokens it fed back
+    (row b feeds its i-th generated token at step i, and stops before feeding its last)."""
+    prefill = np.asarray(prefill)
+    layers, _, _, k = prefill.shape
+    fed = (np.asarray(jnp.stack(steps, axis=2)) if steps
+           else np.zeros((layers, len(outputs), 0, k), np.int32))
+    return [np.concatenate([prefill[:, b, :length], fed[:, b, :len(out) - 1]], axis=1)
+            for b, (length, out) in enumerate(zip(lengths, outputs))]

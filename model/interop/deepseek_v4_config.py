@@ -273,7 +273,7 @@ def _check_exportable(cfg: ModelConfig) -> None:
         ("hyper_connections.hc_mult", cfg.hyper_connections.hc_mult < 2,
          "transformers always builds mHC, stepjax only for hc_mult >= 2"),
         ("mtp.num_heads", cfg.mtp.num_heads != 0,
-         "transformers' DeepseekV4ForCausalLM has no MTP layers; export with 0"),
+         "transformers' DeepseekV4ForCausalLM has no MTP layers; export with --drop-mtp"),
         ("shared_kv_attention.compress_rope_scaling",
          attn.compress_rope_scaling.type not in ("none", "yarn"), "only yarn has an equivalent"),
         ("shared_kv_attention.rope_dims",

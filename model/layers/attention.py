@@ -24,7 +24,6 @@ from model.layers.common import dtype_of
 from model.layers.norm import RMSNorm
 from model.layers.projection import Projection
 from model.layers.rope import apply_rope
-from model.ops.attention_cores import with_values_padded
 from model.ops.tables import ATTENTION
 from model.parallel.mesh import mesh_size, shard_attention_core
 
@@ -77,8 +76,6 @@ class Attention(nn.Module):
             core = ATTENTION.resolve(cfg.attention_impl)
             if cfg.attention_impl == "pallas" and mesh_size() > 1:
                 core = shard_attention_core(core)  # XLA does not partition a pallas_call
-            if cfg.attention_impl != "xla" and geo.v_head_dim != geo.head_dim:
-                core = with_values_padded(core)
             y = core(q, k, v, window=window, segment_ids=segment_ids, sink=sink)  # [B, T, H, Dv]
 
         aux = {}

@@ -1,10 +1,10 @@
 """Attention cores behind `attention_impl`: same semantics, different kernels
 (docs/architecture.md, "Implementation tables").
 
-All cores take q: [B, T, H, D], k/v: [B, T, K, D] with H = K * G (GQA: the G query heads of a
-group share one KV head, never materialised as repeats) and return [B, T, H, D] in q.dtype.
-`xla` also takes values of another head dim Dv (MiMo-V2-Flash: D = 192, Dv = 128) and returns
-[B, T, H, Dv]; the kernels of the others get them through `with_values_padded`.
+All cores take q: [B, T, H, D], k: [B, T, K, D], v: [B, T, K, Dv] with H = K * G (GQA: the G
+query heads of a group share one KV head, never materialised as repeats) and return
+[B, T, H, Dv] in q.dtype. Dv may differ from D (MiMo-V2-Flash: D = 192, Dv = 128); kernels
+that need one head dim get zero-padded values (`with_values_padded`).
 
 Masking (docs/architecture.md, "Exact semantics"): query i sees key j iff j <= i,
 i - j < window (window=None: full causal) and segment_ids[i] == segment_ids[j] (packed
@@ -15,16 +15,16 @@ input-independent alternative to the head-wise gate).
 - `xla`: full layers build [T, T] scores (skipping most of the causally masked half); SWA
   layers run chunked local attention in O(T·W). Both reduce to `masked_attention`, whose kernel
   `model.ops.attention_vjp.grouped_attention` has a hand-written VJP laid out for XLA:CPU.
-- `cudnn`: `jax.nn.dot_product_attention` (cuDNN on NVIDIA GPUs for 16-bit inputs, XLA
-  elsewhere).
-- `pallas`: `pallas_kernels.flash_attention` (imported on first use).
+- `cudnn`: `jax.nn.dot_product_attention` (`model.ops.cudnn_attention`: cuDNN on NVIDIA GPUs
+  for what its kernel expresses, the `xla` core otherwise).
+- `pallas`: flash-attention kernels (`pallas_kernels.attention`: Mosaic GPU on Hopper, Triton
+  on other GPUs, interpret mode on CPU), imported on first use.
 
 `model.ops.tables.ATTENTION` names the function of each `attention_impl`.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Protocol
 
 import jax
@@ -162,77 +162,3 @@ def with_values_padded(core: AttentionCore) -> AttentionCore:
         return core(q, k, jnp.pad(v, widths), **kwargs)[..., :v_head_dim]
 
     return padded
-
-
-CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-CUDNN_MAX_HEAD_DIM = 128
-
-
-def fused_attention_backend(q: jax.Array) -> str:
-    """`implementation` of `jax.nn.dot_product_attention` for q [B, T, H, D]: "cudnn" on an
-    NVIDIA GPU for the inputs its fused kernel takes (16-bit, D <= 128, a multiple of 8), else
-    "xla". Named explicitly: `implementation=None` always takes the XLA path (JAX 0.10-0.11,
-    "defaults to XLA for now"; an H200 run's compiled HLO held no cuDNN call, docs/kernels.md)."""
-    head_dim = q.shape[-1]
-    takes = (q.dtype in CUDNN_DTYPES and head_dim <= CUDNN_MAX_HEAD_DIM and head_dim % 8 == 0)
-    return "cudnn" if jax.default_backend() == "gpu" and takes else "xla"
-
-
-def _dot_product_attention(q, k, v, mask, window, return_residual=False):
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=True,
-        local_window_size=None if window is None else (window - 1, 0),
-        return_residual=return_residual, implementation=fused_attention_backend(q),
-    )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention_with_sink(q, k, v, sink, mask, window):
-    return _attention_with_sink_fwd(q, k, v, sink, mask, window)[0]
-
-
-def _attention_with_sink_fwd(q, k, v, sink, mask, window):
-    """o = y * s with s = Z / (Z + e^sink) = sigmoid(lse - sink), lse from the fused kernel."""
-    y, lse = _dot_product_attention(q, k, v, mask, window, return_residual=True)
-    scale = jax.nn.sigmoid(lse.astype(jnp.float32) - sink.astype(jnp.float32))  # [B, T, H]
-    out = (y.astype(jnp.float32) * scale[..., None]).astype(q.dtype)
-    return out, (q, k, v, sink, mask, y, scale)
-
-
-def _attention_with_sink_bwd(window, residuals, d_out):
-    """The kernel returns lse without a gradient, so its path is added by hand:
-    dL/dlse_i = s(1-s) <dO_i, y_i>; d lse_i/dq_i = c sum_j p_ij k_j (attention with V = K);
-    d lse_i/dk_j = c p_ij q_i (the attention V-gradient with dO_i = q_i); c = 1/sqrt(d)."""
-    q, k, v, sink, mask, y, scale = residuals
-    d_out = d_out.astype(jnp.float32)
-    d_lse = jnp.sum(d_out * y.astype(jnp.float32), -1) * scale * (1 - scale)  # [B, T, H]
-    _, attention_vjp = jax.vjp(lambda q, k, v: _dot_product_attention(q, k, v, mask, window),
-                               q, k, v)
-    dq, dk, dv = attention_vjp((d_out * scale[..., None]).astype(q.dtype))
-    softmax_scale = q.shape[-1] ** -0.5
-    mean_keys = _dot_product_attention(q, k, k, mask, window).astype(jnp.float32)
-    dq = dq + (softmax_scale * d_lse[..., None] * mean_keys).astype(dq.dtype)
-    _, value_vjp = jax.vjp(lambda values: _dot_product_attention(q, k, values, mask, window), v)
-    (dk_from_lse,) = value_vjp((d_lse[..., None] * q.astype(jnp.float32)).astype(q.dtype))
-    dk = dk + (softmax_scale * dk_from_lse.astype(jnp.float32)).astype(dk.dtype)
-    d_sink = -jnp.sum(d_lse, axis=(0, 1)).astype(sink.dtype)
-    return dq, dk, dv, d_sink, None
-
-
-_attention_with_sink.defvjp(_attention_with_sink_fwd, _attention_with_sink_bwd)
-
-
-def cudnn_attention(q, k, v, *, window, segment_ids, sink):
-    """`jax.nn.dot_product_attention`: cuDNN flash attention on NVIDIA GPUs for the inputs it
-    takes (`fused_attention_backend`), XLA elsewhere.
-
-    The sink is folded in afterwards from the returned log-sum-exp (softmax with an extra
-    exp(s) term = plain output * sigmoid(lse - s)), with a custom VJP because the kernel's lse
-    carries no gradient. Segment ids become an explicit [B, 1, T, T] mask.
-    """
-    mask = None
-    if segment_ids is not None:
-        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    if sink is None:
-        return _dot_product_attention(q, k, v, mask, window)
-    return _attention_with_sink(q, k, v, sink, mask, window)

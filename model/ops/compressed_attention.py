@@ -22,10 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from model.ops.kv_compression import CompressedKV
+from pallas_kernels.target import target_backend
 
 _NEG = -1e30  # finite "-inf": a fully masked row yields zeros (sink only), gradients stay finite
 QUERY_CHUNK = 128  # default query rows per chunk (raised to the window when W is larger)
-SELECTED_ROWS = 16  # CSA queries per block within a chunk (`_selected_in_row_blocks`)
+# CSA queries per block within a chunk (`_selected_in_row_blocks`), per backend; others take
+# the whole chunk at once
+SELECTED_ROWS = {"cpu": 16}
 
 
 def _chunk_rows(x: jax.Array, chunk: int, pad_value=0) -> jax.Array:
@@ -94,10 +97,12 @@ def compressed_attention(q: jax.Array, kv: jax.Array, compressed: CompressedKV, 
 
 def _selected_in_row_blocks(q, window_keys, window_mask, entries, visible, sink, selected):
     """`attend_window_and_entries` of a CSA query chunk, SELECTED_ROWS queries at a time (a
-    divisor of the chunk), rematerialised: the per-query gathered entries [rows, k, c] stay in
-    cache instead of [C, k, c] streaming through memory (fwd+bwd of a 128-query chunk with
-    k = 512, c = 128, H = 8 on XLA:CPU: 2.5x faster in blocks of 8-16)."""
-    rows = math.gcd(q.shape[1], SELECTED_ROWS)
+    divisor of the chunk), rematerialised: on CPU the per-query gathered entries [rows, k, c]
+    stay in cache instead of [C, k, c] streaming through memory (fwd+bwd of a 128-query chunk
+    with k = 512, c = 128, H = 8 on XLA:CPU: 2.5x faster in blocks of 8-16). Accelerators take
+    the whole chunk in one block: a loop of small steps there costs kernel launches, while
+    the chunk's gather ([C, k, c], 64 MiB at C = 128, k = c = 512 in bfloat16) fits memory."""
+    rows = math.gcd(q.shape[1], SELECTED_ROWS.get(target_backend(), q.shape[1]))
 
     def block(i):
         def part(x):

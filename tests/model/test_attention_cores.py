@@ -29,12 +29,12 @@ from attention_references import (
 from model.ops import attention_vjp
 from model.ops.attention_cores import (
     MIN_CHUNK,
-    cudnn_attention,
     dense_attention,
     local_attention,
     masked_attention,
     xla_attention,
 )
+from model.ops.cudnn_attention import cudnn_attention
 from model.ops.tables import ATTENTION, MOE
 
 # ---- attention cores ------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def test_attention_core_dispatcher(impl):
 def test_implementation_tables_name_the_kernels():
     from model.ops.moe_dispatch import sorted_block_ffn
     from model.ops.pallas_moe import pallas_moe_ffn
-    from pallas_kernels.flash_attention import flash_attention_core
+    from pallas_kernels.attention import flash_attention_core
 
     assert ATTENTION.resolve("pallas") is flash_attention_core
     assert ATTENTION.resolve("xla") is xla_attention

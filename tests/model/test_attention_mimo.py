@@ -32,7 +32,8 @@ from flax.linen import meta
 
 from model.config import AttentionTypeConfig, ModelConfig, MTPConfig
 from model.layers.attention import Attention
-from model.ops.attention_cores import cudnn_attention, with_values_padded, xla_attention
+from model.ops.attention_cores import with_values_padded, xla_attention
+from model.ops.cudnn_attention import cudnn_attention
 from pallas_kernels.flash_attention import flash_attention
 
 D_MODEL, WINDOW = 32, 7
@@ -236,14 +237,18 @@ def pallas_interpret(q, k, v, *, window, segment_ids, sink):
 @pytest.mark.parametrize("core_name,length,window", [
     ("cudnn", 300, 130), ("cudnn", 300, None), ("pallas", 40, 7), ("pallas", 40, None)])
 def test_padded_values_give_the_xla_core(core_name, length, window):
-    """Cores that need one head dim, through `with_values_padded`: the xla core's output and
+    """Kernels that need one head dim get zero-padded values (`with_values_padded`; the cudnn
+    core pads them itself, the raw Triton kernel refuses Dv != D): the xla core's output and
     gradients (q, k, v, sink), and the output keeps Dv columns."""
     inputs = core_inputs(length, 11)
-    core = {"cudnn": cudnn_attention, "pallas": pallas_interpret}[core_name]
-    with pytest.raises(ValueError, match="value shape|k/v"):  # unpadded: Dv != D refused
-        jax.eval_shape(functools.partial(core, window=window, segment_ids=None, sink=None),
-                       *inputs[:3])
-    out, grads = value_and_grads(with_values_padded(core), window, inputs)
+    if core_name == "cudnn":
+        core = cudnn_attention
+    else:
+        with pytest.raises(ValueError, match="k/v"):  # unpadded: Dv != D refused
+            jax.eval_shape(functools.partial(pallas_interpret, window=window, segment_ids=None,
+                                             sink=None), *inputs[:3])
+        core = with_values_padded(pallas_interpret)
+    out, grads = value_and_grads(core, window, inputs)
     expected_out, expected = value_and_grads(xla_attention, window, inputs)
     assert out.shape == (BATCH, length, HEADS, V_HEAD_DIM)
     assert_close(out, expected_out)
@@ -253,8 +258,8 @@ def test_padded_values_give_the_xla_core(core_name, length, window):
 
 @pytest.mark.parametrize("impl,length", [("cudnn", 150), ("pallas", 24)])
 def test_attention_module_other_impls_equal_xla(impl, length):
-    """The layer pads the values itself for cudnn / pallas (MiMo SWA type: Dv 32 < D 48, sink,
-    2 KV heads): output and parameter gradients equal the xla core's."""
+    """The cudnn and pallas cores take values narrower than the keys (MiMo SWA type: Dv 32 <
+    D 48, sink, 2 KV heads): output and parameter gradients equal the xla core's."""
     x, pos, seg = module_inputs(length)
     params = random_params(mimo_config(), "S", x, pos, seg)
     proj = jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32)

@@ -60,7 +60,7 @@ def test_hca_attention_matches_loop_reference(chunk):
 def test_selected_entries_match_loop_reference(chunk, rows, monkeypatch):
     """Per-query picks with -1 (none), and picks of not-yet-visible or other-document entries
     (ignored); a chunk's queries in one block, or in blocks of `rows`."""
-    monkeypatch.setattr(compressed_attention_module, "SELECTED_ROWS", rows)
+    monkeypatch.setattr(compressed_attention_module, "SELECTED_ROWS", {"cpu": rows})
     case = make_case(1, 2, 16, 2, [[7, 9], [16]])
     rng = np.random.default_rng(2)
     selected = np.stack([np.stack([rng.permutation(8)[:3] for _ in range(16)]) for _ in range(2)])

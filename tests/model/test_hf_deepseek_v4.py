@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import ml_dtypes
 import numpy as np
@@ -29,9 +30,12 @@ from hf_step3p5_checkpoint import (
 
 import model.interop.hf as hf
 from model.config import config_from_dict, config_to_dict
+from model.hf import main as hf_main
 from model.interop.deepseek_v4 import config_from_hf, config_to_hf
+from model.interop.model_dir import save_model_dir
 from model.interop.safetensors_io import CheckpointFormatError
 from model.layers.params import convert_layer_layout
+from model.lm import abstract_variables
 
 VOCAB, D, HEADS, HEAD_DIM, Q_RANK, GROUPS, O_RANK = 64, 32, 4, 16, 24, 2, 12
 EXPERTS, HIDDEN, INDEX_HEADS, INDEX_DIM, HC = 4, 16, 2, 8, 2
@@ -90,7 +94,8 @@ RUNTIME_KEYS = {"attention_dropout", "bos_token_id", "eos_token_id", "dtype", "i
 def architecture(cfg) -> dict:
     values = config_to_dict(cfg)
     for name in ("param_dtype", "compute_dtype", "attention_impl", "moe_impl", "remat_policy",
-                 "scan_layers", "init_std", "ep_collective", "pipeline_microbatches"):
+                 "scan_layers", "init_std", "ep_collective", "pipeline_microbatches",
+                 "pipeline_virtual_stages"):
         values.pop(name)
     values["moe"].pop("block_size")
     values["shared_kv_attention"].pop("query_chunk")
@@ -136,6 +141,11 @@ def test_the_flat_rope_form_is_nested_as_transformers_does():
     ({"rope_parameters": {**HF_CONFIG["rope_parameters"], "compress": {
         **HF_CONFIG["rope_parameters"]["compress"], "partial_rotary_factor": 0.25}}},
      "rope_parameters"),
+    ({"hc_mult": "four"}, "hc_mult"),  # values of the wrong type, before any arithmetic
+    ({"num_hidden_layers": 4.0}, "num_hidden_layers"),
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers"),  # per-layer lists would be built
+    ({"tie_word_embeddings": "no"}, "tie_word_embeddings"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps"),
 ])
 def test_unsupported_config_values_are_named(change, field):
     with pytest.raises(CheckpointFormatError) as err:
@@ -293,6 +303,29 @@ def test_import_then_export_is_tensor_exact(source, tmp_path):
     assert_same_tensors(expected, read_dir(tmp_path / "out"))
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["model_type"] == "deepseek_v4"  # picked from the W/C/H layers
+
+
+def test_a_model_with_mtp_heads_exports_with_drop_mtp(source, tmp_path, capsys):
+    """transformers' DeepSeek-V4 has no MTP layers: the export names --drop-mtp, which leaves
+    the heads out and writes the checkpoint the model came from (test_import_then_export...)."""
+    config, variables = hf.load_hf_checkpoint(source[0], progress=False)
+    with_mtp = config.replace(mtp=dataclasses.replace(config.mtp, num_heads=1))
+    rng = np.random.default_rng(0)
+    mtp = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(a.dtype),
+                       nn.meta.unbox(abstract_variables(with_mtp))["params"]["mtp_0"])
+    save_model_dir(with_mtp, {**variables, "params": {**variables["params"], "mtp_0": mtp}},
+                   tmp_path / "model")
+    assert hf_main(["export", str(tmp_path / "model"), "--out", str(tmp_path / "hf")]) == 2
+    error = capsys.readouterr().err
+    assert error == ("error: mtp.num_heads: transformers' DeepseekV4ForCausalLM has no MTP "
+                     "layers; export with --drop-mtp\n")
+    assert not (tmp_path / "hf").exists()
+    assert hf_main(["export", str(tmp_path / "model"), "--out", str(tmp_path / "hf"),
+                    "--drop-mtp", "--dtype", "bfloat16"]) == 0
+    expected = {name: a for name, a in source[1].items() if not name.startswith("mtp.")}
+    assert_same_tensors(expected, read_dir(tmp_path / "hf"))
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [  # no tokenizer, no .lock
+        "config.json", "model.safetensors"]
 
 
 def test_a_deepseek_v4_model_is_not_exported_as_step3p5(source, tmp_path):

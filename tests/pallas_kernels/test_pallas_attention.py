@@ -25,9 +25,9 @@ from jax.experimental import pallas as pl
 
 from model.ops.attention_cores import xla_attention
 from pallas_kernels import flash_attention as fa
+from pallas_kernels.attention import flash_attention_core
 from pallas_kernels.flash_attention import (
     flash_attention,
-    flash_attention_core,
     kv_block_range,
     q_block_range,
     visited_blocks,
