@@ -15,7 +15,8 @@ the window branch of C and H). DeepSeek-V4's compressed layers add entries (V4 r
 block is visible from its last token on, as in the Hugging Face implementation: entry w iff
 w < (i+1) // m): H all ⌊(i+1)/m'⌋ complete blocks of `hca_rate` m', C the top-k selected of the
 ⌊(i+1)/m⌋ blocks of `csa_rate` m, min(index_topk, ⌊(i+1)/m⌋), after the indexer has scored all
-⌊(i+1)/m⌋. With these definitions prefill(N) = Σ_{c=1..N} decode(c), term by term.
+⌊(i+1)/m⌋ (all of them with `csa_attention: dense`, the indexer still scoring every one).
+With these definitions prefill(N) = Σ_{c=1..N} decode(c), term by term.
 
 Breakdown (FLOPs; backbone unless named `mtp`):
 - attention_projections: F/S: q, k, v, o and the head-wise gate g (Step 3.5 report A.1 eq. 5);
@@ -152,9 +153,10 @@ def _window(cfg: ModelConfig, attention_type: str) -> int | None:
 
 
 def _compression(cfg: ModelConfig, attention_type: str) -> tuple[int, int | None] | None:
-    """(rate, top-k or None) of a compressed layer; None for F/S/W."""
+    """(rate, top-k or None: every visible entry) of a compressed layer; None for F/S/W."""
     a = cfg.shared_kv_attention
-    return {"C": (a.csa_rate, a.index_topk), "H": (a.hca_rate, None)}.get(attention_type)
+    top_k = None if a.csa_attention == "dense" else a.index_topk
+    return {"C": (a.csa_rate, top_k), "H": (a.hca_rate, None)}.get(attention_type)
 
 
 def pair_counts(cfg: ModelConfig, attention_type: str, context: int,

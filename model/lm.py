@@ -47,7 +47,9 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
-ATTENTION_AUX = frozenset({"gate_mean", "indexer_loss"})  # per-layer aux of the attention
+# per-layer aux of the attention
+ATTENTION_AUX = frozenset({"gate_mean", "indexer_loss", "indexer_recall_hits",
+                           "indexer_recall_slots"})
 
 
 def learned_routing_mean(cfg: ModelConfig, per_layer: jax.Array) -> jax.Array:
@@ -69,10 +71,17 @@ def balance_groups(cfg: ModelConfig) -> int:
 def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
     """Stacks per-layer aux into: `moe` (dict of [L_moe, ...] arrays, including the per-layer
     `balance_loss` of eq. 1 and the `routed_experts` [L_moe, B, T, k] each layer used),
-    `balance_loss` (its mean over MoE layers, scalar, with gradient
-    through `expert_prob`), `sequence_balance_loss` (DeepSeek-V4's, mean over the MoE layers
-    with learned routing), `attention_gate_mean` (tuple of [H] per layer, headwise),
-    `indexer_loss` (mean over the CSA layers)."""
+    `balance_loss` and `sequence_balance_loss` (DeepSeek-V4's), each the SUM over the MoE layers
+    with learned routing (scalars with gradient), `attention_gate_mean` (tuple of [H] per layer,
+    headwise), `indexer_loss` (mean over the CSA layers) and, where CSA attends densely,
+    `indexer_recall`: the share of the indexer's top-k among the dense attention's top-k, over
+    the queries that see more than k entries (NaN: none does).
+
+    Balance losses are summed over layers, as DeepSeek's reference attaches each MoE layer's
+    alpha * L_bal to that layer's output (`AddAuxiliaryLoss` in its Hugging Face modeling code,
+    the same in Megatron-Core's per-layer `MoEAuxLossAutoScaler`): the coefficient is per layer,
+    and a balanced model's loss is the number of such layers. Hash-routed layers choose by token
+    id, so neither loss acts on them (it would only push their router probabilities around)."""
     aux: dict[str, Any] = {}
     moe_layers = cfg.moe_layer_indices()
     if moe_layers:
@@ -81,11 +90,9 @@ def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
         moe["balance_loss"] = jax.vmap(ep_group_balance_loss, (0, 0, None))(
             moe["expert_load"], moe["expert_prob"], balance_groups(cfg))
         aux["moe"] = moe
-        aux["balance_loss"] = jnp.mean(moe["balance_loss"])
-        learned = [i for i in moe_layers if not cfg.is_hash_layer(i)]
-        aux["sequence_balance_loss"] = (
-            jnp.mean(jnp.stack([per_layer[i]["sequence_balance_loss"] for i in learned]))
-            if learned else jnp.zeros((), jnp.float32))
+        learned = jnp.asarray([not cfg.is_hash_layer(i) for i in moe_layers], jnp.float32)
+        for key in ("balance_loss", "sequence_balance_loss"):
+            aux[key] = jnp.sum(moe[key] * learned)
     if any("gate_mean" in layer for layer in per_layer):
         # None for the layers without a head-wise gate (DeepSeek-V4's W / C / H, or a type
         # whose own `gate` is another)
@@ -93,6 +100,11 @@ def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
     csa = [layer["indexer_loss"] for layer in per_layer if "indexer_loss" in layer]
     if csa:
         aux["indexer_loss"] = jnp.mean(jnp.stack(csa))
+    dense = [layer for layer in per_layer if "indexer_recall_hits" in layer]
+    if dense:  # CSA attending densely: the indexer's top-k recall, pooled over the layers
+        hits, slots = (sum(layer[k] for layer in dense)
+                       for k in ("indexer_recall_hits", "indexer_recall_slots"))
+        aux["indexer_recall"] = jnp.where(slots > 0, hits / jnp.maximum(slots, 1.0), jnp.nan)
     return aux
 
 

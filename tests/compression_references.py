@@ -33,9 +33,10 @@ def rope_interleaved(vec, position, inv_freq):
 
 
 def reference_compress(hidden, kv_w, gate_w, bias, norm_w, rate, overlap, inv_freq, segments,
-                       eps=1e-6):
+                       eps=1e-6, positions=None):
     """hidden [B, T, d], kv_w/gate_w [d, F], bias [m, F], norm_w [c] -> per row a list of
-    entries (vector, last_token, segment)."""
+    entries (vector, last_token, segment), each rotated at its block's first token's position
+    in `positions` [B, T] (None: its offset in the document, w·m)."""
     c = len(norm_w)
     rows = []
     for b in range(hidden.shape[0]):
@@ -61,33 +62,39 @@ def reference_compress(hidden, kv_w, gate_w, bias, norm_w, rate, overlap, inv_fr
                     weights /= weights.sum()
                     pooled[ch] = sum(wt * s[0][ch] for wt, s in zip(weights, slots))
                 normed = pooled / np.sqrt(np.mean(pooled ** 2) + eps) * np.asarray(norm_w)
-                entries.append((rope_interleaved(normed, w * rate, inv_freq),
+                where = w * rate if positions is None else positions[b][first]
+                entries.append((rope_interleaved(normed, where, inv_freq),
                                 first + rate - 1, segments[b][first]))
         rows.append(entries)
     return rows
 
 
-def reference_attention(q, kv, entries, sink, window, segments, selected=None):
+def reference_attention(q, kv, entries, sink, window, segments, selected=None,
+                        entry_probs=False):
     """q [B, T, H, c], kv [B, T, c], entries: per row a list of (vector, last, segment) indexed
     like the compressed slots (later slots are empty), sink [H], selected [B, T, k] or None
-    -> [B, T, H, c] float64."""
+    -> [B, T, H, c] float64; with `entry_probs` also, per row and query, {slot: attention
+    probability summed over heads} of the compressed entries it attends to."""
     batch, length, heads, dim = q.shape
     out = np.zeros((batch, length, heads, dim))
+    probs = [[{} for _ in range(length)] for _ in range(batch)]
     for b in range(batch):
         for t in range(length):
-            keys = [np.asarray(kv[b, j], np.float64) for j in range(length)
+            keys = [(None, np.asarray(kv[b, j], np.float64)) for j in range(length)
                     if 0 <= t - j < window and segments[b][j] == segments[b][t]]
             picks = (range(len(entries[b])) if selected is None
                      else [s for s in selected[b, t] if 0 <= s < len(entries[b])])
             for e in picks:
                 vec, last, seg = entries[b][e]
                 if last <= t and seg == segments[b][t]:
-                    keys.append(np.asarray(vec, np.float64))
+                    keys.append((e, np.asarray(vec, np.float64)))
             for h in range(heads):
-                logits = [float(np.dot(q[b, t, h], k)) / np.sqrt(dim) for k in keys]
+                logits = [float(np.dot(q[b, t, h], k)) / np.sqrt(dim) for _, k in keys]
                 top = max(logits + [float(sink[h])])
                 weights = [np.exp(x - top) for x in logits]
                 denom = sum(weights) + np.exp(float(sink[h]) - top)
-                for wt, k in zip(weights, keys):
+                for wt, (slot, k) in zip(weights, keys):
                     out[b, t, h] += wt / denom * k
-    return out
+                    if slot is not None:
+                        probs[b][t][slot] = probs[b][t].get(slot, 0.0) + wt / denom
+    return (out, probs) if entry_probs else out

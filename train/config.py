@@ -28,6 +28,7 @@ from model.config import (
     check_int,
     check_nonnegative,
     config_to_dict,
+    expand_layout,
     model_values,
     read_yaml,
 )
@@ -35,6 +36,7 @@ from model.parallel.rules import MESH_AXES
 from train.anticipatory_routing import AnticipatoryRoutingConfig
 from train.data.config import DataConfig
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
+from train.optim.schedules import decay_start
 from train.preset_fit import fit_warmup
 
 SCHEDULES = ("cosine", "constant", "stages")
@@ -94,10 +96,13 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     # MTP (report 2.2 / 3.1): total weight 0.3 (0.1 in stage 2) spread over heads by
     # per-offset weights; only MTP-1 trains in main training.
     mtp_loss_weight: float = 0.3
+    # MTP weight from the LR decay's start on (DeepSeek-V4 report 4.2.2: 0.3 -> 0.1); None: same
+    mtp_loss_weight_at_decay: float | None = None
     mtp_offset_weights: tuple = (1.0,)
-    balance_loss_coef: float = 0.001  # EP-group balance loss, eq. 1
+    # Per MoE layer with learned routing (summed over them, model.lm.collect_aux): the EP-group
+    # loss (eq. 1) and the sequence-wise one (DeepSeek-V4 1e-4, MiMo-V2-Flash 1e-5).
+    balance_loss_coef: float = 0.001
     router_bias_rate: float = 0.001  # loss-free balancing update u
-    # DeepSeek-V4 (report 2.1 / 4.2.2): the sequence-wise balance loss, weight 1e-4 there.
     sequence_balance_coef: float = 0.0
     # The CSA lightning indexer's KL loss (model/ops/sparse_indexer.py); it trains only the
     # indexer, whose inputs are detached, so 0 switches the indexer's learning off.
@@ -134,6 +139,13 @@ class TrainConfig(OptimizerConfig, LoopConfig):
         self._validate_stages()
         for i, w in enumerate(self.mtp_offset_weights):
             check_nonnegative(f"mtp_offset_weights[{i}]", w)
+        if self.mtp_loss_weight_at_decay is not None:
+            check_nonnegative("mtp_loss_weight_at_decay", self.mtp_loss_weight_at_decay)
+            if decay_start(**self.schedule_settings()) is None:
+                raise ConfigError("mtp_loss_weight_at_decay", "the learning rate never decays; "
+                                  "use a cosine with min_lr < lr or a lower lr_stages end")
+        if self.trainable == "indexer" and self.router_bias_rate:
+            raise ConfigError("router_bias_rate", "must be 0 under train.trainable=indexer")
 
     def _validate_batch_warmup(self) -> None:
         previous = -1
@@ -251,6 +263,8 @@ class RunConfig(Config):
     mesh: MeshConfig = MeshConfig()
 
     def validate(self) -> None:
+        if self.train.trainable == "indexer" and "C" not in expand_layout(self.model.layout):
+            raise ConfigError("train.trainable", "'indexer' needs a C layer in model.layout")
         if len(self.train.mtp_offset_weights) > self.model.mtp.num_heads:
             raise ConfigError("train.mtp_offset_weights", f"{len(self.train.mtp_offset_weights)} "
                               f"weights but the model has model.mtp.num_heads="
@@ -262,7 +276,7 @@ class RunConfig(Config):
 
     def trained_mtp_heads(self) -> int:
         """MTP heads that enter the loss: up to the last non-zero per-offset weight."""
-        if not self.train.mtp_loss_weight:
+        if not (self.train.mtp_loss_weight or self.train.mtp_loss_weight_at_decay):
             return 0
         weights = self.train.mtp_offset_weights[:self.model.mtp.num_heads]
         return max((i + 1 for i, w in enumerate(weights) if w > 0), default=0)

@@ -48,7 +48,8 @@ def build_training(run: RunConfig) -> Training:
     settings = run.train.optimizer_settings()
     optimizer = build_optimizer(axes, learning_rate=schedule, trained_mtp_heads=heads, **settings)
     labels = param_labels(axes, optimizer=settings["optimizer"],
-                          freeze_router=settings["freeze_router"], trained_mtp_heads=heads)
+                          freeze_router=settings["freeze_router"], trained_mtp_heads=heads,
+                          trainable=settings["trainable"])
     return Training(model, optimizer, schedule, labels, variable_axes)
 
 

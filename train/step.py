@@ -24,18 +24,21 @@ from train.balance import has_router_bias, update_router_bias
 from train.config import RunConfig
 from train.losses import chunked_cross_entropy, shifted_targets
 from train.optim.optimizer import applied_updates
+from train.optim.schedules import decay_start
 from train.state import Training, TrainState, apply_finite_update
 from train.telemetry.monitors import expert_param_norms, moe_monitors, tree_rms
 
 
 def loss_fn(model: CausalLM, run: RunConfig, params, balance, micro, mask_meta, counts,
-            num_micro: int):
+            num_micro: int, mtp_weight=None):
     """Loss of one micro-batch, normalised by the whole step's target counts `counts`
     ([1 + heads] float32) and, for the per-micro-batch balance loss, by `num_micro`, so that
-    summed micro-batch losses and gradients equal those of the full batch.
+    summed micro-batch losses and gradients equal those of the full batch. `mtp_weight`: the
+    MTP loss weight of this step (`mtp_weight_at`; None: train.mtp_loss_weight).
 
     Returns (loss, (parts dict of scalars, aux of the model))."""
     train = run.train
+    mtp_weight = train.mtp_loss_weight if mtp_weight is None else mtp_weight
     heads = run.trained_mtp_heads()
     variables = join_variables(params, balance)
     routes = micro.get("routed_experts")
@@ -60,14 +63,35 @@ def loss_fn(model: CausalLM, run: RunConfig, params, balance, micro, mask_meta, 
     parts = {"loss/lm": lm, "loss/mtp": mtp, "loss/balance": balance_loss}
     # The balance and indexer losses are per-micro-batch means (the step averages them):
     # /num_micro sums to the batch mean.
-    loss = lm + train.mtp_loss_weight * mtp + train.balance_loss_coef * balance_loss / num_micro
+    loss = lm + mtp_weight * mtp + train.balance_loss_coef * balance_loss / num_micro
     for name, key, coef in (("loss/sequence_balance", "sequence_balance_loss",
                              train.sequence_balance_coef),
                             ("loss/indexer", "indexer_loss", train.indexer_loss_coef)):
         if key in out.aux:  # DeepSeek-V4's terms: MoE layers / CSA layers present
             parts[name] = out.aux[key]
             loss = loss + coef * parts[name] / num_micro
+    if "indexer_recall" in out.aux:  # dense CSA layers: the indexer's top-k recall
+        parts["indexer/recall"] = out.aux["indexer_recall"]
     return loss, (parts, out.aux)
+
+
+def mtp_weight_at(run: RunConfig, count):
+    """The MTP loss weight of the update after `count` applied updates (the learning-rate
+    schedule's count): train.mtp_loss_weight, then train.mtp_loss_weight_at_decay from the
+    step the learning rate starts to decay."""
+    train = run.train
+    if train.mtp_loss_weight_at_decay is None:
+        return train.mtp_loss_weight
+    start = decay_start(**train.schedule_settings())
+    return jnp.where(count >= start, train.mtp_loss_weight_at_decay, train.mtp_loss_weight)
+
+
+def stop_frozen_gradients(params, labels):
+    """`params` with the optimizer's frozen ones behind stop_gradient: their gradient is zero
+    anyway, and this way the backward pass skips what only they need (an indexer warm-up,
+    train.trainable=indexer, differentiates the indexer alone)."""
+    return jax.tree.map(lambda p, label: jax.lax.stop_gradient(p) if label == "frozen" else p,
+                        params, labels)
 
 
 def target_counts(run: RunConfig, batch: dict, mask_meta) -> jax.Array:
@@ -92,15 +116,20 @@ def make_train_step(training: Training, run: RunConfig
     model, optimizer, labels = training.model, training.optimizer, training.labels
     learning_rate = training.learning_rate
     train = run.train
-    grad_and_aux = jax.value_and_grad(loss_fn, argnums=2, has_aux=True)
+
+    def trained_loss(params, *args):
+        return loss_fn(model, run, stop_frozen_gradients(params, labels), *args)
+
+    grad_and_aux = jax.value_and_grad(trained_loss, has_aux=True)
 
     def step_fn(state: TrainState, batch: dict, mask_meta) -> tuple[TrainState, dict]:
         counts = target_counts(run, batch, mask_meta)
         num_micro = batch["tokens"].shape[0]
+        mtp_weight = mtp_weight_at(run, applied_updates(state.opt_state))
 
         def accumulate(grads, micro):
-            (loss, (parts, aux)), g = grad_and_aux(model, run, state.params, state.balance,
-                                                   micro, mask_meta, counts, num_micro)
+            (loss, (parts, aux)), g = grad_and_aux(state.params, state.balance, micro, mask_meta,
+                                                   counts, num_micro, mtp_weight)
             # the experts of every token (aux moe.routed_experts) are not a monitor
             moe = {k: v for k, v in aux.get("moe", {}).items() if k != "routed_experts"}
             return jax.tree.map(jnp.add, grads, g), (loss, parts, moe)
@@ -128,6 +157,8 @@ def make_train_step(training: Training, run: RunConfig
                    "trained_fraction": counts[0] / float(batch["tokens"].size),
                    "lr": learning_rate(applied_updates(state.opt_state)),  # this update's rate
                    "skipped_steps": new_state.skipped,
+                   **({"mtp_weight": mtp_weight}
+                      if train.mtp_loss_weight_at_decay is not None else {}),
                    "consecutive_skips": new_state.consecutive_skips,
                    **grouped_rms(updates, labels)}
         stages = mesh_axis_size("pipeline")

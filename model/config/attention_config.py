@@ -17,6 +17,10 @@ from model.config.core import (
 )
 
 ROPE_SCALING_TYPES = ("none", "yarn", "llama3")
+# How CSA layers (`C`) attend to their compressed entries: the lightning indexer's top-k
+# (sparse, DeepSeek-V4 report §2.3.1) or every visible entry (dense: the report's dense
+# pre-training phase and the indexer warm-up, §4.2.2).
+CSA_ATTENTION = ("sparse", "dense")
 # Step 3.5's head-wise gate (A.1, eq. 5), a learnable per-head sink logit (MiMo-V2-Flash eqs.
 # 1-4), or neither.
 GATE_TYPES = ("headwise", "sink", "none")
@@ -149,6 +153,10 @@ class SharedKVAttentionConfig(Config):
     index_heads: int = 64
     index_head_dim: int = 128
     index_topk: int = 512
+    # `sparse`: the top-`index_topk` entries; `dense`: all visible entries, the indexer trained
+    # on the dense distribution (model.ops.sparse_indexer.dense_indexer_terms). Parameters are
+    # the same, so a staged recipe switches it between stages.
+    csa_attention: str = "sparse"
     query_chunk: int = 128  # query rows per chunk of the core attention and the indexer
 
     def validate(self) -> None:
@@ -157,6 +165,7 @@ class SharedKVAttentionConfig(Config):
                      "query_chunk"):
             check_int(name, getattr(self, name), 1)
         check_int("rope_dims", self.rope_dims, 0)
+        check_choice("csa_attention", self.csa_attention, CSA_ATTENTION)
         for name in ("rope_theta", "compress_rope_theta"):
             check_positive(name, getattr(self, name))
         if self.rope_dims % 2 or self.rope_dims > min(self.head_dim, self.index_head_dim):

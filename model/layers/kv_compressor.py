@@ -17,7 +17,9 @@ from model.inference.kv_cache import KVCacheSpec
 from model.layers.common import dtype_of, normal_init
 from model.ops.kv_compression import CompressedKV, CompressorParams, compress_kv
 from model.ops.sparse_indexer import (
+    DenseIndexerTerms,
     Selection,
+    dense_indexer_terms,
     indexer_head_weights,
     indexer_queries,
     select_entries,
@@ -55,9 +57,10 @@ class Compressor(nn.Module):
         return CompressorParams(self.kv_proj, self.gate_proj, self.position_bias,
                                 1.0 + self.kv_norm.astype(jnp.float32))
 
-    def __call__(self, hidden, segment_ids, inv_freq) -> CompressedKV:
+    def __call__(self, hidden, segment_ids, positions, inv_freq) -> CompressedKV:
+        """positions [B, T]: the RoPE positions the queries use (model.ops.kv_compression)."""
         return compress_kv(hidden, self.params(), rate=self.rate, overlap=self.overlap,
-                           inv_freq=inv_freq, segment_ids=segment_ids,
+                           inv_freq=inv_freq, segment_ids=segment_ids, positions=positions,
                            eps=self.config.norm_eps)
 
 
@@ -74,9 +77,12 @@ class LightningIndexer(nn.Module):
     kv_cache: KVCacheSpec | None = None
 
     @nn.compact
-    def __call__(self, hidden, q_latent, positions, segment_ids, inv_freq) -> Selection:
+    def __call__(self, hidden, q_latent, positions, segment_ids, inv_freq,
+                 dense_target=None) -> Selection | DenseIndexerTerms:
         """hidden [B, T, d], q_latent [B, T, q_lora_rank], positions / segment_ids [B, T]
-        (segment_ids None: one document per row) -> Selection of [B, T, index_topk]."""
+        (segment_ids None: one document per row) -> Selection of [B, T, index_topk]; with
+        `dense_target` [B, T, T // csa_rate] (a dense C layer's attention probability of each
+        entry summed over heads) instead the warm-up loss and recall against it."""
         cfg, attn = self.config, self.config.shared_kv_attention
         dtype, param_dtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
         hidden, q_latent = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(q_latent)
@@ -99,8 +105,12 @@ class LightningIndexer(nn.Module):
                                       inv_freq=inv_freq, eps=cfg.norm_eps)
             return select_entries(queries, head_weights, keys.entries, positions,
                                   entry_ends(keys), **options)
-        keys = compressor(hidden, segment_ids, inv_freq)
+        keys = compressor(hidden, segment_ids, positions, inv_freq)
         token_index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        placement = dict(query_segment_ids=segment_ids, entry_segment_ids=keys.segment_ids,
+                         **options)
+        if dense_target is not None:
+            return dense_indexer_terms(queries, head_weights, keys.entries, dense_target,
+                                       token_index, keys.last_token, **placement)
         return select_entries(queries, head_weights, keys.entries, token_index, keys.last_token,
-                              query_segment_ids=segment_ids, entry_segment_ids=keys.segment_ids,
-                              **options)
+                              **placement)

@@ -64,7 +64,9 @@ class SharedKVAttention(nn.Module):
 
     aux of a C layer: `indexer_loss`, the KL of the indexer's scores from the main attention's
     probabilities over the selected entries (model.ops.sparse_indexer.indexer_kl_loss), the
-    indexer's only training signal.
+    indexer's only training signal; with `csa_attention: dense` the layer attends to every
+    visible entry and the KL covers them all (`dense_indexer_terms`), with the indexer's top-k
+    recall against the dense attention (`indexer_recall_hits` / `indexer_recall_slots`).
 
     With `kv_cache` set the layer decodes incrementally (model/inference/compressed_cache.py):
     `positions` are absolute (-1 marks padding), `segment_ids` is unused, the window ring and
@@ -107,10 +109,18 @@ class SharedKVAttention(nn.Module):
             y = compressed_attention(q, kv, no_entries(batch, attn.head_dim, dtype), sinks,
                                      **self._core_options(segment_ids))
         else:
-            compressed = self._compressor()(x, segment_ids, inv_freq)
+            compressed = self._compressor()(x, segment_ids, positions, inv_freq)
             if self.attention_type == "H":
                 y = compressed_attention(q, kv, compressed, sinks,
                                          **self._core_options(segment_ids))
+            elif attn.csa_attention == "dense":  # every visible entry; the indexer learns it
+                y, entry_probs = compressed_attention(q, kv, compressed, sinks, entry_probs=True,
+                                                      **self._core_options(segment_ids))
+                terms = LightningIndexer(cfg, name="indexer")(x, q_latent, positions,
+                                                              segment_ids, inv_freq,
+                                                              dense_target=entry_probs)
+                aux.update(indexer_loss=terms.loss, indexer_recall_hits=terms.recall_hits,
+                           indexer_recall_slots=terms.recall_slots)
             else:
                 selection = LightningIndexer(cfg, name="indexer")(x, q_latent, positions,
                                                                   segment_ids, inv_freq)
@@ -160,7 +170,7 @@ class SharedKVAttention(nn.Module):
             rate=attn.csa_rate if csa else attn.hca_rate, overlap=csa, inv_freq=inv_freq,
             eps=cfg.norm_eps)
         selected = None
-        if csa:  # top-k among the cached entries visible to each query, as in training
+        if csa and attn.csa_attention == "sparse":  # top-k among the visible cached entries
             selection = LightningIndexer(cfg, spec, name="indexer")(x, q_latent, positions, None,
                                                                    inv_freq)
             selected = jnp.where(selection.valid, selection.indices, -1)

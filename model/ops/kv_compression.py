@@ -12,7 +12,9 @@ learned per-slot bias B (the softmax runs over the slots, separately for each ch
   Hugging Face's `DeepseekV4CSACompressor` lays the halves out the same way ([:c] previous).
 Each entry is then RMS-normalised with the learned scale `kv_norm` (the checkpoint's
 `compressor.kv_norm.weight`, applied as is, not as an offset) and its trailing rope channels
-are rotated at the position of the block's *first* token (w·m for block w), as upstream.
+are rotated at the position of the block's *first* token (w·m for block w), as upstream: the
+caller's position of that token, so entries and queries share one coordinate system whatever
+positions the caller passes (per-document offsets by default).
 
 Packed documents (report §3.5.3's "compressed independently per sequence"; upstream has no
 packing): blocks are aligned to each document's start and never span two documents. A
@@ -148,12 +150,14 @@ def check_params(params: CompressorParams, rate: int, overlap: bool) -> None:
 
 def compress_kv(hidden: jax.Array, params: CompressorParams, *, rate: int, overlap: bool,
                 inv_freq: jax.Array, segment_ids: jax.Array | None = None,
-                eps: float = 1e-6) -> CompressedKV:
+                positions: jax.Array | None = None, eps: float = 1e-6) -> CompressedKV:
     """hidden: [B, T, d] -> CompressedKV with entries [B, T // rate, c] in hidden.dtype.
 
     overlap=False: HCA (eqs. 20-23); overlap=True: CSA (eqs. 9-12). inv_freq: [R/2] RoPE
     frequencies of the trailing R channels; segment_ids: [B, T] packed documents (None: one
-    document per row); eps: of the entry RMSNorm.
+    document per row); positions: [B, T] the tokens' RoPE positions (None: their offsets in
+    their documents), an entry is rotated at its block's first token's; eps: of the entry
+    RMSNorm. Blocks are cut by document offsets whatever the positions.
     """
     batch, length, _ = hidden.shape
     check_params(params, rate, overlap)
@@ -163,12 +167,14 @@ def compress_kv(hidden: jax.Array, params: CompressorParams, *, rate: int, overl
     first = block_starts(segment_ids, rate)  # [B, N]
     first_in_row = jnp.minimum(first, length - 1)  # empty slots read the last token, then zeroed
     block_offset = jnp.take_along_axis(document_offsets(segment_ids), first_in_row, axis=1)
+    block_position = (block_offset if positions is None else
+                      jnp.take_along_axis(positions.astype(jnp.int32), first_in_row, axis=1))
     previous = None
     if overlap:  # a document's first block ("boundary block") has no previous block
         previous = (_gather_blocks(kv, first - rate, rate), _gather_blocks(gate, first - rate, rate),
                     block_offset >= rate)
     entries = pool_blocks(_gather_blocks(kv, first, rate), _gather_blocks(gate, first, rate),
-                          previous, block_offset, params, inv_freq=inv_freq,
+                          previous, block_position, params, inv_freq=inv_freq,
                           eps=eps).astype(hidden.dtype)
     empty = first >= length
     entries = jnp.where(empty[..., None], 0, entries)

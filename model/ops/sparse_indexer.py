@@ -11,6 +11,8 @@ heads, c = c^I indexer head dim, R = RoPE dims, k = top-k):
 3. `indexer_head_weights`: w^I_t = h_t W^w / sqrt(H) (eq. 15).
 4. `select_entries`: I_{t,s} = Σ_h w^I_{t,h} · ReLU(q^I_{t,h} · K_s) / sqrt(c) (eq. 16) over the
    visible entries, then top-k (eq. 17), one query chunk at a time so no [T, S] array is built.
+   Where CSA attends densely (the indexer warm-up), `dense_indexer_terms` instead scores every
+   visible entry against the dense attention's distribution.
 
 Causality: entry s is visible to query t only when every token it pools is at or before t, i.e.
 its last token's position ≤ t (for the unpacked layout, s < (t + 1) // m). The report writes
@@ -25,6 +27,7 @@ Parameter names map onto the Hugging Face checkpoint (`...self_attn.compressor.i
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -127,6 +130,15 @@ def _chosen_scores(queries, head_weights, keys, indices, valid) -> jax.Array:
     return jnp.where(valid, scores, -jnp.inf)
 
 
+def _query_chunks(x: jax.Array, chunk_size: int, fill=0) -> jax.Array:
+    """[B, T, ...] -> [num_chunks, B, chunk_size, ...], the last chunk padded with `fill`."""
+    batch, length = x.shape[:2]
+    num_chunks = -(-length // chunk_size)
+    x = jnp.pad(x, [(0, 0), (0, num_chunks * chunk_size - length)] + [(0, 0)] * (x.ndim - 2),
+                constant_values=fill)
+    return jnp.moveaxis(x.reshape(batch, num_chunks, chunk_size, *x.shape[2:]), 1, 0)
+
+
 def select_entries(
     queries: jax.Array,
     head_weights: jax.Array,
@@ -151,14 +163,9 @@ def select_entries(
     short documents) are invalid. The scores of valid slots carry gradients into the indexer.
     """
     batch, length = query_positions.shape
-    num_chunks = -(-length // chunk_size)
-    padded = num_chunks * chunk_size
+    padded = -(-length // chunk_size) * chunk_size
 
-    def chunked(x):
-        """[B, T, ...] -> [num_chunks, B, chunk_size, ...] (padding queries are dropped later)."""
-        x = jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(batch, num_chunks, chunk_size, *x.shape[2:])
-        return jnp.moveaxis(x, 1, 0)
+    chunked = functools.partial(_query_chunks, chunk_size=chunk_size)  # `unchunked` drops padding
 
     placement = (query_positions,) if query_segment_ids is None else (query_positions,
                                                                         query_segment_ids)
@@ -187,22 +194,11 @@ def select_entries(
     return Selection(unchunked(indices), unchunked(valid), unchunked(scores))
 
 
-def indexer_kl_loss(main_probs: jax.Array, scores: jax.Array, support: jax.Array) -> jax.Array:
-    """The indexer's training signal (DeepSeek-V3.2 report, continued pre-training: "dense
-    warm-up" and "sparse training" stages; the V4 report names only an indexer warm-up stage and the open-source code has no
-    loss): KL(p_t ‖ softmax(I_t)) averaged over the queries with a non-empty support, where p_t is
-    the main attention's probability over the entries summed over heads and L1-normalised.
-
-    The main attention is a stop-gradient target: this loss trains only the indexer (V3.2 also
-    detaches the indexer's inputs; callers do that with stop_gradient on h and c^Q).
-    Dense warm-up: N = S and support = visibility; sparse stage: N = k over the selected
-    entries (Selection.scores / .valid), the main attention's probabilities gathered likewise.
-
-    main_probs: [B, T, H, N]; scores: [B, T, N] (I_{t,s}); support: bool [B, T, N].
-    Returns a float32 scalar.
-    """
-    target = jnp.where(support, jnp.sum(jax.lax.stop_gradient(main_probs), axis=-2), 0.0)
-    target = target.astype(jnp.float32)
+def _kl_per_query(target: jax.Array, scores: jax.Array, support: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+    """KL(p_t ‖ softmax(I_t)) per query over its support: target p (unnormalised, no gradient)
+    [..., N], scores I [..., N], support bool [..., N] -> (KL [...], has_support [...])."""
+    target = jnp.where(support, target.astype(jnp.float32), 0.0)
     mass = jnp.sum(target, axis=-1, keepdims=True)
     target = target / jnp.where(mass > 0, mass, 1.0)
     has_support = jnp.any(support, axis=-1) & (mass[..., 0] > 0)
@@ -214,5 +210,93 @@ def indexer_kl_loss(main_probs: jax.Array, scores: jax.Array, support: jax.Array
     terms = jnp.where(
         target > 0, target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_q), 0.0
     )
-    per_query = jnp.where(has_support, jnp.sum(terms, axis=-1), 0.0)
+    return jnp.where(has_support, jnp.sum(terms, axis=-1), 0.0), has_support
+
+
+def indexer_kl_loss(main_probs: jax.Array, scores: jax.Array, support: jax.Array) -> jax.Array:
+    """The indexer's training signal (DeepSeek-V3.2 report, continued pre-training: "dense
+    warm-up" and "sparse training" stages; the V4 report names only an indexer warm-up stage
+    and the open-source code has no loss): KL(p_t ‖ softmax(I_t)) averaged over the queries
+    with a non-empty support, where p_t is the main attention's probability over the entries
+    summed over heads and L1-normalised.
+
+    The main attention is a stop-gradient target: this loss trains only the indexer (V3.2 also
+    detaches the indexer's inputs; callers do that with stop_gradient on h and c^Q).
+    Sparse stage: N = k over the selected entries (Selection.scores / .valid), the main
+    attention's probabilities gathered likewise; the dense warm-up is `dense_indexer_terms`.
+
+    main_probs: [B, T, H, N]; scores: [B, T, N] (I_{t,s}); support: bool [B, T, N].
+    Returns a float32 scalar.
+    """
+    per_query, has_support = _kl_per_query(
+        jnp.sum(jax.lax.stop_gradient(main_probs), axis=-2), scores, support)
     return jnp.sum(per_query) / jnp.maximum(jnp.sum(has_support), 1)
+
+
+class DenseIndexerTerms(NamedTuple):
+    """Where CSA attends densely (every visible entry, no top-k): the indexer's warm-up loss and
+    how well its top-k would have matched the dense attention."""
+
+    loss: jax.Array  # float32 []: KL(p_t ‖ softmax(I_t)) over every visible entry, query mean
+    recall_hits: jax.Array  # float32 []: indexer top-k entries that are in the attention's top-k
+    recall_slots: jax.Array  # float32 []: Σ_t k over the queries that see more than k entries
+
+
+def topk_recall(scores: jax.Array, target: jax.Array, visible: jax.Array, top_k: int
+                ) -> tuple[jax.Array, jax.Array]:
+    """How many of each query's top-k entries by `scores` are among its top-k by `target` (both
+    over its visible entries), summed over the queries that see more than k entries (the others
+    attend to all of theirs whatever the scores): scores, target [B, C, S], visible bool
+    [B, C, S] -> (hits, slots) float32 scalars; recall = hits / slots."""
+    k = min(top_k, scores.shape[-1])
+    picked = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)[1]
+    best = jax.lax.top_k(jnp.where(visible, target, -jnp.inf), k)[1]
+    counted = jnp.sum(visible, axis=-1) > top_k  # [B, C]
+    in_best = jnp.zeros(visible.shape, bool)
+    in_best = jax.vmap(jax.vmap(lambda row, idx: row.at[idx].set(True)))(in_best, best)
+    hits = jnp.sum(jnp.take_along_axis(in_best, picked, axis=-1), axis=-1)  # [B, C]
+    return (jnp.sum(jnp.where(counted, hits, 0)).astype(jnp.float32),
+            (jnp.sum(counted) * k).astype(jnp.float32))
+
+
+def dense_indexer_terms(
+    queries: jax.Array,
+    head_weights: jax.Array,
+    keys: jax.Array,
+    target: jax.Array,
+    query_positions: jax.Array,
+    entry_end_positions: jax.Array,
+    *,
+    top_k: int,
+    chunk_size: int,
+    query_segment_ids: jax.Array | None = None,
+    entry_segment_ids: jax.Array | None = None,
+) -> DenseIndexerTerms:
+    """The indexer's warm-up signal (DeepSeek-V3.2's dense warm-up): KL from the main attention's
+    distribution over *every* visible compressed entry, so entries the indexer would never pick
+    get a signal too, plus its top-k recall against that distribution. `chunk_size` queries at
+    a time (peak [B, chunk, H, S] scores), each chunk rematerialised in the backward.
+
+    queries [B, T, H, c], head_weights [B, T, H], keys [B, S, c]: the indexer's (with gradient);
+    target [B, T, S]: the main attention's probability of each entry summed over heads (no
+    gradient); positions / segment ids as in `select_entries`.
+    """
+    chunked = functools.partial(_query_chunks, chunk_size=chunk_size)
+    segments = () if query_segment_ids is None else (chunked(query_segment_ids),)
+    target = jax.lax.stop_gradient(target)
+
+    def one_chunk(xs):
+        q, w, p, pos, *seg = xs
+        visible = visible_entries(pos, entry_end_positions, seg[0] if seg else None,
+                                  entry_segment_ids)
+        scores = index_scores(q, w, keys)
+        kl, has_support = _kl_per_query(p, scores, visible)
+        hits, slots = topk_recall(jax.lax.stop_gradient(scores), p, visible, top_k)
+        return jnp.sum(kl), jnp.sum(has_support).astype(jnp.float32), hits, slots
+
+    # Padding queries sit at position -1: no entry ends before them, so they carry no term.
+    kl, count, hits, slots = jax.lax.map(jax.checkpoint(one_chunk), (
+        chunked(queries), chunked(head_weights), chunked(target),
+        chunked(query_positions, fill=-1), *segments))
+    return DenseIndexerTerms(jnp.sum(kl) / jnp.maximum(jnp.sum(count), 1.0), jnp.sum(hits),
+                             jnp.sum(slots))

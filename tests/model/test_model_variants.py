@@ -67,7 +67,8 @@ def test_output_shapes_and_aux(base):
                         key, (NUM_MOE_LAYERS, experts))
         assert moe[key].shape == expected, key
     assert aux["balance_loss"].shape == ()
-    np.testing.assert_allclose(float(aux["balance_loss"]), np.mean(np.asarray(moe["balance_loss"])),
+    # summed over the MoE layers (none hash-routed here), as DeepSeek's per-layer aux loss
+    np.testing.assert_allclose(float(aux["balance_loss"]), np.sum(np.asarray(moe["balance_loss"])),
                                rtol=1e-6)
     # dropless: every token's top_k copies are computed in every MoE layer
     tokens_per_layer = np.asarray(moe["expert_tokens"]).sum(-1)

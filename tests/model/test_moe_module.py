@@ -4,6 +4,7 @@ tests/moe_references.py (docs/architecture.md, "Exact semantics"; report eq. 1 a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -109,18 +110,32 @@ def _np_moe(params, bias, x, before_silu=False):
     return (y + shared_out).reshape(x.shape), aux, routes
 
 
-def test_collect_aux_forms_the_eq1_balance_loss_from_layer_aux(moe_setup):
+def test_collect_aux_sums_the_balance_losses_over_learned_layers(moe_setup):
+    """Eq. 1 per layer from the layer aux, and both balance losses summed over the MoE layers
+    (DeepSeek's per-layer AddAuxiliaryLoss), hash-routed layers left out. Layer n's
+    probabilities are scaled by n + 1 (both losses are linear in them), so a mean or a wrong
+    exclusion gives another number."""
     _, x, params, _ = moe_setup
     cfg = _module_cfg("sorted").replace(gate="none")
     _, aux = _apply(cfg, params, jnp.zeros(EXPERTS), x)
-    per_layer = [aux if cfg.is_moe_layer(i) else {} for i in range(cfg.num_layers)]
-    collected = collect_aux(cfg, per_layer)
     ref = np_ep_balance_loss(np.asarray(aux["expert_load"], np.float64),
                              np.asarray(aux["expert_prob"], np.float64), GROUPS)
     assert GROUPS == cfg.moe.num_ep_groups
-    np.testing.assert_allclose(float(collected["balance_loss"]), ref, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(collected["moe"]["balance_loss"]),
-                               ref, rtol=1e-5)
+    moe_layers = cfg.moe_layer_indices()
+    assert len(moe_layers) >= 3
+    per_layer = [{} for _ in range(cfg.num_layers)]
+    for n, i in enumerate(moe_layers):
+        per_layer[i] = {**aux, "expert_prob": (n + 1) * aux["expert_prob"],
+                        "sequence_balance_loss": (n + 1) * aux["sequence_balance_loss"]}
+    for hash_layers in (0, 2):
+        hashed = cfg.replace(moe=dataclasses.replace(cfg.moe, hash_layers=hash_layers))
+        collected = collect_aux(hashed, per_layer)
+        np.testing.assert_allclose(np.asarray(collected["moe"]["balance_loss"]),
+                                   ref * np.arange(1, len(moe_layers) + 1), rtol=1e-5)
+        learned = sum(n + 1 for n in range(hash_layers, len(moe_layers)))
+        np.testing.assert_allclose(float(collected["balance_loss"]), learned * ref, rtol=1e-5)
+        np.testing.assert_allclose(float(collected["sequence_balance_loss"]),
+                                   learned * float(aux["sequence_balance_loss"]), rtol=1e-5)
 
 
 def test_moe_param_layout(moe_setup):

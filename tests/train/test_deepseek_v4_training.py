@@ -10,7 +10,8 @@ import pytest
 
 from model.lm import CausalLM, init_variables
 from train.loop import train
-from train.step import loss_fn
+from train.state import build_training, create_state
+from train.step import loss_fn, make_train_step
 from train.telemetry.metrics import METRICS_FILE, read_metrics
 from tests.train_helpers import FAST_COMPILE, small_v4_run, synthetic_batch
 
@@ -48,3 +49,31 @@ def test_loss_falls_on_the_embedded_corpus(tmp_path):
     assert last < first - 1.0, (first, last)
     assert all(np.isfinite(r["loss/indexer"]) and np.isfinite(r["loss/sequence_balance"])
                for r in records)
+
+
+def test_indexer_warm_up_step_trains_the_indexers_alone():
+    """DeepSeek-V4's indexer warm-up as a training step (report 4.2.2): CSA attending densely,
+    `train.trainable=indexer`. Two updates change every indexer param and nothing else (router
+    biases included); the indexer's recall is logged; the MTP weight drops from 0.3 to 0.1 where
+    the learning rate starts to decay (here after one step)."""
+    run = small_v4_run("model.num_layers=2", "model.layout=WC", "model.hyper_connections.hc_mult=1",
+                       "model.shared_kv_attention.csa_attention=dense", "train.trainable=indexer",
+                       "train.router_bias_rate=0", "train.warmup_steps=0", "train.schedule=stages",
+                       "train.lr_stages=[[1, 1e-2, constant], [4, 1e-3, cosine]]",
+                       "train.mtp_loss_weight_at_decay=0.1", "train.lr=1e-2")
+    training = build_training(run)
+    state = create_state(training.model, training.optimizer, 0)
+    step = jax.jit(make_train_step(training, run), compiler_options=FAST_COMPILE)
+    batch = {k: jnp.asarray(v) for k, v in synthetic_batch(1, 4, 32, 64).items()}
+    new, first = step(state, batch, jnp.asarray(False))
+    new, second = step(new, batch, jnp.asarray(False))
+    assert (float(first["mtp_weight"]), float(second["mtp_weight"])) == pytest.approx((0.3, 0.1))
+    assert 0 <= float(first["indexer/recall"]) <= 1
+    changed = {jax.tree_util.keystr(path): bool(np.any(np.asarray(a) != np.asarray(b)))
+               for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state.params)[0],
+                                       jax.tree.leaves(new.params))}
+    indexer = {k for k in changed if "'indexer'" in k}
+    assert indexer and all(changed[k] for k in indexer)
+    assert not any(changed[k] for k in changed.keys() - indexer)
+    for a, b in zip(jax.tree.leaves(state.balance), jax.tree.leaves(new.balance)):
+        np.testing.assert_array_equal(a, b)

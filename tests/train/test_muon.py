@@ -26,7 +26,7 @@ from train.optim.muon import (
 
 # Jitted: one compilation per shape is faster than eager dispatch of 18 matmuls.
 orthogonalize = jax.jit(muon.orthogonalize,
-                        static_argnames=("method", "steps", "dtype", "gram_form"))
+                        static_argnames=("method", "steps", "finish_steps", "dtype", "gram_form"))
 
 # Measured on random Gaussian rectangular matrices, T = 6, float16 state: singular values in
 # [0.9973, 1.0023] (float32: [0.9974, 1.0012]; bfloat16: [0.982, 1.008]).
@@ -77,6 +77,54 @@ def test_newton_schulz_quintic_plateaus_around_one():
     """Keller Jordan's quintic does not converge: singular values stay in about [0.7, 1.2]."""
     s = _svals(orthogonalize(jnp.asarray(_gaussian((64, 32))), method="newton_schulz", steps=6))
     assert 0.6 < s.min() < 0.8 and 1.05 < s.max() < 1.2, (s.min(), s.max())
+
+
+def _hybrid_newton_schulz_float64(g, fast, finish):
+    """DeepSeek-V4 report 2.4 eq. 28 as written, one matrix at a time in float64: M_0 = G /
+    ||G||_F, then M <- a M + b (M M^T) M + c (M M^T)^2 M, `fast` times with (3.4445, -4.7750,
+    2.0315) and `finish` times with (2, -1.5, 0.5)."""
+    out = []
+    for matrix in np.asarray(g, np.float64).reshape(-1, *g.shape[-2:]):
+        m = matrix / np.sqrt(np.sum(matrix * matrix))
+        for i in range(fast + finish):
+            a, b, c = (3.4445, -4.7750, 2.0315) if i < fast else (2.0, -1.5, 0.5)
+            gram = m @ m.T
+            m = a * m + b * (gram @ m) + c * (gram @ gram @ m)
+        out.append(m)
+    return np.stack(out).reshape(g.shape)
+
+
+@pytest.mark.parametrize("shape, steps, finish", [
+    ((32, 48), 10, None),  # the report's 8 + 2 (finish_steps defaults to 2)
+    ((48, 32), 10, None),  # tall: iterated on its transpose, p(M M^T) M = M p(M^T M)
+    ((3, 24, 64), 10, None),  # a batch of matrices wide enough for the Gram form in float32
+    ((40, 40), 7, 3),  # step counts configurable
+    ((16, 24), 5, 0),  # no finishing iteration: the plain quintic
+])
+def test_hybrid_newton_schulz_matches_a_float64_loop(shape, steps, finish):
+    g = _gaussian(shape, seed=3)
+    got = orthogonalize(jnp.asarray(g), method="hybrid_newton_schulz", steps=steps,
+                        finish_steps=finish, dtype=jnp.float32)
+    fast = steps - (2 if finish is None else finish)
+    # measured within 6.7e-7 in float32; Polar Express's 1.01 safety factor would move it 6e-5
+    np.testing.assert_allclose(got, _hybrid_newton_schulz_float64(g, fast, steps - fast),
+                               atol=3e-6)
+    if steps - fast == 2:  # the finishing pair pins the quintic's plateau [0.7, 1.2] near 1
+        s = _svals(got)
+        assert np.abs(s - 1).max() < 0.05, (s.min(), s.max())
+
+
+@pytest.mark.parametrize("method, steps", [("hybrid_newton_schulz", 10), ("polar_express", 6)])
+def test_rank_deficient_gradients_stay_bounded(method, steps):
+    """A gradient of rank 4 (a few tokens' worth) as a wide float32 matrix: the rank-4 part
+    becomes orthogonal, the null directions stay near 0. Iterated on the Gram side, eq. 28's 10
+    steps blew rounding errors of X X^T up to singular values of 1e25, so the hybrid iterates
+    directly."""
+    rng = np.random.default_rng(0)
+    g = (rng.standard_normal((32, 4)) @ rng.standard_normal((4, 128))).astype(np.float32)
+    s = _svals(orthogonalize(jnp.asarray(g), method=method, steps=steps, dtype=jnp.float32))
+    np.testing.assert_allclose(s[:4], 1.0, atol=5e-3)
+    assert s[4:].max() < 0.01, s[4:].max()
 
 
 @pytest.mark.parametrize("steps", [5, 6])

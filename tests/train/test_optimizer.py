@@ -21,7 +21,7 @@ from train.config import TrainConfig
 from train.optim.config import MuonConfig
 from train.optim.muon import ScaleByMuonState, matrix_view
 from train.optim.optimizer import applied_updates, build_optimizer, param_labels
-from train.optim.schedules import learning_rate_schedule
+from train.optim.schedules import decay_start, learning_rate_schedule
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 TINY_MIMO = TINY.with_name("tiny_mimo.yaml")
@@ -327,3 +327,29 @@ def test_linear_and_constant_stage_shapes():
                                       stages=((100, 5e-4, "constant"), (100, 1e-4, "linear")))
     values = _at(schedule, [10, 109, 110, 160, 210, 10**5])
     np.testing.assert_allclose(values, [1e-3, 1e-3, 5e-4, 3e-4, 1e-4, 1e-4], rtol=1e-5)
+
+
+@pytest.mark.parametrize("settings, start", [
+    (dict(schedule="cosine", warmup_steps=10, min_lr=1e-4), 10),
+    (dict(schedule="cosine", warmup_steps=10, min_lr=1e-3), None),  # min_lr = lr: no decay
+    (dict(schedule="constant", warmup_steps=10), None),
+    # DeepSeek-V4's shape: warm-up, a long constant peak, a cosine decay at the end
+    (dict(schedule="stages", warmup_steps=10,
+          stages=((50, 1e-3, "constant"), (40, 1e-4, "cosine"))), 60),
+    # a step drop: a constant stage whose lower end takes over after it
+    (dict(schedule="stages", warmup_steps=0,
+          stages=((30, 5e-4, "constant"), (20, 5e-4, "constant"))), 30),
+])
+def test_decay_start_is_where_the_rate_starts_to_fall(settings, start):
+    """The MTP weight switches at `decay_start` (DeepSeek-V4 report 4.2.2): every rate after
+    warm-up and before it is the peak, the one after it lower (a cosine starts falling after
+    its first step, a step drop at it); no start where the rate never falls."""
+    settings = dict(lr=1e-3, total_steps=100, **settings)
+    assert decay_start(**settings) == start
+    warmup = settings["warmup_steps"]
+    below = np.flatnonzero(_at(learning_rate_schedule(**settings), range(warmup, 100))
+                           < 1e-3 * (1 - 1e-6)) + warmup
+    if start is None:
+        assert below.size == 0
+    else:
+        assert below[0] in (start, start + 1) and start + 1 in below

@@ -58,6 +58,51 @@ def test_shipped_recipe_loads():
     assert runs[-1].trained_mtp_heads() == 3 and runs[0].trained_mtp_heads() == 1
 
 
+@pytest.mark.parametrize("name", ["deepseek_v4_flash", "tiny_deepseek_v4"])
+def test_deepseek_v4_recipes_follow_the_reports_schedule(name):
+    """DeepSeek-V4 report 4.2.2: dense attention first (the indexer idle), a short warm-up in
+    which only the indexers train with attention still dense, then sparse attention; lengths
+    growing by stage; the MTP weight 0.3, then 0.1 from the start of the learning-rate decay;
+    V4's optimizer and losses throughout."""
+    root = Path(__file__).resolve().parents[2]
+    recipe = load_recipe(root / "configs" / "recipes" / f"{name}.yaml")
+    runs = [recipe.stage_config(i) for i in range(len(recipe.stages))]
+    modes = [r.model.shared_kv_attention.csa_attention for r in runs]
+    assert modes == ["dense", "dense", "dense", "sparse", "sparse"]
+    assert [r.train.trainable for r in runs] == ["all", "all", "indexer", "all", "all"]
+    assert [r.train.indexer_loss_coef for r in runs] == [0.0, 0.0, 1.0, 1.0, 1.0]
+    assert runs[2].train.router_bias_rate == 0.0
+    lengths = [r.train.seq_len for r in runs]
+    assert lengths[:3] == sorted(set(lengths[:3])) and lengths[2] == lengths[3] < lengths[4]
+    assert runs[0].train.batch_warmup  # the batch ramp
+    decay = runs[3].train
+    assert (decay.mtp_loss_weight, decay.mtp_loss_weight_at_decay) == (0.3, 0.1)
+    assert runs[4].train.mtp_loss_weight == 0.1
+    for run in runs:
+        assert run.train.muon.orthogonalizer == "hybrid_newton_schulz"
+        assert (run.train.muon.update_rms, run.train.adam_eps) == (0.18, 1e-20)
+        assert (run.train.balance_loss_coef, run.train.sequence_balance_coef) == (0.0, 1e-4)
+
+
+@pytest.mark.parametrize("name", ["mimo_v2_flash", "tiny_mimo"])
+def test_mimo_recipes_follow_the_reports_schedule(name):
+    """MiMo-V2-Flash's report: AdamW, sequence auxiliary loss 1e-5 and no EP-group loss, MTP
+    weight 0.3 in stage 1 and 0.1 after, the full layers' RoPE base raised for the long stage
+    with the bias update at 1e-5, one MTP head trained until its clones join at the end."""
+    root = Path(__file__).resolve().parents[2]
+    recipe = load_recipe(root / "configs" / "recipes" / f"{name}.yaml")
+    runs = [recipe.stage_config(i) for i in range(len(recipe.stages))]
+    assert all(r.train.optimizer == "adamw" for r in runs)
+    assert all((r.train.balance_loss_coef, r.train.sequence_balance_coef) == (0.0, 1e-5)
+               for r in runs)
+    assert [r.train.mtp_loss_weight for r in runs] == [0.3, 0.1, 0.1, 0.1]
+    assert [r.model.full_attention.rope_theta for r in runs] == [640000.0, 640000.0, 5e6, 5e6]
+    assert runs[2].train.seq_len > runs[1].train.seq_len
+    assert [r.train.router_bias_rate for r in runs] == [1e-3, 1e-3, 1e-5, 1e-5]
+    assert [s.clone_mtp for s in recipe.stages] == [False, False, False, True]
+    assert [r.trained_mtp_heads() for r in runs] == [1, 1, 1, 3]
+
+
 @pytest.mark.parametrize("stages, needle", [
     ([{"name": "a", "clone_mtp": True}], "the first stage has no MTP-1 to clone"),
     ([{"name": "a"}, {"name": "b", "clone_mtp": True, "overrides": ["model.mtp.num_heads=1"]}],

@@ -33,6 +33,16 @@ def test_bad_value_raises_on_construction(make, message):
 @pytest.mark.parametrize("override, message", [
     ("train.lr=-1", "train.lr: must be a positive number, got -1"),
     ("train.muon.steps=0", "train.muon.steps: must be an integer >= 1, got 0"),
+    ("train.muon.finish_steps=2", "train.muon.finish_steps: finish_steps=2 needs an "
+                                  "orthogonalizer with a finishing polynomial "
+                                  "(hybrid_newton_schulz)"),
+    ("train.muon.orthogonalizer=hybrid_newton_schulz train.muon.steps=1",
+     "train.muon.finish_steps: finish_steps=2 must lie in [0, steps=1]"),
+    ("train.trainable=indexer train.router_bias_rate=0",
+     "train.trainable: 'indexer' needs a C layer in model.layout"),
+    ("train.trainable=indexer", "train.router_bias_rate: must be 0 under train.trainable=indexer"),
+    ("train.schedule=constant train.mtp_loss_weight_at_decay=0.1",
+     "train.mtp_loss_weight_at_decay: the learning rate never decays"),
     ("train.data.heldout_fraction=1.0", "train.data.heldout_fraction: must be a number strictly"),
     ("train.xla_cache_dir=3", "train.xla_cache_dir: must be a directory path"),
     ("mesh.zero1=maybe", "mesh.zero1: must be true or false"),
@@ -131,3 +141,17 @@ def test_a_field_added_since_a_checkpoint_counts_at_its_default():
                                                  ["train.loss_mask=all"])) == ["train.loss_mask"]
     assert resume_changes(saved, load_run_config(REPO / "configs" / "sft_arith.yaml",
                                                  ["train.steps=700"])) == []
+
+
+def test_family_presets_train_with_their_reports_optimizer_and_losses():
+    """DeepSeek-V4 (report 2.4 / 4.2.2): Muon with the hybrid Newton-Schulz (10 iterations, the
+    last 2 finishing), update RMS 0.18, AdamW eps 1e-20, sequence-wise loss 1e-4; MiMo (its
+    pre-training hyper-parameters): sequence auxiliary loss 1e-5. Neither has Step 3.5's
+    EP-group loss."""
+    v4 = load_run_config(REPO / "configs" / "tiny_deepseek_v4.yaml").train
+    assert (v4.muon.orthogonalizer, v4.muon.steps, v4.muon.finish_steps) == (
+        "hybrid_newton_schulz", 10, 2)
+    assert (v4.muon.update_rms, v4.adam_eps) == (0.18, 1e-20)
+    assert (v4.balance_loss_coef, v4.sequence_balance_coef) == (0.0, 1e-4)
+    mimo = load_run_config(REPO / "configs" / "tiny_mimo.yaml").train
+    assert (mimo.balance_loss_coef, mimo.sequence_balance_coef) == (0.0, 1e-5)

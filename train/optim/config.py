@@ -9,6 +9,7 @@ from typing import Any
 
 from model.config import (
     Config,
+    ConfigError,
     check_bool,
     check_choice,
     check_fraction,
@@ -17,13 +18,13 @@ from model.config import (
     check_positive,
     config_to_dict,
 )
-from train.optim.muon import ITERATION_DTYPES
+from train.optim.muon import ITERATION_DTYPES, ORTHOGONALIZERS
+from train.optim.optimizer import TRAINABLE
 
 OPTIMIZERS = ("muon", "adamw")
 # Optimizer fields a resumed run may change (dotted, under the optimizer's section): they round
 # Muon's iteration only; its momentum is float32 whatever the dtype.
 RESUMABLE_OPTIMIZER_CHANGES = {"muon.iteration_dtype"}
-ORTHOGONALIZERS = ("polar_express", "newton_schulz")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +34,13 @@ class MuonConfig(Config):
 
     momentum: float = 0.95
     nesterov: bool = True
-    orthogonalizer: str = "polar_express"  # or the classic Newton-Schulz-5 quintic
-    steps: int = 6  # T = 6 Polar Express iterations (report 4.1.1)
+    # train.optim.muon.ORTHOGONALIZERS: polar_express (Step 3.5, report 4.1.1), newton_schulz
+    # (the classic quintic), hybrid_newton_schulz (DeepSeek-V4 report 2.4, eq. 28: steps 10).
+    orthogonalizer: str = "polar_express"
+    steps: int = 6  # iterations in all (T = 6 Polar Express iterations, report 4.1.1)
+    # Of those, the last ones with the finishing polynomial (2, -1.5, 0.5); None: the
+    # orthogonalizer's default (2 for hybrid_newton_schulz; the others have none).
+    finish_steps: int | None = None
     # State and intermediates of the iteration (report 4.1.1: float16). 'auto': float16 on GPU,
     # float32 on CPU (float16 matmuls are float32 ones plus conversions there) and TPU (no
     # float16 MXU path); see train.optim.muon.resolve_iteration_dtype.
@@ -46,8 +52,14 @@ class MuonConfig(Config):
     def validate(self) -> None:
         check_fraction("momentum", self.momentum)
         check_bool("nesterov", self.nesterov)
-        check_choice("orthogonalizer", self.orthogonalizer, ORTHOGONALIZERS)
+        check_choice("orthogonalizer", self.orthogonalizer, tuple(ORTHOGONALIZERS))
         check_int("steps", self.steps, 1)
+        if self.finish_steps is not None:
+            check_int("finish_steps", self.finish_steps, 0)
+        try:
+            ORTHOGONALIZERS[self.orthogonalizer].coefficients(self.steps, self.finish_steps)
+        except ValueError as err:
+            raise ConfigError("finish_steps", str(err).removeprefix("orthogonalize: ")) from None
         check_choice("iteration_dtype", self.iteration_dtype, ITERATION_DTYPES)
         check_nonnegative("update_rms", self.update_rms)
 
@@ -68,6 +80,9 @@ class OptimizerConfig(Config):
     adam_eps: float = 1e-8
     muon: MuonConfig = MuonConfig()
     freeze_router: bool = False  # mid-/post-training (report 3.2, 4.2): router weights fixed
+    # `indexer`: only the CSA lightning indexers train, everything else is frozen (DeepSeek-V4's
+    # indexer warm-up, report 4.2.2; with model.shared_kv_attention.csa_attention=dense).
+    trainable: str = "all"
 
     def validate(self) -> None:
         super().validate()
@@ -79,6 +94,7 @@ class OptimizerConfig(Config):
         check_fraction("adam_b1", self.adam_b1)
         check_fraction("adam_b2", self.adam_b2)
         check_bool("freeze_router", self.freeze_router)
+        check_choice("trainable", self.trainable, TRAINABLE)
 
     def schedule_settings(self) -> dict[str, Any]:
         """Keyword arguments of `train.optim.schedules.learning_rate_schedule`."""
@@ -90,4 +106,4 @@ class OptimizerConfig(Config):
         return {"optimizer": self.optimizer, "weight_decay": self.weight_decay,
                 "grad_clip": self.grad_clip, "adam_b1": self.adam_b1, "adam_b2": self.adam_b2,
                 "adam_eps": self.adam_eps, "muon": config_to_dict(self.muon),
-                "freeze_router": self.freeze_router}
+                "freeze_router": self.freeze_router, "trainable": self.trainable}

@@ -2,8 +2,9 @@
 
     update = scale * polar(momentum(grad))   per matrix; polar(M) = U V^T for M = U S V^T
 
-`orthogonalize` approximates the polar factor with Polar Express (Amsel et al. 2025) or the
-classic Newton-Schulz quintic (float32 iterations of wide matrices run on the small Gram side,
+`orthogonalize` approximates the polar factor with one of `ORTHOGONALIZERS`: Polar Express
+(Amsel et al. 2025; Step 3.5's choice), the classic Newton-Schulz quintic, or DeepSeek-V4's
+hybrid Newton-Schulz (float32 iterations of wide matrices run on the small Gram side,
 `_iterate_on_gram`); `scale_by_muon` is the optax transformation (momentum,
 orthogonalisation of every param seen as a batch of matrices, update-RMS scaling);
 `matrix_view` says how a param with logical axis names is seen as matrices.
@@ -57,8 +58,61 @@ POLAR_EXPRESS_COEFFS = tuple(
 # Keller Jordan's Muon quintic (one polynomial for every step); it does not converge to the polar
 # factor but plateaus with singular values in roughly [0.7, 1.2].
 NEWTON_SCHULZ_COEFFS = ((3.4445, -4.7750, 2.0315),)
+# DeepSeek-V4's finishing polynomial (DeepSeek-V4 report 2.4, eq. 28): p(x) = 2x - 1.5x^3 +
+# 0.5x^5 has p(1) = 1 and p'(1) = 0, so its iterations pin the quintic's plateau at 1.
+HYBRID_FINISH_COEFFS = (2.0, -1.5, 0.5)
 _NORM_EPS = 1e-7
 ITERATION_DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Orthogonalizer:
+    """One polynomial iteration X <- a X + b (X X^T) X + c (X X^T)^2 X on X_0 = G / (safety
+    ||G||_F): iteration i of the leading ones uses `table[i]` (past its end the last entry
+    repeats); the trailing `finish_steps` iterations (where `finish` is set) use `finish`."""
+
+    table: tuple[tuple[float, float, float], ...]
+    safety: float = 1.0
+    finish: tuple[float, float, float] | None = None
+    finish_steps: int = 0  # the default number of finishing iterations
+    # May float32 iterations of wide matrices run on the Gram side (`_iterate_on_gram`)? There
+    # a null direction's eigenvalue of X X^T, a rounding error of ~1e-7 that may be negative,
+    # grows by a^2 per step: x3.4e6 over Polar Express's 6 steps, x6e9 over eq. 28's 10, after
+    # which a negative one diverges (measured: singular values of 1e25 on a rank-4 32 x 128
+    # matrix; the direct form keeps null directions near 0).
+    gram_form: bool = True
+
+    def coefficients(self, steps: int, finish_steps: int | None = None
+                     ) -> list[tuple[float, float, float]]:
+        """(a, b, c) of each of the `steps` iterations, the last `finish_steps` (None: this
+        orthogonalizer's default) with the finishing polynomial."""
+        finish = self.finish_steps if finish_steps is None else finish_steps
+        if finish and self.finish is None:
+            raise ValueError(f"orthogonalize: finish_steps={finish} needs an orthogonalizer "
+                             f"with a finishing polynomial ({', '.join(_FINISHING)})")
+        if not 0 <= finish <= steps:
+            raise ValueError(f"orthogonalize: finish_steps={finish} must lie in [0, steps="
+                             f"{steps}] (steps counts all iterations, finishing ones included)")
+        lead = [self.table[min(i, len(self.table) - 1)] for i in range(steps - finish)]
+        return lead + [self.finish] * finish
+
+
+ORTHOGONALIZERS = {
+    "polar_express": Orthogonalizer(POLAR_EXPRESS_COEFFS, safety=_SAFETY),
+    "newton_schulz": Orthogonalizer(NEWTON_SCHULZ_COEFFS, safety=_SAFETY),
+    # DeepSeek-V4 report 2.4, eq. 28: M_0 = M / ||M||_F, 8 fast iterations then 2 that pin the
+    # singular values at 1 (10 in all: `steps` counts both kinds).
+    "hybrid_newton_schulz": Orthogonalizer(NEWTON_SCHULZ_COEFFS, finish=HYBRID_FINISH_COEFFS,
+                                           finish_steps=2, gram_form=False),
+}
+_FINISHING = tuple(name for name, o in ORTHOGONALIZERS.items() if o.finish is not None)
+
+
+def orthogonalizer_of(method: str) -> Orthogonalizer:
+    if method not in ORTHOGONALIZERS:
+        raise ValueError(f"orthogonalize: unknown method {method!r}; expected one of "
+                         f"{', '.join(ORTHOGONALIZERS)}")
+    return ORTHOGONALIZERS[method]
 
 
 def resolve_iteration_dtype(name: str, backend: str | None = None) -> jnp.dtype:
@@ -79,28 +133,23 @@ def resolve_iteration_dtype(name: str, backend: str | None = None) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def _coefficients(method: str, steps: int) -> list[tuple[float, float, float]]:
-    if method == "polar_express":
-        table = POLAR_EXPRESS_COEFFS
-    elif method == "newton_schulz":
-        table = NEWTON_SCHULZ_COEFFS
-    else:
-        raise ValueError(f"orthogonalize: unknown method {method!r}; "
-                         "expected 'polar_express' or 'newton_schulz'")
-    return [table[min(i, len(table) - 1)] for i in range(steps)]
-
-
 def orthogonalize(g: jax.Array, *, method: str = "polar_express", steps: int = 6,
-                  dtype: Any = jnp.float16, gram_form: bool | None = None) -> jax.Array:
+                  finish_steps: int | None = None, dtype: Any = jnp.float16,
+                  gram_form: bool | None = None) -> jax.Array:
     """Approximate polar factor U V^T of each matrix in `g` [..., m, n] -> float32 [..., m, n].
+
+    `method` names one of `ORTHOGONALIZERS`, run for `steps` iterations in all, the last
+    `finish_steps` of them with its finishing polynomial (None: its default; 2 for
+    hybrid_newton_schulz, none for the others).
 
     Leading axes are batch axes: one independent matrix each (experts are orthogonalised per
     expert, report 4.2.3). Normalisation is in float32; the iteration state and every
     intermediate are in `dtype` (float16 by default: bfloat16 can produce rare extreme outliers
     through cumulative addition error, report 4.1.1; `scale_by_muon` picks the dtype per backend,
     see `resolve_iteration_dtype`). A zero matrix maps to zero. `gram_form`: iterate on the
-    small Gram side (`_iterate_on_gram`); None: where that saves work, float32 iterations of
-    matrices at least twice as wide as tall.
+    small Gram side (`_iterate_on_gram`); None: where that saves work and the orthogonalizer
+    allows it (`Orthogonalizer.gram_form`), float32 iterations of matrices at least twice as
+    wide as tall.
     """
     if g.ndim < 2:
         raise ValueError(f"orthogonalize: need [..., m, n], got shape {g.shape}")
@@ -108,11 +157,12 @@ def orthogonalize(g: jax.Array, *, method: str = "polar_express", steps: int = 6
     transpose = x.shape[-2] > x.shape[-1]
     if transpose:  # iterate on the wide side so the Gram matrix X X^T is the small one
         x = jnp.swapaxes(x, -1, -2)
+    iteration = orthogonalizer_of(method)
+    coefficients = iteration.coefficients(steps, finish_steps)
     norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
-    x = (x / (norm * _SAFETY + _NORM_EPS)).astype(dtype)  # spectral norm <= 1 / 1.01
-    coefficients = _coefficients(method, steps)
+    x = (x / (norm * iteration.safety + _NORM_EPS)).astype(dtype)  # spectral norm <= 1 / safety
     if gram_form is None:
-        gram_form = (jnp.dtype(dtype) == jnp.float32
+        gram_form = (iteration.gram_form and jnp.dtype(dtype) == jnp.float32
                      and x.shape[-1] >= _GRAM_FORM_MIN_ASPECT * x.shape[-2])
     if gram_form:
         x = _iterate_on_gram(x, coefficients)
@@ -212,13 +262,14 @@ class ScaleByMuonState(NamedTuple):
 
 def scale_by_muon(matrix_axes: Any = None, *, momentum: float = 0.95, nesterov: bool = True,
                   orthogonalizer: str = "polar_express", steps: int = 6,
-                  iteration_dtype: str = "auto", update_rms: float = 0.2
-                  ) -> optax.GradientTransformation:
+                  finish_steps: int | None = None, iteration_dtype: str = "auto",
+                  update_rms: float = 0.2) -> optax.GradientTransformation:
     """Momentum -> per-matrix orthogonalisation -> update scale (no learning rate, no decay).
-    The defaults are the report's (4.1.1): Polar Express, T = 6 iterations, in float16 where
-    that is fast (`resolve_iteration_dtype`: 'auto' is float32 on CPU and TPU); `update_rms`
-    as in `update_scale`. Params of other groups (optax.MaskedNode, e.g. frozen ones) get
-    no momentum and no orthogonalisation.
+    The defaults are Step 3.5's (report 4.1.1): Polar Express, T = 6 iterations, in float16
+    where that is fast (`resolve_iteration_dtype`: 'auto' is float32 on CPU and TPU);
+    `update_rms` as in `update_scale`. DeepSeek-V4 (its report 2.4): orthogonalizer
+    'hybrid_newton_schulz', steps 10 (finish_steps 2), update_rms 0.18. Params of other
+    groups (optax.MaskedNode, e.g. frozen ones) get no momentum and no orthogonalisation.
 
     matrix_axes: tree of logical-axis tuples lining up with the params (an entry for every
     param, including those another optax.partition group handles); each param is seen as
@@ -229,6 +280,7 @@ def scale_by_muon(matrix_axes: Any = None, *, momentum: float = 0.95, nesterov: 
     """
     mu = momentum
     dtype = resolve_iteration_dtype(iteration_dtype)
+    orthogonalizer_of(orthogonalizer).coefficients(steps, finish_steps)  # bad settings fail here
 
     def init_fn(params):
         return ScaleByMuonState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
@@ -252,7 +304,7 @@ def scale_by_muon(matrix_axes: Any = None, *, momentum: float = 0.95, nesterov: 
         batches = [leaves[i].reshape(*(v.batch_shape or (1,)), v.m, v.n)
                    for i, v in zip(active, views)]
         orthogonal = _orthogonalize_grouped(batches, method=orthogonalizer, steps=steps,
-                                            dtype=dtype)
+                                            finish_steps=finish_steps, dtype=dtype)
         new = list(leaves)
         for i, v, o in zip(active, views, orthogonal):
             new[i] = (o * update_scale(v.m, v.n, update_rms)).reshape(leaves[i].shape).astype(

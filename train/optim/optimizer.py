@@ -13,8 +13,10 @@ Groups (labels, `param_labels`):
            fewer than 2 matrix axes (norm weights, attention sinks, mHC's static biases and
            gates) and bias tables (`BIAS_TABLE_AXES`): Adam, weight decay on the vocab matrices
            only, learning rate. With optimizer='adamw', every trained param.
-  frozen - MoE router kernels when freeze_router (mid/post-training, report 3.2 / 4.2), and
-           MTP heads that the loss does not use (MTP-2/3 before their fine-tuning stage).
+  frozen - MoE router kernels when freeze_router (mid/post-training, report 3.2 / 4.2), MTP
+           heads that the loss does not use (MTP-2/3 before their fine-tuning stage), and with
+           trainable='indexer' everything but the CSA lightning indexers (their warm-up,
+           DeepSeek-V4 report 4.2.2).
 One schedule drives both groups: Muon's update-RMS matching (train.optim.muon.update_scale)
 makes AdamW's learning rate and weight decay fit Muon too.
 """
@@ -30,6 +32,8 @@ import optax
 from train.optim.muon import batch_axes, scale_by_muon
 
 _is_axes = lambda x: isinstance(x, tuple)  # noqa: E731  (axes tuples are leaves, not nodes)
+# What trains: every param, or only the CSA lightning indexers (`indexer` submodules).
+TRAINABLE = ("all", "indexer")
 
 # Logical axes that only learned bias tables carry: the KV compressor's positional biases
 # `position_bias` [m, 2c] ("compress_slot", "kv_lora"; DeepSeek-V4 report eqs. 11, 21). Two
@@ -51,9 +55,11 @@ def _is_matrix(axes: tuple[str, ...]) -> bool:
 
 
 def _label(path, axes: tuple[str, ...], optimizer: str, freeze_router: bool,
-           trained_mtp_heads: int | None) -> str:
+           trained_mtp_heads: int | None, trainable: str) -> str:
     name = getattr(path[-1], "key", None)
     if name == "router" and freeze_router:
+        return "frozen"
+    if trainable == "indexer" and "indexer" not in (getattr(k, "key", None) for k in path):
         return "frozen"
     head = re.fullmatch(r"mtp_(\d+)", str(getattr(path[0], "key", "")))
     if head and trained_mtp_heads is not None and int(head.group(1)) >= trained_mtp_heads:
@@ -64,19 +70,23 @@ def _label(path, axes: tuple[str, ...], optimizer: str, freeze_router: bool,
 
 
 def param_labels(axes_tree: Any, *, optimizer: str = "muon", freeze_router: bool = False,
-                 trained_mtp_heads: int | None = None) -> Any:
+                 trained_mtp_heads: int | None = None, trainable: str = "all") -> Any:
     """Tree of 'muon' / 'adamw' / 'frozen' labels, one per param of `axes_tree`.
-    `trained_mtp_heads`: MTP heads `mtp_h` with h >= this are frozen (None: all train)."""
+    `trained_mtp_heads`: MTP heads `mtp_h` with h >= this are frozen (None: all train);
+    `trainable`: one of TRAINABLE."""
+    if trainable not in TRAINABLE:
+        raise ValueError(f"trainable: expected one of {TRAINABLE}, got {trainable!r}")
     return jax.tree_util.tree_map_with_path(
-        lambda p, a: _label(p, a, optimizer, freeze_router, trained_mtp_heads), axes_tree,
-        is_leaf=_is_axes)
+        lambda p, a: _label(p, a, optimizer, freeze_router, trained_mtp_heads, trainable),
+        axes_tree, is_leaf=_is_axes)
 
 
 def build_optimizer(axes_tree: Any, *, learning_rate: optax.ScalarOrSchedule,
                     optimizer: str = "muon", weight_decay: float = 0.1, grad_clip: float = 1.0,
                     adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
                     muon: Mapping[str, Any] | None = None, freeze_router: bool = False,
-                    trained_mtp_heads: int | None = None) -> optax.GradientTransformation:
+                    trained_mtp_heads: int | None = None, trainable: str = "all"
+                    ) -> optax.GradientTransformation:
     """clip_by_global_norm(grad_clip) -> per-label group, see the module docstring.
 
     axes_tree: `param_axes(...)`, one logical-axis tuple per param. `muon`: keyword arguments
@@ -86,7 +96,7 @@ def build_optimizer(axes_tree: Any, *, learning_rate: optax.ScalarOrSchedule,
     lr * wd * param per step. Frozen params get zero updates and leave the clipping norm.
     """
     labels = param_labels(axes_tree, optimizer=optimizer, freeze_router=freeze_router,
-                          trained_mtp_heads=trained_mtp_heads)
+                          trained_mtp_heads=trained_mtp_heads, trainable=trainable)
     decay_mask = jax.tree.map(lambda a: "vocab" in a or _is_matrix(a), axes_tree,
                               is_leaf=_is_axes)
     muon_group = optax.chain(

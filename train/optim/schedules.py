@@ -69,3 +69,21 @@ def learning_rate_schedule(*, lr: float, warmup_steps: int, schedule: str = "con
         return schedules[0]
     boundaries = list(itertools.accumulate(lengths[:-1]))
     return optax.join_schedules(schedules, boundaries)
+
+
+def decay_start(*, lr: float, warmup_steps: int, schedule: str = "constant",
+                min_lr: float = 0.0, stages: Sequence[tuple[int, float, str]] = (), **_
+                ) -> int | None:
+    """The step where `learning_rate_schedule`'s decay begins (takes its keyword arguments):
+    cosine, right after warm-up; stages, where the first stage that ends below its start begins
+    (a constant one at its end, where its lower end_lr takes over). None where the rate never
+    decays. DeepSeek-V4 and MiMo switch the MTP loss weight there (DeepSeek-V4 report 4.2.2:
+    0.3, then 0.1 from the start of the decay)."""
+    if schedule == "cosine":
+        return warmup_steps if min_lr < lr else None
+    step, start = warmup_steps, lr
+    for steps, end, shape in stages if schedule == "stages" else ():
+        if end < start:
+            return step + steps if shape == "constant" else step
+        step, start = step + steps, end
+    return None

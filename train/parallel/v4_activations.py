@@ -72,10 +72,12 @@ def core_chunk_bytes(cfg: ModelConfig, attention_type: str, seq_len: int, tensor
     attn = cfg.shared_kv_attention
     c = DTYPE_BYTES[cfg.compute_dtype]
     chunk = min(max(cfg.window, attn.query_chunk), seq_len)
-    compressed = {"W": 0, "C": attn.index_topk, "H": seq_len // attn.hca_rate}[attention_type]
+    dense = attention_type == "C" and attn.csa_attention == "dense"  # every visible entry
+    compressed = {"W": 0, "C": seq_len // attn.csa_rate if dense else attn.index_topk,
+                  "H": seq_len // attn.hca_rate}[attention_type]
     heads = tensor_split(attn.num_heads, tensor)
     scores = heads * (2 * chunk + compressed) * (4 + c)  # float32 logits, probabilities
-    gathered = c * attn.index_topk * attn.head_dim if attention_type == "C" else 0
+    gathered = c * attn.index_topk * attn.head_dim if attention_type == "C" and not dense else 0
     core = 2 * chunk * (scores + gathered)  # CSA: each query's selected entries [k, head_dim]
     if attention_type != "C":
         return core
@@ -84,7 +86,10 @@ def core_chunk_bytes(cfg: ModelConfig, attention_type: str, seq_len: int, tensor
     # is whole on every device. The two chunks are differentiated one after the other.
     index_rows = min(attn.query_chunk, seq_len)
     indexer = 2 * index_rows * (seq_len // attn.csa_rate) * (5 * attn.index_heads + 1)
-    return max(core, indexer)
+    # Dense: the attention's float32 probability of every entry for every query, the target of
+    # the indexer's KL (model.ops.sparse_indexer.dense_indexer_terms), lives through the layer.
+    target = 4 * seq_len * (seq_len // attn.csa_rate) if dense else 0
+    return max(core, indexer) + target
 
 
 def hyper_connection_bytes(cfg: ModelConfig) -> tuple[float, float]:
