@@ -2,6 +2,7 @@
 
     python -m model.hf import HF_DIR --out MODEL_DIR           # -> a stepjax model directory
     python -m model.hf export MODEL_DIR_OR_WORKDIR --out HF_DIR [--dtype bfloat16]
+        [--names release] [--expert-dtype fp4]                 # DeepSeek-V4's release layout
 
     cfg, variables = load_hf_checkpoint("Step-3.5-Flash/")     # streams shard by shard
     save_hf_checkpoint(cfg, variables, "exported/", dtype="bfloat16")
@@ -18,7 +19,10 @@ Step 3.5):
   MiMoV2FlashForCausalLM saves and loads it (no MTP layers).
 Quantized checkpoints in the layouts transformers' FP8 loader reads (FP8 block-wise weights,
 DeepSeek-V4's MXFP4 experts: model/interop/quantized.py) are dequantized on import into the
-parameter dtype; other quantization layouts are refused by key. Export writes no quantization.
+parameter dtype; other quantization layouts are refused by key. Export writes no quantization,
+except DeepSeek-V4's MXFP4 routed experts on request (`--expert-dtype fp4`: the values FP4
+quantization-aware training computes with, `qat.expert_weights: mxfp4`), optionally under the
+release's own tensor names (`--names release`).
 Config keys that do not change the network (token ids, max_position_embeddings, torch_dtype,
 ...) are ignored on import.
 """
@@ -66,6 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     exports.add_argument("--out", required=True, metavar="HF_DIR", help="new or empty")
     exports.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                          help="tensor dtype in the files (default: the params' dtype)")
+    exports.add_argument("--names", choices=("transformers", "release"), default="transformers",
+                         help="tensor names: what transformers' save_pretrained writes "
+                              "(default) or DeepSeek-V4's own release names")
+    exports.add_argument("--expert-dtype", choices=("fp4",), default=None,
+                         help="DeepSeek-V4: routed experts in the release's MXFP4 layout "
+                              "(default: --dtype like every other weight)")
     exports.add_argument("--max-shard-gib", type=float, default=5.0, metavar="GIB",
                          help="largest shard file (default 5)")
     args = parser.parse_args(argv)
@@ -79,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 config, variables = load_model(args.source)
                 save_hf_checkpoint(config, variables, args.out, dtype=args.dtype,
-                                   max_shard_bytes=int(args.max_shard_gib * 2**30))
+                                   max_shard_bytes=int(args.max_shard_gib * 2**30),
+                                   names=args.names, expert_dtype=args.expert_dtype)
     # CheckpointError: a bad workdir; WorkdirInUse: another command is writing --out
     except (ValueError, OSError, CheckpointError, WorkdirInUse) as err:
         return report_error(err)

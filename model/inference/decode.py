@@ -69,15 +69,16 @@ class Decoder:
     """Jitted prefill / decode / speculative steps for one model and cache size.
 
     `variables`: {"params": ..., "balance": ...} as `CausalLM.init` makes them (unboxed);
-    `max_len`: cache positions per row; `draft`: MTP drafts per step (0 = no speculation)."""
+    `max_len`: cache positions per row; `draft`: MTP drafts per step (0 = no speculation);
+    `kv_fp8`: keys and values cached in FP8 but their RoPE channels (`KVCacheSpec.fp8`)."""
 
     def __init__(self, config: ModelConfig, variables: dict, *, max_len: int, draft: int = 0,
-                 prefill_chunk: int = 256):
+                 prefill_chunk: int = 256, kv_fp8: bool = False):
         if not 0 <= draft <= config.mtp.num_heads:
             raise ValueError(f"draft: {draft} speculative tokens need as many MTP heads; the "
                              f"model has mtp.num_heads={config.mtp.num_heads}")
         self.config, self.variables = config, variables
-        self.spec = KVCacheSpec(max_len, draft)
+        self.spec = KVCacheSpec(max_len, draft, kv_fp8)
         self.model = CausalLM(config, self.spec)
         self.prefill_chunk = max(1, min(prefill_chunk, max_len))
         self._init = jax.jit(self._init_cache, static_argnums=1)
@@ -321,7 +322,7 @@ def cache_bytes(config: ModelConfig, cache) -> dict[str, int]:
     segments = plan_segments(kinds)
     totals = {"full": 0, "swa": 0, "compressed": 0, "indexer": 0}
     for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
-        names = [getattr(p, "key", "") for p in path]
+        names = [getattr(p, "key", getattr(p, "name", "")) for p in path]
         if names[0] == "layers" and names[1].startswith("segment_"):
             segment = segments[int(names[1].removeprefix("segment_"))]
             kind = kinds[segment.start + int(names[2].removeprefix("block_"))]
@@ -331,7 +332,7 @@ def cache_bytes(config: ModelConfig, cache) -> dict[str, int]:
             kind = None  # an MTP head
         if "indexer" in names:
             category = "indexer"
-        elif names[-1] in CompressorCache._fields:
+        elif any(name in CompressorCache._fields for name in names):
             category = "compressed"
         else:
             category = "full" if kind is not None and kind.attention_type == "F" else "swa"

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from model.ops.interleaved_rope import rotate_trailing_pairs
+from model.ops.mx_quant import fake_mxfp4, hadamard
 
 
 class Selection(NamedTuple):
@@ -70,14 +71,23 @@ def indexer_head_weights(hidden: jax.Array, weights_proj: jax.Array) -> jax.Arra
     return weights.astype(jnp.float32) * weights_proj.shape[-1] ** -0.5
 
 
-def index_scores(queries: jax.Array, head_weights: jax.Array, keys: jax.Array) -> jax.Array:
-    """Eq. 16 without masking: I_{t,s} = Σ_h w_{t,h} · ReLU(q_{t,h} · K_s) / sqrt(c).
+def fp4_qk(x: jax.Array) -> jax.Array:
+    """FP4 QAT of the indexer's queries or keys [..., c] (report §3.4): Hadamard-rotated (as the
+    release rotates them; q·k is unchanged) and through MXFP4, gradient straight through."""
+    return fake_mxfp4(x.astype(jnp.float32) @ hadamard(x.shape[-1]))
+
+
+def index_scores(queries: jax.Array, head_weights: jax.Array, keys: jax.Array,
+                 score_dtype=jnp.float32) -> jax.Array:
+    """Eq. 16 without masking: I_{t,s} = Σ_h w_{t,h} · ReLU(q_{t,h} · K_s) / sqrt(c), rounded
+    to `score_dtype` (bfloat16 under QAT, report §3.4).
 
     queries: [B, C, H, c]; head_weights: [B, C, H]; keys: [B, S, c]. Returns [B, C, S] float32.
     """
     logits = jnp.einsum("bthc,bsc->bths", queries.astype(jnp.float32), keys.astype(jnp.float32))
     scaled = jax.nn.relu(logits) * queries.shape[-1] ** -0.5
-    return jnp.einsum("bths,bth->bts", scaled, head_weights.astype(jnp.float32))
+    scores = jnp.einsum("bths,bth->bts", scaled, head_weights.astype(jnp.float32))
+    return scores.astype(score_dtype).astype(jnp.float32)
 
 
 def csa_entry_end_positions(batch: int, num_entries: int, ratio: int) -> jax.Array:
@@ -107,24 +117,24 @@ def visible_entries(
     return visible
 
 
-def _choose_in_chunk(queries, head_weights, keys, visible, top_k: int):
+def _choose_in_chunk(queries, head_weights, keys, visible, top_k: int, score_dtype):
     """Top-k of one query chunk's masked scores -> (indices [B, C, k] int32, 0 where not valid;
     valid [B, C, k]). Fewer visible entries than k leave invalid slots."""
-    scores = jnp.where(visible, index_scores(queries, head_weights, keys), -jnp.inf)
+    scores = jnp.where(visible, index_scores(queries, head_weights, keys, score_dtype), -jnp.inf)
     _, indices = jax.lax.top_k(scores, min(top_k, scores.shape[-1]))
     valid = jnp.take_along_axis(visible, indices, axis=-1)
     pad = ((0, 0), (0, 0), (0, top_k - indices.shape[-1]))
     return jnp.pad(jnp.where(valid, indices, 0), pad).astype(jnp.int32), jnp.pad(valid, pad)
 
 
-def _chosen_scores(queries, head_weights, keys, indices, valid) -> jax.Array:
+def _chosen_scores(queries, head_weights, keys, indices, valid, score_dtype) -> jax.Array:
     """Eq. 16 at the chosen entries only: [B, C, k] float32, -inf where not valid."""
     chosen = jnp.take_along_axis(keys[:, None], indices[..., None], axis=2)  # [B, C, k, c]
     logits = jnp.einsum("bqkc,bqhc->bqkh", chosen.astype(jnp.float32),
                         queries.astype(jnp.float32))
     scaled = jax.nn.relu(logits) * queries.shape[-1] ** -0.5
     scores = jnp.einsum("bqkh,bqh->bqk", scaled, head_weights.astype(jnp.float32))
-    return jnp.where(valid, scores, -jnp.inf)
+    return jnp.where(valid, scores.astype(score_dtype).astype(jnp.float32), -jnp.inf)
 
 
 def select_entries(
@@ -138,6 +148,7 @@ def select_entries(
     chunk_size: int,
     query_segment_ids: jax.Array | None = None,
     entry_segment_ids: jax.Array | None = None,
+    score_dtype=jnp.float32,
 ) -> Selection:
     """Top-k compressed entries per query (eqs. 16-17), `chunk_size` queries at a time (peak
     score memory [B, chunk_size, H, S] instead of [B, T, H, S]). The choice is discrete, so
@@ -146,8 +157,8 @@ def select_entries(
     differentiated (rematerialised per chunk).
 
     queries: [B, T, H, c]; head_weights: [B, T, H]; keys: [B, S, c]; query_positions: [B, T];
-    entry_end_positions: [B, S]; segment ids: [B, T] / [B, S] or None (one document per row).
-    Returns a Selection of [B, T, top_k] arrays. Slots with no visible entry left (early queries,
+    entry_end_positions: [B, S]; segment ids: [B, T] / [B, S] or None (one document per row);
+    score_dtype: the index scores' precision (`index_scores`). Returns a Selection of [B, T, top_k] arrays. Slots with no visible entry left (early queries,
     short documents) are invalid. The scores of valid slots carry gradients into the indexer.
     """
     batch, length = query_positions.shape
@@ -168,11 +179,11 @@ def select_entries(
         visible = visible_entries(
             pos, entry_end_positions, seg[0] if seg else None, entry_segment_ids
         )
-        return _choose_in_chunk(q, w, jax.lax.stop_gradient(keys), visible, top_k)
+        return _choose_in_chunk(q, w, jax.lax.stop_gradient(keys), visible, top_k, score_dtype)
 
     def score(xs):
         q, w, indices, valid = xs
-        return _chosen_scores(q, w, keys, indices, valid)
+        return _chosen_scores(q, w, keys, indices, valid, score_dtype)
 
     q_chunks, w_chunks = chunked(queries), chunked(head_weights)
     indices, valid = jax.lax.map(choose, (q_chunks, w_chunks, *map(chunked, placement)))
