@@ -13,6 +13,7 @@ they come from the cache or from its own chunk.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -29,9 +30,10 @@ class Fp8Rows(NamedTuple):
     kept: jax.Array
 
 
-class RowFormat(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class RowFormat:
     """`fp8`: store rows as Fp8Rows, channels [kept[0], kept[1]) (the RoPE ones) unquantized;
-    else as computed."""
+    else as computed. (Static: not a pytree.)"""
 
     fp8: bool = False
     kept: tuple[int, int] = (0, 0)

@@ -115,8 +115,9 @@ def fp8_blocks(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
 
 
 def straight_through(x: jax.Array, quantized: jax.Array) -> jax.Array:
-    """quantized's values with x's gradient (the straight-through estimator), in x's dtype."""
-    return x + jax.lax.stop_gradient(quantized.astype(x.dtype) - x)
+    """quantized's values, exactly, with x's gradient (the straight-through estimator), in x's
+    dtype. (x + stop_gradient(q - x) would round q - x and miss q by an ulp.)"""
+    return jax.lax.stop_gradient(quantized.astype(x.dtype)) + (x - jax.lax.stop_gradient(x))
 
 
 def fake_mxfp4(x: jax.Array) -> jax.Array:

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from model.ops import mx_quant
+from model.ops import mx_quant, sparse_indexer
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
 # jitted once per shape: op by op, the many small ops dispatch slowly
@@ -38,13 +38,22 @@ def e2m1_nearest(x: np.ndarray) -> np.ndarray:
 
 
 def mxfp4_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(values, exponents) of rows x [..., n] (n a multiple of 32), block by block."""
-    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    """(values [..., n], exponents [..., ceil(n / 32)]) of rows x [..., n], block by block (a
+    last partial block zero-padded, as the OCP MX spec pads)."""
+    n = x.shape[-1]
+    padded = np.pad(x.astype(np.float32), [(0, 0)] * (x.ndim - 1) + [(0, -n % 32)])
+    blocks = padded.reshape(*x.shape[:-1], -1, 32)
     amax = np.max(np.abs(blocks), -1)
     ratio = np.maximum(amax, np.float32(6 * 2.0 ** -126)) / np.float32(6)  # float32, as the code
     exponent = np.ceil(np.log2(ratio.astype(np.float64))).astype(np.int32)
     values = e2m1_nearest(blocks / 2.0 ** exponent[..., None])
-    return values.reshape(x.shape), exponent
+    return values.reshape(padded.shape)[..., :n], exponent
+
+
+def mxfp4_values(x: np.ndarray) -> np.ndarray:
+    """The float64 values `mxfp4_reference` stands for."""
+    values, exponent = mxfp4_reference(x)
+    return values * 2.0 ** np.repeat(exponent, 32, -1)[..., :x.shape[-1]]
 
 
 def test_mxfp4_matches_the_float64_reference_ties_and_extremes_included():
@@ -69,9 +78,10 @@ def test_mxfp4_matches_the_float64_reference_ties_and_extremes_included():
 def test_a_partial_last_block_is_quantized_as_if_zero_padded():
     x = np.random.default_rng(1).standard_normal((2, 40)).astype(np.float32)
     values, exponent = quantize(jnp.asarray(x))
-    want_values, want_exponent = mxfp4_reference(np.pad(x, ((0, 0), (0, 24))))
+    want_values, want_exponent = mxfp4_reference(x)
+    assert want_exponent.shape == (2, 2)
     np.testing.assert_array_equal(np.asarray(exponent), want_exponent)
-    np.testing.assert_array_equal(np.asarray(values, np.float64), want_values[:, :40])
+    np.testing.assert_array_equal(np.asarray(values, np.float64), want_values)
 
 
 def tile(span: int) -> np.ndarray:
@@ -127,8 +137,7 @@ def test_fake_quantization_passes_the_gradient_straight_through():
         grad = jax.jit(jax.grad(lambda w, f=fake: jnp.sum(scale * f(w))))(w)
         np.testing.assert_array_equal(grad, scale)
     # the forward values: the weight's MXFP4 along its input axis (rows of the torch layout)
-    values, exponent = mxfp4_reference(np.asarray(w).transpose(0, 2, 1))
-    want = (values * 2.0 ** np.repeat(exponent, 32, -1)).transpose(0, 2, 1)
+    want = mxfp4_values(np.asarray(w).transpose(0, 2, 1)).transpose(0, 2, 1)
     np.testing.assert_array_equal(np.asarray(jax.jit(mx_quant.fake_mxfp4_weight)(w)), want)
 
 
@@ -138,3 +147,24 @@ def test_hadamard_is_orthonormal_with_equal_magnitudes():
     np.testing.assert_allclose(np.abs(h), 0.25)
     with pytest.raises(ValueError, match="power-of-two"):
         mx_quant.hadamard(12)
+
+
+def test_the_indexer_qk_path_rotates_and_quantizes_and_rounds_scores_to_bfloat16():
+    """Inputs on a dyadic grid with c = 64 (Hadamard entries ±1/8): every product and sum is
+    exact in float32, so the references are exact too (scipy's Hadamard matrix)."""
+    from scipy.linalg import hadamard
+
+    rng = np.random.default_rng(3)
+    q = rng.integers(-8, 9, (1, 3, 2, 64)) / 4  # [B, T, H, c]
+    k = rng.integers(-8, 9, (1, 5, 64)) / 4  # [B, S, c]
+    rotation = hadamard(64) / 8
+    got = jax.jit(sparse_indexer.fp4_qk)(jnp.asarray(q, jnp.float32))
+    np.testing.assert_array_equal(got, mxfp4_values(q @ rotation))
+
+    weights = rng.integers(-3, 4, (1, 3, 2)).astype(np.float64)
+    scores = jax.jit(sparse_indexer.index_scores, static_argnums=3)(
+        *(jnp.asarray(a, jnp.float32) for a in (q, weights, k)), jnp.bfloat16)
+    want = np.einsum("bths,bth->bts", np.maximum(np.einsum("bthc,bsc->bths", q, k), 0) / 8,
+                     weights)
+    assert not np.array_equal(want.astype(ml_dtypes.bfloat16).astype(np.float64), want)
+    np.testing.assert_array_equal(scores, want.astype(ml_dtypes.bfloat16).astype(np.float32))
