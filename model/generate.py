@@ -3,8 +3,9 @@
     [--chat] [--json]
 
 Generates a continuation of TEXT with KV-cache decoding (model/inference/decode.py).
-- `--workdir`: a `python -m train` workdir (latest checkpoint, the run's tokenizer) or a
-  stepjax model directory from `python -m model.hf import` (give `--tokenizer`).
+- `--workdir`: a `python -m train` or `python -m rl` workdir (latest checkpoint, for RL its
+  policy; the run's tokenizer) or a stepjax model directory from `python -m model.hf import`
+  (give `--tokenizer`).
 - `--hf`: a Hugging Face directory of any family (`step3p5`, `deepseek_v4`, `mimo_v2_flash`:
   weights, tokenizer.json, chat template).
 - `--speculative`: MTP speculative decoding with `--draft` drafted tokens per step (default:
@@ -31,7 +32,7 @@ import jax
 from model.config.cli import ArgumentParser, report_error
 from model.inference.decode import Decoder, required_length
 from model.inference.sampling import Sampling
-from model.interop.workdir import CheckpointError, latest_run_config
+from model.interop.workdir import CheckpointError, latest_run_config, saved_tokenizer
 from model.interop.workdir_record import read_record, tokenizer_mismatch
 from model.tokenizers.chat import chat_tokenizer_for, load_chat_tokenizer
 from model.tokenizers.text import load_tokenizer
@@ -75,12 +76,12 @@ def check_workdir_tokenizer(workdir: Path, spec: str | None) -> None:
 
 
 def workdir_tokenizer(workdir: Path) -> str:
-    """The tokenizer a training workdir's latest checkpoint was trained with."""
+    """The tokenizer a training or RL workdir's latest checkpoint was trained with."""
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"--tokenizer: {workdir} is not a training workdir; name the "
                          "tokenizer.json (or a directory holding one) to use")
     # The saved run config is complete (every field resolved), so the key is always there.
-    return latest_run_config(workdir)[1]["train"]["data"]["tokenizer"]
+    return saved_tokenizer(latest_run_config(workdir)[1])
 
 
 def generate(args) -> dict:

@@ -12,11 +12,16 @@ export (W/C/H layers: DeepSeek-V4; a sink or per-type GQA geometry: MiMo-V2-Flas
 Step 3.5):
 - Step 3.5 Flash (`model_type: step3p5`, model/interop/step3p5.py), the published format;
 - DeepSeek-V4 (`model_type: deepseek_v4`, model/interop/deepseek_v4.py), as transformers'
-  DeepseekV4ForCausalLM saves and loads it (save_pretrained's default tensor names; no MTP
-  layers, as transformers builds none); imports also read the release's own tensor names and
-  config keys, as transformers' from_pretrained reads them; exports write save_pretrained's;
+  DeepseekV4ForCausalLM saves and loads it (save_pretrained's default tensor names), plus the
+  release's MTP layers (`mtp.{h}.*`, which transformers skips); imports also read the release's
+  own tensor names and config keys, as transformers' from_pretrained reads them; exports write
+  save_pretrained's names or the release's;
 - MiMo-V2-Flash (`model_type: mimo_v2_flash`, model/interop/mimo_v2_flash.py), as transformers'
   MiMoV2FlashForCausalLM saves and loads it (no MTP layers).
+An export from a training or RL workdir writes the run's tokenizer beside the weights
+(tokenizer.json, tokenizer_config.json with its chat template), so `python -m model.generate
+--hf` reads the directory as it is; `--drop-mtp` leaves the MTP heads out (MiMo-V2-Flash's
+transformers model has none; DeepSeek-V4 exports only its own kind, `mtp.block: layer`).
 Quantized checkpoints in the layouts transformers' FP8 loader reads (FP8 block-wise weights,
 DeepSeek-V4's MXFP4 experts: model/interop/quantized.py) are dequantized on import into the
 parameter dtype; other quantization layouts are refused by key. Export writes no quantization,
@@ -30,16 +35,18 @@ Config keys that do not change the network (token ids, max_position_embeddings, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from model.config import DTYPES
+from model.config import DTYPES, ModelConfig
 from model.config.cli import ArgumentParser, report_error
 from model.interop.hf import load_hf_checkpoint, save_hf_checkpoint
 from model.interop.model_dir import locked_output, save_model_dir
-from model.interop.workdir import CheckpointError
+from model.interop.workdir import CheckpointError, latest_run_config, saved_tokenizer
 from model.interop.workdir_lock import WorkdirInUse
+from model.tokenizers.text import TextTokenizer, load_tokenizer
 from model.weights import load_model
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "main"]
@@ -78,6 +85,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "(default: --dtype like every other weight)")
     exports.add_argument("--max-shard-gib", type=float, default=5.0, metavar="GIB",
                          help="largest shard file (default 5)")
+    exports.add_argument("--drop-mtp", action="store_true",
+                         help="leave the MTP heads out (MiMo-V2-Flash's format has none; "
+                              "DeepSeek-V4's holds only `mtp.block: layer` heads)")
+    exports.add_argument("--tokenizer", metavar="PATH", default=None,
+                         help="tokenizer written beside the weights (default: a workdir's own; a "
+                              "model directory has none): 'default', 'arith_chars' or a "
+                              "tokenizer.json")
     args = parser.parse_args(argv)
     try:
         if args.command == "export" and args.max_shard_gib <= 0:
@@ -88,7 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 save_model_dir(config, variables, args.out)
             else:
                 config, variables = load_model(args.source)
+                if args.drop_mtp:
+                    config, variables = without_mtp(config, variables)
+                tokenizer = export_tokenizer(Path(args.source), args.tokenizer)
                 save_hf_checkpoint(config, variables, args.out, dtype=args.dtype,
+                                   tokenizer=tokenizer,
                                    max_shard_bytes=int(args.max_shard_gib * 2**30),
                                    names=args.names, expert_dtype=args.expert_dtype)
     # CheckpointError: a bad workdir; WorkdirInUse: another command is writing --out
@@ -96,6 +114,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report_error(err)
     print(f"wrote {args.out}")
     return 0
+
+
+def without_mtp(config: ModelConfig, variables: dict) -> tuple[ModelConfig, dict]:
+    """The model without its MTP heads (`mtp_<h>` params, and router biases of `layer` MTP
+    blocks): the main head's outputs are unchanged, the heads only ever predict further
+    tokens."""
+    mtp = dataclasses.replace(config.mtp, num_heads=0)
+    return config.replace(mtp=mtp), {
+        name: {k: v for k, v in collection.items() if not k.startswith("mtp_")}
+        for name, collection in variables.items()}
+
+
+def export_tokenizer(source: Path, spec: str | None) -> TextTokenizer | None:
+    """The tokenizer an export writes: `spec` (--tokenizer), else the one a training or RL
+    workdir trained with; None for a model directory without --tokenizer."""
+    if spec is None and (source / "checkpoints").is_dir():
+        spec = saved_tokenizer(latest_run_config(source)[1])
+    return None if spec is None else load_tokenizer(spec)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,15 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
 ATTENTION_AUX = frozenset({"gate_mean", "indexer_loss"})  # per-layer aux of the attention
 
 
+def learned_routing_mean(cfg: ModelConfig, per_layer: jax.Array) -> jax.Array:
+    """Per-MoE-layer values [L_moe, ...] (as `aux["moe"]` stacks them) -> their mean over the
+    layers whose routing is learned, not hashed [...] (0 without such layers)."""
+    learned = [n for n, i in enumerate(cfg.moe_layer_indices()) if not cfg.is_hash_layer(i)]
+    if not learned:
+        return jnp.zeros(per_layer.shape[1:], jnp.float32)
+    return jnp.mean(per_layer[jnp.asarray(learned)], axis=0)
+
+
 def balance_groups(cfg: ModelConfig) -> int:
     """G of eq. 1: the real expert-parallel groups under a mesh with an `expert` axis, else
     `moe.num_ep_groups` (the EP degree a single-device run stands in for)."""
@@ -59,7 +68,8 @@ def balance_groups(cfg: ModelConfig) -> int:
 
 def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
     """Stacks per-layer aux into: `moe` (dict of [L_moe, ...] arrays, including the per-layer
-    `balance_loss` of eq. 1), `balance_loss` (its mean over MoE layers, scalar, with gradient
+    `balance_loss` of eq. 1 and the `routed_experts` [L_moe, B, T, k] each layer used),
+    `balance_loss` (its mean over MoE layers, scalar, with gradient
     through `expert_prob`), `sequence_balance_loss` (DeepSeek-V4's, mean over the MoE layers
     with learned routing), `attention_gate_mean` (tuple of [H] per layer, headwise),
     `indexer_loss` (mean over the CSA layers)."""
@@ -112,14 +122,18 @@ class CausalLM(nn.Module):
         self.mtp = [MTPHead(cfg, self.kv_cache) for _ in range(cfg.mtp.num_heads)]
 
     def __call__(self, tokens, segment_ids=None, positions=None, *, compute_logits=True,
-                 num_mtp_heads=None) -> LMOutput:
+                 num_mtp_heads=None, routed_experts=None) -> LMOutput:
         """tokens: [B, T] int. `segment_ids` [B, T] (packed documents; attention never crosses
         them) and `positions` [B, T] (default: per-document positions from segment_ids, else
-        0..T-1). `num_mtp_heads` runs only the first n MTP heads (default: all)."""
+        0..T-1). `num_mtp_heads` runs only the first n MTP heads (default: all).
+        `routed_experts` [L_moe, B, T, k] int: the experts of every MoE layer (in layer order)
+        to use instead of the routers' top-k, e.g. the `aux["moe"]["routed_experts"]` of
+        another forward; a token whose entries are negative keeps its own choice
+        (model/layers/router.py, "Replayed routing")."""
         if positions is None:
             positions = (positions_from_segments(segment_ids) if segment_ids is not None else
                          jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))
-        x, h_prev, per_layer_aux = self.backbone(tokens, positions, segment_ids)
+        x, h_prev, per_layer_aux = self.backbone(tokens, positions, segment_ids, routed_experts)
         hidden = self.norm(x)
 
         mtp_hidden, mtp_aux = [], []
@@ -144,12 +158,16 @@ class CausalLM(nn.Module):
         """The backbone on a chunk of new tokens, reading and extending the `cache` collection.
 
         tokens, positions: [B, T] (absolute positions, -1 = padding) -> (normed hidden
-        [B, T, D] for `project`, the h_prev of MTP head 1: pre-norm hidden [B, T, D], or the
-        mHC streams [B, T, n, D] for `layer` MTP blocks)."""
-        x, h_prev, _ = self.backbone(tokens, positions, None)
-        return self.norm(x), h_prev
+        [B, T, D] for `project`, the h_prev of MTP head 1 (pre-norm hidden [B, T, D], or the mHC
+        streams [B, T, n, D] for `layer` MTP blocks), the experts each MoE layer routed the
+        tokens to [L_moe, B, T, k] int32 or None without MoE layers)."""
+        x, h_prev, per_layer_aux = self.backbone(tokens, positions, None)
+        moe_layers = self.config.moe_layer_indices()
+        routed = (jnp.stack([per_layer_aux[i]["routed_experts"] for i in moe_layers])
+                  if moe_layers else None)
+        return self.norm(x), h_prev, routed
 
-    def backbone(self, tokens, positions, segment_ids):
+    def backbone(self, tokens, positions, segment_ids, routed_experts=None):
         """Embeddings and the layer stack: tokens [B, T] -> (pre-norm hidden [B, T, D], the
         MTP heads' h_prev (that, or the streams before the collapse: `mtp.reads_streams`),
         per-layer aux). With mHC the embedding enters every stream and `hc_head` collapses the
@@ -158,7 +176,7 @@ class CausalLM(nn.Module):
         multiple = self.config.hyper_connections.hc_mult > 1
         if multiple:
             x = expand_embeddings(x, self.config.hyper_connections.hc_mult)
-        streams, per_layer_aux = self.layers(x, positions, segment_ids, tokens)
+        streams, per_layer_aux = self.layers(x, positions, segment_ids, tokens, routed_experts)
         x = self.hc_head(streams) if multiple else streams
         return x, (streams if reads_streams(self.config) else x), per_layer_aux
 

@@ -1,6 +1,7 @@
 """One loader for trained or imported weights, used by generation and RL.
 
     cfg, variables = load_model("runs/tiny")           # a `python -m train` workdir (latest step)
+    cfg, variables = load_model("runs/rl")             # a `python -m rl` workdir: its policy
     cfg, variables = load_model("Step-3.5-Flash/")     # a Hugging Face checkpoint (model/interop/)
     cfg, variables = load_model("models/tiny")         # a stepjax model directory
     save_model_dir(cfg, variables, "models/tiny")
@@ -26,14 +27,15 @@ from model.interop.model_dir import (
     save_model_dir,
     variables_target,
 )
-from model.interop.workdir import Checkpointer, latest_run_config
+from model.interop.workdir import WORKDIR_KINDS, Checkpointer, latest_run_config, workdir_kind
 
 __all__ = ["load_model", "save_model_dir"]
 
 
 def load_model(path: str | Path, mesh: jax.sharding.Mesh | None = None) -> tuple[ModelConfig, dict]:
     """(config, variables) from a stepjax model directory, a Hugging Face checkpoint or a
-    training workdir (its latest checkpoint's params and router biases only)."""
+    training or RL workdir (its latest checkpoint's params and router biases only; of the
+    policy for RL)."""
     path = Path(path)
     if is_model_dir(path):
         return load_model_dir(path, mesh)
@@ -44,15 +46,23 @@ def load_model(path: str | Path, mesh: jax.sharding.Mesh | None = None) -> tuple
     problem = "does not exist" if not path.exists() else "is not a model directory"
     raise ValueError(f"{path} {problem}: expected a stepjax model directory ({MODEL_CONFIG}), a "
                      "Hugging Face checkpoint (config.json + *.safetensors) or a "
-                     "`python -m train` workdir (checkpoints/)")
+                     "`python -m train` or `python -m rl` workdir (checkpoints/)")
 
 
 def _load_workdir(path: Path, mesh) -> tuple[ModelConfig, dict]:
-    """The latest step's `params` and `balance` only: the optimizer state is never read."""
+    """The latest step's `params` and `balance` only (of the policy, for an RL workdir): the
+    optimizer state is never read."""
     step, run = latest_run_config(path)
     config = config_from_dict(run["model"])
+    target = variables_target(config, mesh)
+    where = WORKDIR_KINDS[workdir_kind(run)].model_state
+    for key in reversed(where):
+        target = {key: target}
     checkpoints = Checkpointer(path / "checkpoints", keep=1 << 30)
     try:
-        return config, checkpoints.restore_subset(step, variables_target(config, mesh))
+        variables = checkpoints.restore_subset(step, target)
     finally:
         checkpoints.close()
+    for key in where:
+        variables = variables[key]
+    return config, variables

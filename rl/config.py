@@ -32,6 +32,11 @@ every algorithm: `rl.toggle.enabled=true`.
 
 `mopd` is MiMo-V2-Flash's multi-teacher on-policy distillation (eqs. 7-9, rl/distill/): a
 teacher per task, `rl.distill` for its weights; it needs at least one teacher.
+
+Off-policy machinery, with every algorithm: `rl.routing_replay` (MiMo-V2-Flash's Rollout
+Routing Replay, rl/routing_replay.py), `rl.max_staleness` (rollouts up to k policy versions
+old, rl/staleness.py) with truncated importance sampling (`rl.tis`, `rl.tis_cap`,
+rl/objectives/truncated_is.py).
 """
 
 from __future__ import annotations
@@ -52,7 +57,6 @@ from model.config import (
     check_int,
     check_nonnegative,
     check_positive,
-    config_from_dict,
     config_to_dict,
     read_yaml,
 )
@@ -171,6 +175,14 @@ class RLConfig(LoopConfig):
     mesh: RLMeshConfig = RLMeshConfig()  # data=-1: every device data-parallel, as training
     toggle: ToggleConfig = ToggleConfig()  # Kimi K2.5's token-budget phases (off by default)
     distill: DistillConfig = DistillConfig()  # on-policy distillation (rl/distill/)
+    # Off-policy machinery (module docstring). routing_replay: the training forwards route as
+    # the rollout did; max_staleness: k, train on batches drawn k iterations earlier; tis:
+    # weight tokens by min(pi_old / pi_infer, tis_cap) (null: on iff max_staleness > 0 and the
+    # algorithm is not mopd, whose eq. 8 weight already is a truncated ratio to pi_infer).
+    routing_replay: bool = False
+    max_staleness: int = 0
+    tis: bool | None = None
+    tis_cap: float = 2.0  # C of Yao et al. (2025)
 
     @property
     def batch_size(self) -> int:
@@ -204,6 +216,12 @@ class RLConfig(LoopConfig):
         if self.overlong_buffer is not None:
             return self.overlong_buffer
         return max(1, self.max_new_tokens // 5) if self.algorithm == "dapo" else 0
+
+    @property
+    def uses_tis(self) -> bool:
+        if self.tis is not None:
+            return self.tis
+        return self.max_staleness > 0 and self.algorithm != "mopd"
 
     @property
     def budget_samples(self) -> int:
@@ -241,10 +259,25 @@ class RLConfig(LoopConfig):
         check_fraction("entropy_top_frac", self.entropy_top_frac)
         check_bool("truncation_bootstrap", self.truncation_bootstrap)
         check_choice("inference_dtype", self.inference_dtype, INFERENCE_DTYPES)
-        if self.batch_size < max(self.actor_minibatches, self.critic_minibatches):
-            raise ConfigError("", f"{self.batch_size} rollouts per iteration cannot fill "
-                              f"{max(self.actor_minibatches, self.critic_minibatches)} minibatches")
+        check_bool("routing_replay", self.routing_replay)
+        check_int("max_staleness", self.max_staleness, 0)
+        if self.tis is not None:
+            check_bool("tis", self.tis)
+        check_positive("tis_cap", self.tis_cap)
+        used = ("actor", "critic") if self.uses_critic else ("actor",)  # no critic: not split
+        for name in used:
+            if self.batch_size < getattr(self, f"{name}_minibatches"):
+                raise ConfigError(f"{name}_minibatches", f"{self.batch_size} rollouts per "
+                                  f"iteration (rl.prompts_per_iteration x rl.samples_per_prompt) "
+                                  f"cannot fill {getattr(self, f'{name}_minibatches')} minibatches")
         self._validate_switches()
+        # MOPD (eq. 9) adds its teachers' signal to the group advantages: that one still trains.
+        if not self.uses_critic and self.algorithm != "mopd" and self.samples_per_prompt < 2:
+            why, fix = ((f"rl.algorithm={self.algorithm} uses group advantages", "raise it")
+                        if self.algorithm in GROUP_ALGORITHMS else
+                        ("rl.advantages=group", "raise it or use rl.advantages=gae"))
+            raise ConfigError("samples_per_prompt", f"{why}: a group of 1 sample has advantage "
+                              f"0 and trains nothing; {fix}")
         self._validate_warmups()
         # Estimation decodes batches of rl.batch_size rows (the rollouts' shape: no new
         # compilation, and the rows split over the mesh as the rollouts do).
@@ -321,7 +354,7 @@ def rl_config_from_dict(values: Mapping[str, Any]) -> RLRunConfig:
     if unknown:
         raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; expected "
                          f"{', '.join(SECTIONS)}")
-    model = config_from_dict(values["model"]) if values.get("model") else None
+    model = build_dataclass(ModelConfig, values["model"], "model.") if values.get("model") else None
     return RLRunConfig(model=model, rl=build_dataclass(RLConfig, values.get("rl") or {}, "rl."),
                        task=task_config_from_dict(values.get("task")))
 

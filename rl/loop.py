@@ -15,12 +15,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from model.interop.workdir_lock import workdir_lock
+from model.interop.workdir_lock import claimed_workdir
 from model.parallel.rules import use_mesh
 from rl.config import RLRunConfig
 from rl.trainer import RLState, RLTrainer
 from train.interrupts import stop_requests
-from train.loop import enable_compilation_cache, prepare_workdir
+from train.loop import enable_compilation_cache
 from train.telemetry.metrics import METRICS_FILE, MetricsWriter, read_metrics
 
 
@@ -48,8 +48,7 @@ def run_rl(run: RLRunConfig, workdir: Path, *, init_from: str | None = None,
     leave (with a checkpoint) after this many iterations, as SIGTERM would (tests). `devices`:
     those `rl.mesh` spans (default: all). Everything runs under the mesh (rl/parallel.py)."""
     enable_compilation_cache(run.rl.xla_cache_dir)
-    prepare_workdir(Path(workdir))
-    with workdir_lock(Path(workdir)):
+    with claimed_workdir(Path(workdir)):
         trainer = RLTrainer(run, Path(workdir), init_from, devices)
         try:
             with use_mesh(trainer.mesh):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig, MTPConfig
-from model.lm import CausalLM
+from model.lm import CausalLM, learned_routing_mean
 from rl.distill.full_vocab import reverse_kl
 
 
@@ -25,7 +25,7 @@ def shift_right(x):
 
 
 def token_logprobs(model: CausalLM, variables, tokens, segment_ids, temperature: float = 1.0,
-                   chunk_size: int = 1024, teacher: tuple | None = None):
+                   chunk_size: int = 1024, teacher: tuple | None = None, routed_experts=None):
     """Policy log-probabilities of the given tokens, the entropy of each predictive
     distribution, and the per-token routing confidence Sigma_k (report 5.2.1).
 
@@ -35,8 +35,13 @@ def token_logprobs(model: CausalLM, variables, tokens, segment_ids, temperature:
     MoE). Logits are formed `chunk_size` positions at a time (remat in the backward pass), so
     no [B, T, V] array exists. `teacher` = (fn, hidden [B, T, D_t], teacher_id [B]) of the
     full-vocabulary distillation signal (rl/distill/full_vocab.py) adds `reverse_kl` [B, T]:
-    KL(pi || pi_teacher) of the distribution token t was drawn from, in the same chunks."""
-    out = model.apply(variables, tokens, segment_ids, compute_logits=False, num_mtp_heads=0)
+    KL(pi || pi_teacher) of the distribution token t was drawn from, in the same chunks.
+    `routed_experts` [B, L_moe, T, k] (Rollout Routing Replay, rl/routing_replay.py) routes
+    every MoE layer as the rollout did and adds `replay_mismatch` [B, T]: the share of the
+    learned-routing layers whose own top-k for token t differs from the replayed experts."""
+    routes = None if routed_experts is None else jnp.swapaxes(routed_experts, 0, 1)
+    out = model.apply(variables, tokens, segment_ids, compute_logits=False, num_mtp_heads=0,
+                      routed_experts=routes)
     batch, length, dim = out.hidden.shape
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], 1)
     rows = [out.hidden, targets]
@@ -69,6 +74,8 @@ def token_logprobs(model: CausalLM, variables, tokens, segment_ids, temperature:
               "routing_confidence": shift_right(confidence)}
     if teacher is not None:
         result["reverse_kl"] = unflat(scores[2])
+    if routes is not None:
+        result["replay_mismatch"] = learned_routing_mean(model.config, moe["replay_mismatch"])
     return result
 
 

@@ -13,7 +13,8 @@ What is sharded, and how (docs/parallelism.md):
   over `expert`), optimizer states like their params and, with `rl.mesh.zero1`, also over
   `data` (ZeRO-1); the reference params exactly as the actor's params;
 - rollout rows [B, ...] (old and reference log-probs, values, every actor and critic
-  minibatch) over the data-parallel axes `data` x `fsdp` x `expert`;
+  minibatch, the replayed experts of `rl.routing_replay`) over the data-parallel axes `data` x
+  `fsdp` x `expert`; the batches waiting with `rl.max_staleness` (rl/staleness.py) replicated;
 - decoding (rollouts and held-out evaluation): the decoder runs with the sharded actor weights
   under the mesh. Its activations carry the model's logical constraint (rows over the
   data-parallel axes) and MoE layers send their tokens to the experts' devices
@@ -104,6 +105,8 @@ def rl_state_shardings(abstract: Any, actor_boxed: dict, critic_boxed: dict | No
     actor = train_state(abstract.actor, actor_boxed, model)
     critic = (None if abstract.critic is None
               else train_state(abstract.critic, critic_boxed, critic_config(model)))
+    waiting = ({"buffer": jax.tree.map(lambda _: replicated(mesh), abstract.buffer)}
+               if hasattr(abstract, "buffer") else {})
     return abstract.replace(actor=actor, critic=critic,
                             reference=actor.params if abstract.reference else {},
-                            iteration=replicated(mesh))
+                            iteration=replicated(mesh), **waiting)

@@ -34,8 +34,7 @@ from model.config import (
 )
 from rl.distill.config import TeacherConfig
 from rl.rewards.template import DEFAULT_CHOICES, DEFAULT_TEMPLATE, template_error
-from train.data import multistep
-from train.data.arithmetic import OPERATORS
+from train.data import arithmetic, multistep
 
 REWARDS = ("verifier", "judge")
 TASK_NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -48,11 +47,11 @@ class TaskKind:
     ops: str  # the operators it allows
     default_ops: str
     default_max_operand: int
-    max_operand_limit: int | None  # None: no limit
+    max_operand_limit: int  # its problems are enumerated: the space is bounded
 
 
 KINDS = {
-    "arithmetic": TaskKind("".join(OPERATORS), "+-", 99, None),
+    "arithmetic": TaskKind("".join(arithmetic.OPERATORS), "+-", 99, arithmetic.OPERAND_LIMIT),
     "multistep": TaskKind(multistep.OPS, multistep.OPS, multistep.DEFAULT_MAX_OPERAND,
                           multistep.OPERAND_LIMIT),
 }
@@ -108,7 +107,7 @@ class TaskConfig(Config):
         kind = KINDS[self.kind]
         check_positive("weight", self.weight)
         check_int("max_operand", self.max_operand, 1)
-        if kind.max_operand_limit is not None and self.max_operand > kind.max_operand_limit:
+        if self.max_operand > kind.max_operand_limit:
             raise ConfigError("max_operand", f"must be <= {kind.max_operand_limit} for {self.kind} "
                               f"(its problems are enumerated), got {self.max_operand}")
         if not isinstance(self.ops, str) or not self.ops or set(self.ops) - set(kind.ops):

@@ -10,7 +10,10 @@ ones with the critic (eq. 3), forms advantages (GAE, or group-normalised rewards
 teachers, plus the on-policy distillation term, rl/distill/) and runs one epoch of actor and
 critic minibatch updates. Everything runs under `rl.mesh` with training's layouts
 (rl/parallel.py). With `rl.toggle`, the rewards pass through Kimi K2.5's Toggle
-(rl/objectives/toggle.py) on budgets estimated at the start (rl/budget.py).
+(rl/objectives/toggle.py) on budgets estimated at the start (rl/budget.py). With
+`rl.routing_replay` the training forwards route as the rollouts did (rl/routing_replay.py);
+with `rl.max_staleness` an iteration trains on a batch drawn k iterations earlier
+(rl/staleness.py), weighted by truncated importance sampling (rl/objectives/truncated_is.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from model.interop.workdir_record import tokenizer_mismatch
 from model.lm import CausalLM, abstract_variables, init_variables, join_variables
 from model.parallel.rules import param_axes, replicated
 from model.tokenizers.text import load_tokenizer
+from model.weights import load_model
 from rl.budget import BudgetTable, budget_table, toggled_rewards
 from rl.config import RLRunConfig
 from rl.distill.distillation import Distillation
@@ -43,6 +47,7 @@ from rl.objectives import losses
 from rl.objectives.advantages import bootstrapped_rewards, gae, terminal_rewards
 from rl.objectives.kl import kl_estimate
 from rl.objectives.overlong import overlong_penalty
+from rl.objectives.truncated_is import tis_weights
 from rl.parallel import (
     check_rows_fit,
     place_variables,
@@ -52,9 +57,10 @@ from rl.parallel import (
     sharded_jit,
     variables_sharding,
 )
-from rl.policies import load_policy
 from rl.resume import resumed_config
 from rl.rollout import Rollouts, collect_rollouts
+from rl.routing_replay import replay_metrics
+from rl.staleness import RolloutBuffer
 from rl.task_mix import sample_mix
 from rl.tasks import build_tasks
 from rl.update import make_actor_step, make_critic_step, minibatches
@@ -69,6 +75,13 @@ class RLState(flax.struct.PyTreeNode):
     critic: TrainState | None  # None for GRPO
     reference: Any  # params of the initial policy (KL anchor), {} when rl.kl_coef == 0
     iteration: jax.Array  # int32 []: iterations completed
+
+
+class StaleRLState(RLState):
+    """`RLState` of a run with `rl.max_staleness` (an on-policy run keeps the plain layout, so
+    its checkpoints stay those of earlier versions)."""
+
+    buffer: dict  # the waiting batches (rl/staleness.py)
 
 
 class RLTrainer:
@@ -87,7 +100,7 @@ class RLTrainer:
             run = resumed_config(run, self.checkpoints.read_config(self.resume_step),
                                  self.workdir)
         elif init_from:
-            config, self.initial_variables = load_policy(init_from, self.mesh)
+            config, self.initial_variables = load_model(init_from, self.mesh)
             run = run.with_model(config)
         elif run.model is None:
             raise TrainingError("no policy to start from: pass --init-from (a training workdir, "
@@ -104,7 +117,11 @@ class RLTrainer:
         if self.tokenizer.get_vocab_size() > run.model.vocab_size:
             raise TrainingError(f"tokenizer {rl.tokenizer!r} has {self.tokenizer.get_vocab_size()} "
                                 f"tokens but the model's vocab_size is {run.model.vocab_size}")
+        if rl.routing_replay and not run.model.moe_layer_indices():
+            raise TrainingError("rl.routing_replay: the policy has no MoE layers, so there is "
+                                "no routing to replay; set rl.routing_replay=false")
         self.tasks = build_tasks(run.task)
+        self.batches = RolloutBuffer(self.tasks, rl.max_staleness, rl.iterations)
         self.distillation = Distillation.of_run(run, self.tokenizer, self.mesh)
         self.prompt_ids = {p.prompt: self.tokenizer.encode(p.prompt).tolist()
                            for task in self.tasks for p in task.train + task.heldout}
@@ -130,9 +147,9 @@ class RLTrainer:
         shardings = self.state_sharding = rl_state_shardings(
             self.abstract_state, boxed, critic_boxed, self.mesh, run.model, rl.mesh.zero1)
         rows, metrics = row_sharding(self.mesh), replicated(self.mesh)
-        self._score = sharded_jit(lambda variables, tokens, segments: token_logprobs(
-            self.actor, variables, tokens, segments, rl.temperature),
-            (variables_sharding(shardings.actor), rows, rows), rows)
+        self._score = sharded_jit(lambda variables, tokens, segments, routes: token_logprobs(
+            self.actor, variables, tokens, segments, rl.temperature, routed_experts=routes),
+            (variables_sharding(shardings.actor), rows, rows, rows), rows)
         self.teacher_heads = self.distillation.heads if self.distillation else ()
         self._actor_step = sharded_jit(
             make_actor_step(self.actor, self.actor_optimizer, rl,
@@ -156,9 +173,14 @@ class RLTrainer:
             critic_vars = critic_variables_from_policy(variables, critic_init)
             critic = state_from_variables(critic_vars, self.critic_optimizer,
                                           jax.random.key(rl.seed + 1))
-        reference = variables["params"] if rl.kl_coef else {}
-        return RLState(actor=actor, critic=critic, reference=reference,
-                       iteration=jnp.zeros((), jnp.int32))
+        common = dict(actor=actor, critic=critic, reference=variables["params"] if rl.kl_coef
+                      else {}, iteration=jnp.zeros((), jnp.int32))
+        if not rl.max_staleness:
+            return RLState(**common)
+        routes = (len(self.run.model.moe_layer_indices()), self.run.model.moe.top_k)
+        return StaleRLState(**common, buffer=RolloutBuffer.empty(
+            rl.max_staleness, rl.batch_size, self.row_length,
+            routes if rl.routing_replay else None))
 
     def initial_state(self) -> RLState:
         """A fresh state created in its shardings, or the latest checkpoint restored into them
@@ -171,9 +193,13 @@ class RLTrainer:
             variables = place_variables(self.initial_variables or self._random_variables(),
                                         self.state_sharding.actor)
             state = jax.jit(self._fresh_state, out_shardings=self.state_sharding)(variables)
-        if self.run.rl.toggle.enabled:
-            self.budgets = budget_table(self.workdir, self.resume_step is not None, self.run.rl,
+        rl = self.run.rl
+        if rl.toggle.enabled:
+            self.budgets = budget_table(self.workdir, self.resume_step is not None, rl,
                                         self.tasks, lambda rows, key: self.sample(state, rows, key))
+        if rl.max_staleness and self.resume_step is None:  # the initial policy's batches
+            state = state.replace(buffer=self.batches.fill(
+                state.buffer, lambda batch: self._draw_batch(state, batch)[0]))
         return state
 
     def _random_variables(self) -> dict:
@@ -208,28 +234,44 @@ class RLTrainer:
             self.decoder.with_variables(_variables(state.actor)),
             [self.prompt_ids[p.prompt] for _, p in rows], length=self.row_length,
             max_new_tokens=rl.max_new_tokens, sampling=Sampling(rl.temperature, top_p=rl.top_p),
-            stop_id=self.tokenizer.eos_id, key=key)
+            stop_id=self.tokenizer.eos_id, key=key, record_routing=rl.routing_replay)
         return score_draw(rollouts, rows, [self.tokenizer.decode(r) for r in rollouts.responses])
 
-    def iteration(self, state: RLState, iteration: int) -> tuple[RLState, dict]:
-        """Rollouts -> rewards -> advantages -> one epoch of updates. -> (state, metrics).
-        `rewards` are the verifier's, `scored` the trained-on ones (`training_rewards`); with
-        dynamic sampling the batch takes several draws (rl/dynamic_sampling.py)."""
-        rl = self.run.rl
-        started = time.perf_counter()
-        drawn, scored, sampling = sample_batch(
+    def _draw_batch(self, state: RLState, iteration: int) -> tuple[Draw, dict]:
+        """The batch of `iteration` sampled by `state`'s policy -> (draw, sampling metrics);
+        with dynamic sampling it takes several draws (rl/dynamic_sampling.py)."""
+        rl, started = self.run.rl, time.perf_counter()
+        drawn, _, metrics = sample_batch(
             lambda draw: self.draw(state, iteration, draw),
             lambda drawn: self.training_rewards(drawn, iteration)[0],
             groups=rl.prompts_per_iteration, group_size=rl.samples_per_prompt,
             dynamic=rl.samples_dynamically, max_draws=rl.max_draws)
+        seconds = time.perf_counter() - started
+        tokens = metrics.get("sampling/tokens_drawn", drawn.rollouts.response_lengths.sum())
+        return drawn, {**metrics, "rollout_seconds": seconds,
+                       "rollout_tokens_per_sec": float(tokens) / max(seconds, 1e-9)}
+
+    def iteration(self, state: RLState, iteration: int) -> tuple[RLState, dict]:
+        """Rollouts -> rewards -> advantages -> one epoch of updates. -> (state, metrics).
+        `rewards` are the verifier's, `scored` the trained-on ones (`training_rewards`)."""
+        rl = self.run.rl
+        started = time.perf_counter()
+        buffer, drawn, drawn_at, sampling = self.batches.next(
+            getattr(state, "buffer", {}), iteration, lambda batch: self._draw_batch(state, batch))
+        if rl.max_staleness:
+            state = state.replace(buffer=buffer)
+        scored = self.training_rewards(drawn, iteration)[0]
         rollouts, rewards = drawn.rollouts, drawn.rewards
-        rollout_seconds = time.perf_counter() - started
         tokens, segments = jnp.asarray(rollouts.tokens), jnp.asarray(rollouts.segment_ids)
         mask, infer_logp = jnp.asarray(rollouts.mask), jnp.asarray(rollouts.infer_logp)
+        routes = (None if rollouts.routed_experts is None
+                  else jnp.asarray(rollouts.routed_experts))
 
-        old = self._score(_variables(state.actor), tokens, segments)  # pi_old: training path
+        # pi_old by the training path; the reference policy scored on the same routes, so
+        # with routing replay the KL measures how the weights moved, not routing noise
+        old = self._score(_variables(state.actor), tokens, segments, routes)
         ref_logp = (self._score({**_variables(state.actor), "params": state.reference}, tokens,
-                                segments)["logp"] if rl.kl_coef else old["logp"])
+                                segments, routes)["logp"] if rl.kl_coef else old["logp"])
         advantages, returns, values = self._advantages(state, rollouts, scored)
         distilled, distill_metrics = {}, {}
         if self.distillation is not None:  # the teacher term (rl/distill/)
@@ -237,6 +279,15 @@ class RLTrainer:
                 drawn, old["logp"], advantages)
         select = (losses.high_entropy_mask(old["entropy"], mask, rl.entropy_top_frac)
                   if rl.entropy_top_frac < 1 else mask)
+        off_policy = {"staleness": float(iteration - drawn_at)}
+        if rl.uses_tis:
+            weights, tis = tis_weights(old["logp"], infer_logp, mask, rl.tis_cap)
+            select = select * weights
+            off_policy.update(tis)
+        if routes is not None:
+            distilled = {**distilled, "routed_experts": routes}
+            off_policy.update({f"replay/{k}": v for k, v in
+                               replay_metrics(old["replay_mismatch"], routes, mask).items()})
         batch = jax.tree.map(np.asarray, {
             "tokens": tokens, "segment_ids": segments, "mask": mask, "old_logp": old["logp"],
             "infer_logp": infer_logp, "advantages": advantages, "ref_logp": ref_logp,
@@ -256,12 +307,9 @@ class RLTrainer:
             "routing_confidence": float(per_rollout_confidence.mean()),
             "routing_confidence_hist": np.asarray(per_rollout_confidence),  # TensorBoard only
             "kl": float(kl_estimate(rl.kl_estimator, old["logp"], old["logp"], ref_logp, mask)),
-            **{k: float(v) for k, v in filters.items()}, **sampling,
+            **{k: float(v) for k, v in {**filters, **off_policy}.items()}, **sampling,
             **update_metrics, **distill_metrics,
             "advantage_rms": float(jnp.sqrt(losses.masked_mean(advantages ** 2, mask))),
-            "rollout_seconds": rollout_seconds,
-            "rollout_tokens_per_sec": sampling.get("sampling/tokens_drawn", float(lengths.sum()))
-                                      / max(rollout_seconds, 1e-9),
             "iteration_seconds": time.perf_counter() - started,
         }
         if rl.overlong_buffer_tokens:

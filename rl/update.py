@@ -3,7 +3,8 @@ one epoch over each iteration's rollouts, 4 actor and 12 critic minibatches).
 
 A minibatch is a dict of [b, T] arrays: `tokens`, `segment_ids`, `mask`, and for the actor
 `old_logp`, `infer_logp`, `advantages`, `ref_logp`, `select` (with the full-vocabulary
-distillation signal also `teacher_hidden` [b, T, D] and `teacher_id` [b], rl/distill/); for the
+distillation signal also `teacher_hidden` [b, T, D] and `teacher_id` [b], rl/distill/; with
+Rollout Routing Replay `routed_experts` [b, L_moe, T, k], rl/routing_replay.py); for the
 critic `returns`.
 Updates with a non-finite loss or gradient are skipped, as in pre-training (train/step.py).
 """
@@ -24,6 +25,7 @@ from rl.distill.full_vocab import teacher_log_probs_fn
 from rl.models import ValueModel, shift_right, token_logprobs
 from rl.objectives import losses
 from rl.objectives.kl import kl_estimate
+from rl.routing_replay import replay_metrics
 from train.state import TrainState, apply_finite_update
 
 
@@ -84,9 +86,15 @@ def make_actor_step(model: CausalLM, optimizer: optax.GradientTransformation, rl
                 fn = teacher_log_probs_fn(teacher_configs, heads, model.config.vocab_size,
                                           rl.temperature)
                 teacher = (fn, mb["teacher_hidden"], mb["teacher_id"])
+            routes = mb.get("routed_experts")
             out = token_logprobs(model, variables, mb["tokens"], mb["segment_ids"],
-                                 rl.temperature, teacher=teacher)
-            return actor_loss(rl, out["logp"], mb, out.get("reverse_kl"))
+                                 rl.temperature, teacher=teacher, routed_experts=routes)
+            loss, stats = actor_loss(rl, out["logp"], mb, out.get("reverse_kl"))
+            if routes is not None:
+                stats.update({f"replay_{k}": v
+                              for k, v in replay_metrics(out["replay_mismatch"], routes,
+                                                         mb["mask"]).items()})
+            return loss, stats
 
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         state, metrics = _apply_update(state, optimizer, loss, grads)

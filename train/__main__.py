@@ -26,7 +26,12 @@ from model.interop.workdir_lock import WorkdirInUse
 from train.config import load_run_config
 from train.experiments.recipe import load_recipe, run_recipe
 from train.loop import TrainingError, TrainSummary, train
-from train.parallel.distributed import DistributedError, initialize, is_lead
+from train.parallel.distributed import (
+    DEFAULT_TIMEOUT_S,
+    DistributedError,
+    initialize,
+    is_lead,
+)
 
 
 def build_parser() -> ArgumentParser:
@@ -52,6 +57,10 @@ def build_parser() -> ArgumentParser:
                             "(env JAX_NUM_PROCESSES; 1 = single process, no cluster detection)")
     multi.add_argument("--process-id", type=int, metavar="I", default=None,
                        help="this process's index in [0, N) (env JAX_PROCESS_ID)")
+    multi.add_argument("--coordinator-timeout", type=float, metavar="S",
+                       default=DEFAULT_TIMEOUT_S,
+                       help="seconds every process has to reach the coordinator before the "
+                            f"run stops with an error (default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. train.steps=100 train.lr=1e-3 model.d_model=256")
     return parser
@@ -72,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     try:  # before anything touches devices
-        initialize(args.coordinator, args.num_processes, args.process_id)
+        initialize(args.coordinator, args.num_processes, args.process_id,
+                   timeout_seconds=args.coordinator_timeout)
     except DistributedError as err:
         parser.error(str(err))
     workdir = Path(args.workdir)

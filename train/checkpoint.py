@@ -6,8 +6,17 @@ other formats a model loads from.
 
 from pathlib import Path
 
-from model.interop.workdir import latest_run_config
+from model.interop.workdir import WORKDIR_KINDS, CheckpointError, latest_run_config, workdir_kind
 from train.config import incompatible_fields
+
+
+def check_training_checkpoint(saved: dict, workdir: Path, hint: str) -> None:
+    """Raises CheckpointError unless run config `saved` (a checkpoint's) is a training run's:
+    another command's workdir (an RL run's) is named as such, with `hint` on what to do."""
+    kind = workdir_kind(saved)
+    if kind != "train":
+        raise CheckpointError(f"{workdir} is a workdir of `{WORKDIR_KINDS[kind].command}`, not "
+                              f"of `python -m train`; {hint}")
 
 
 def changed_since_checkpoint(workdir: Path, current: dict) -> list[str]:

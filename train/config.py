@@ -28,13 +28,14 @@ from model.config import (
     check_int,
     check_nonnegative,
     check_open_fraction,
-    config_from_dict,
     config_to_dict,
     model_values,
     read_yaml,
 )
 from model.parallel.rules import MESH_AXES
+from train.anticipatory_routing import AnticipatoryRoutingConfig
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
+from train.preset_fit import fit_warmup
 
 SCHEDULES = ("cosine", "constant", "stages")
 # Which targets a chat document trains on (train/data/chat.py): its assistant turns, all its
@@ -145,6 +146,8 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     max_consecutive_skips: int = 5  # non-finite loss/grad skips before giving up
     peak_flops: float = 0.0  # per device, for MFU; 0 = measure a float32 matmul at start-up
     data: DataConfig = DataConfig()
+    # DeepSeek-V4's switch against loss spikes (report 4.2.3; train/anticipatory_routing.py)
+    anticipatory_routing: AnticipatoryRoutingConfig = AnticipatoryRoutingConfig()
 
     def validate(self) -> None:
         super().validate()
@@ -312,7 +315,7 @@ def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
     if unknown:
         raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; "
                          f"expected {', '.join(SECTIONS)}")
-    return RunConfig(model=config_from_dict(values.get("model") or {}),
+    return RunConfig(model=build_dataclass(ModelConfig, values.get("model") or {}, "model."),
                      train=build_dataclass(TrainConfig, values.get("train") or {}, "train."),
                      mesh=build_dataclass(MeshConfig, values.get("mesh") or {}, "mesh."))
 
@@ -326,7 +329,9 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfi
         values = {"model": values}
     values["model"] = model_values(values, path)
     check_override_sections(overrides, SECTIONS)
-    return run_config_from_dict(apply_overrides(values, overrides))
+    fitted = fit_warmup(values, apply_overrides(values, overrides), overrides,
+                        {"steps": TrainConfig.steps, "warmup_steps": TrainConfig.warmup_steps})
+    return run_config_from_dict(fitted)
 
 
 def check_override_sections(overrides: Sequence[str], sections: Sequence[str]) -> None:
@@ -350,6 +355,8 @@ RESUMABLE_CHANGES = {
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
     "train.peak_flops", "train.progress", "train.xla_cache_dir", "train.data.num_workers", "train.loss_chunk_size",
+    *(f"train.anticipatory_routing.{f.name}"
+      for f in dataclasses.fields(AnticipatoryRoutingConfig)),
     *(f"train.{field}" for field in RESUMABLE_OPTIMIZER_CHANGES),
 }
 

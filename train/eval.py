@@ -20,6 +20,7 @@ from model.config.cli import ArgumentParser, report_error
 from model.interop.workdir import Checkpointer, CheckpointError, restore_target
 from model.lm import CausalLM, join_variables, output_head_params
 from model.tokenizers.text import load_tokenizer
+from train.checkpoint import check_training_checkpoint
 from train.config import run_config_from_dict
 from train.data.pipeline import make_dataset
 from train.losses import chunked_cross_entropy, shifted_targets
@@ -71,7 +72,10 @@ def evaluate_checkpoint(workdir: Path, split: str, batches: int, step: int | Non
         if step not in saved:
             raise CheckpointError(f"--step {step}: {workdir} has no checkpoint of that step; "
                                   f"saved steps: {', '.join(map(str, saved))}")
-        run = run_config_from_dict(checkpoints.read_config(step))
+        saved = checkpoints.read_config(step)
+        check_training_checkpoint(saved, workdir, "its held-out accuracy is eval/accuracy in "
+                                  "its metrics.jsonl (python -m rl.compare compares RL runs)")
+        run = run_config_from_dict(saved)
         training = build_training(run)
         # Onto this process's first device, whatever mesh or process count saved it.
         state, _ = checkpoints.restore(step, restore_target(

@@ -17,11 +17,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.interop.workdir import Checkpointer, restore_target
-from model.interop.workdir_lock import workdir_lock
+from model.interop.workdir_lock import claimed_workdir
 from model.lm import split_variables
 from model.parallel.rules import named, replicated, use_mesh
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
+from train.anticipatory_routing import AnticipatoryRouting
+from train.checkpoint import check_training_checkpoint
 from train.config import RunConfig, resume_changes
 from train.data.corpus import load_documents
 from train.data.chat import chat_example, trains_assistant_only
@@ -68,16 +70,6 @@ class TrainSummary:
     interrupted: bool
 
 
-def prepare_workdir(workdir: Path) -> None:
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / f".write-test-{jax.process_index()}"  # processes may share workdir
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise TrainingError(f"workdir {workdir} is not writable: {err.strerror or err}") from None
-
-
 def meta_loss_masked(switch_after_tokens: int, tokens_seen: int) -> bool:
     """Report A.3: metadata tokens leave the loss once `tokens_seen` reaches the switch point
     (`train.data.meta_loss_mask_after_tokens`; -1 = never)."""
@@ -105,13 +97,17 @@ class Trainer:
         self.checkpoints = Checkpointer(self.workdir / "checkpoints", run.train.keep_checkpoints)
         self.resume_step = from_lead(self.checkpoints.latest_step())
         if self.resume_step is not None:
-            changed = resume_changes(self.checkpoints.read_config(self.resume_step), run)
+            saved = self.checkpoints.read_config(self.resume_step)
+            check_training_checkpoint(saved, self.workdir, "use another --workdir")
+            changed = resume_changes(saved, run)
             if changed:
                 raise TrainingError(
                     f"cannot resume {self.workdir}: the config differs from the checkpoint's in "
                     f"{', '.join(changed)}; use another --workdir or restore those values")
         self.mesh = make_mesh(run.mesh)
         check_batch_fits(run, self.mesh)
+        if run.train.anticipatory_routing.enabled:
+            check_anticipatory_routing(run)
         self.tokenizer = load_tokenizer(run.train.data.tokenizer)
         # Read once: the train stream and every held-out evaluation split this list. Checked
         # here, before any model work, so a bad split or changed data fails in seconds.
@@ -138,6 +134,11 @@ class Trainer:
         self.state_sharding = named(self.mesh, state_specs(
             self.abstract_state, self.training.variable_axes, self.mesh, run))
         self.batch_sharding = named(self.mesh, batch_spec(self.mesh))
+        self.anticipatory = None
+        if run.train.anticipatory_routing.enabled:
+            self.anticipatory = AnticipatoryRouting(
+                run.train.anticipatory_routing, self.training.model, self.batch_sharding,
+                self.workdir, is_lead())
         self._eval_step = None
         self.data = make_dataset(
             run.train.data, self.tokenizer, seq_len=run.train.seq_len,
@@ -159,10 +160,26 @@ class Trainer:
             key = jax.random.split(jax.random.key(seed))[1]
             return jax.jit(lambda v: state_from_variables(v, optimizer, key),
                            out_shardings=self.state_sharding)(start_from)
+        return self.restore(self.resume_step)
+
+    def restore(self, step: int) -> TrainState:
+        """The checkpoint of `step` in the state's shardings; the data stream continues from
+        its position (each process: its own data shard)."""
         state, data_state = self.checkpoints.restore(
-            self.resume_step, restore_target(self.abstract_state, self.state_sharding))
-        self.data.set_state(process_state(data_state))  # each process: its own data shard
+            step, restore_target(self.abstract_state, self.state_sharding))
+        self.data.set_state(process_state(data_state))
         return state
+
+    def roll_back(self, before: int) -> tuple[TrainState, int] | None:
+        """Back to the latest checkpoint of a step before `before`, whose later checkpoints are
+        deleted -> (its state, its step), or None without one (anticipatory routing)."""
+        self.checkpoints.wait()
+        earlier = [s for s in self.checkpoints.all_steps() if s < before]
+        target = from_lead(earlier[-1] if earlier else None)
+        if target is None:
+            return None
+        self.checkpoints.delete_after(target)
+        return self.restore(target), target
 
     def _check_start_variables(self, variables: dict) -> None:
         expected = (self.abstract_state.params, self.abstract_state.balance)
@@ -220,6 +237,18 @@ class Trainer:
                               self.run.to_dict())
 
 
+def check_anticipatory_routing(run: RunConfig) -> None:
+    """Anticipatory routing replays an expert choice: it needs learned-routing MoE layers and
+    whole layers (no pipeline axis)."""
+    model = run.model
+    if all(model.is_hash_layer(i) for i in model.moe_layer_indices()):
+        raise TrainingError("train.anticipatory_routing: the model has no MoE layer with learned "
+                            "routing; set train.anticipatory_routing.enabled=false")
+    if run.mesh.pipeline != 1:
+        raise TrainingError("train.anticipatory_routing: replayed routing needs whole layers; "
+                            "use mesh.pipeline=1")
+
+
 def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
           start_from: dict | None = None, allow_data_change: bool = False) -> TrainSummary:
     """Trains to `run.train.steps`, resuming from `workdir` if it holds checkpoints.
@@ -229,10 +258,9 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
     continuing the previous one, train/experiments/recipe.py). `allow_data_change`: resume
     even though the data files changed since the run started (train/run_record.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)
-    prepare_workdir(Path(workdir))
     # Stop requests from here on: a Ctrl-C while the state is built or restored is acknowledged
     # and honoured after the first step, a second one exits at once (train/interrupts.py).
-    with workdir_lock(Path(workdir)), stop_requests() as stop:
+    with claimed_workdir(Path(workdir)), stop_requests() as stop:
         trainer = Trainer(run, Path(workdir), allow_data_change)
         try:
             with use_mesh(trainer.mesh):
@@ -245,7 +273,15 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                stop_after: int | None) -> TrainSummary:
     run, cfg = trainer.run, trainer.run.train
     first_step = step = saved_step = int(state.step)
+    # The step of the newest checkpoint known intact (None: none yet).
+    intact = first_step if trainer.resume_step is not None else None
     if first_step >= cfg.steps:
+        if int(state.consecutive_skips) >= cfg.max_consecutive_skips:
+            raise TrainingError(
+                f"the checkpoint of step {first_step} in {trainer.checkpoints.directory} ends "
+                f"{int(state.consecutive_skips)} consecutive non-finite steps: the run "
+                f"diverged, it did not finish; move checkpoints/{first_step} away to resume "
+                "from an earlier one, or train again with a lower train.lr in a new --workdir")
         return TrainSummary(workdir=trainer.workdir, first_step=first_step, last_step=first_step,
                             losses=[], skipped=int(state.skipped), interrupted=False)
     flops_per_token = train_flops_per_token(run.model, cfg.seq_len, run.trained_mtp_heads())
@@ -258,11 +294,20 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
         losses.append(float(metrics["loss"]))
         clock.finished(timed_tokens)
         progress.update(first_step + len(losses), loss=losses[-1])
-        if int(metrics["consecutive_skips"]) >= cfg.max_consecutive_skips:
-            raise TrainingError(
-                f"{cfg.max_consecutive_skips} consecutive steps had a non-finite loss or gradient "
-                f"(up to step {first_step + len(losses)}); stopped, the last checkpoint is intact")
+        raise_if_diverged(metrics)
 
+    def raise_if_diverged(metrics) -> None:
+        if int(metrics["consecutive_skips"]) >= cfg.max_consecutive_skips:
+            kept = (f"the checkpoint of step {intact} is intact (resuming repeats the same "
+                    "steps: lower train.lr in a new --workdir, or raise "
+                    "train.max_consecutive_skips)" if intact is not None else
+                    "no checkpoint was saved: lower train.lr and re-run")
+            raise TrainingError(
+                f"the run diverged: {cfg.max_consecutive_skips} consecutive steps had a "
+                f"non-finite loss or gradient (up to step {first_step + len(losses)}); stopped "
+                f"without saving its state; {kept}")
+
+    anticipatory = trainer.anticipatory  # DeepSeek-V4's switch, or None
     lead = is_lead()  # one process writes metrics and shows progress
     writer = MetricsWriter(trainer.workdir) if lead else DiscardingWriter()
     with writer, ProgressBar(cfg.steps, first_step, enabled=cfg.progress and lead) as progress:
@@ -271,9 +316,13 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
         clock, pending = CompletedSteps(), None
         while step < cfg.steps:
             batch, batch_tokens = trainer.next_batch(step)
+            if anticipatory is not None:
+                batch = anticipatory.prepare(step, state, batch)
             mask_meta = meta_loss_masked(cfg.data.meta_loss_mask_after_tokens, tokens_seen)
             call_start = time.perf_counter()
             state, metrics = step_fn(state, batch, np.bool_(mask_meta))
+            if anticipatory is not None:
+                metrics = {**metrics, **anticipatory.metrics(step)}
             timed_tokens = batch_tokens
             if step == first_step:  # the first call compiled (or loaded from the cache) the step
                 jax.block_until_ready(metrics)
@@ -285,6 +334,23 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
             tokens_seen += batch_tokens
             if pending is not None:
                 check(*pending)
+                spiked = first_step + len(losses) - 1  # the update whose loss was just read
+                if anticipatory is not None and anticipatory.is_spike(spiked, losses[-1]):
+                    rollback = trainer.roll_back(spiked + 1)
+                    event = anticipatory.start_window(spiked + 1, losses[-1],
+                                                      rollback[1] if rollback else step)
+                    progress.write(f"loss spike at step {spiked + 1} ({event['loss']:.4g}, median "
+                                   f"{event['median']:.4g}): anticipatory routing from step "
+                                   f"{event['rollback_to']} to {event['active_until']}")
+                    if rollback is not None:  # re-train from the checkpoint
+                        state, step = rollback
+                        writer.truncate_after(step)
+                        first_step = min(first_step, step)
+                        del losses[step - first_step:]
+                        tokens_seen, saved_step, pending = tokens_before(run, step), step, None
+                        intact = step
+                        clock.restart()
+                        continue
             pending = (metrics, timed_tokens)
             evaluate_now = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
             if step % cfg.log_every == 0 or step == cfg.steps or evaluate_now:
@@ -305,11 +371,15 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                 interrupted = True
                 break
             if step % cfg.checkpoint_every == 0:
+                # A state that ended the run's divergence is never saved: a re-run would find
+                # it at the last step and call the run finished. (Its loss is still read one
+                # step late, where a spike rolls back past this checkpoint.)
+                raise_if_diverged(pending[0])
                 # Rows lag the steps (the writer waits for their values): a kill after this
                 # checkpoint must not lose rows a resume from it would not write again.
                 writer.flush()
                 trainer.save(state)
-                saved_step = step
+                saved_step = intact = step
         if pending is not None:
             check(*pending)
         if saved_step != step:

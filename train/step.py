@@ -5,7 +5,9 @@ the loss-free router-bias update, non-finite skipping, and the stability monitor
     state, metrics = step_fn(state, batch, mask_meta)
 
 batch: dict of `tokens`, `segment_ids`, `positions` (int32), `meta_mask` and optionally
-`loss_mask` (bool; absent: every token is a target), each [num_micro, micro_batch, T];
+`loss_mask` (bool; absent: every token is a target), each [num_micro, micro_batch, T], and
+`routed_experts` [num_micro, micro_batch, L_moe, T, k] to replay an expert choice
+(train/anticipatory_routing.py);
 mask_meta: bool scalar (report A.3 switch). Metrics stay on device: the caller hands them to the
 background writer without waiting.
 """
@@ -15,7 +17,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from model.lm import CausalLM, join_variables, output_head_params
+from model.lm import CausalLM, join_variables, learned_routing_mean, output_head_params
 from model.parallel.mesh import mesh_axis_size
 from model.parallel.pipeline import bubble_fraction, num_microbatches
 from train.balance import has_router_bias, update_router_bias
@@ -36,8 +38,10 @@ def loss_fn(model: CausalLM, run: RunConfig, params, balance, micro, mask_meta, 
     train = run.train
     heads = run.trained_mtp_heads()
     variables = join_variables(params, balance)
+    routes = micro.get("routed_experts")
     out = model.apply(variables, micro["tokens"], micro["segment_ids"], micro["positions"],
-                      compute_logits=False, num_mtp_heads=heads)
+                      compute_logits=False, num_mtp_heads=heads,
+                      routed_experts=None if routes is None else jnp.swapaxes(routes, 0, 1))
 
     def head_loss(hidden, offset, head):
         targets = shifted_targets(micro["tokens"], micro["segment_ids"], micro["meta_mask"],
@@ -97,8 +101,10 @@ def make_train_step(training: Training, run: RunConfig
         def accumulate(grads, micro):
             (loss, (parts, aux)), g = grad_and_aux(model, run, state.params, state.balance,
                                                    micro, mask_meta, counts, num_micro)
-            return jax.tree.map(jnp.add, grads, g), (loss, parts, aux.get("moe", {}),
-                                                     aux.get("mtp_moe", {}))
+            # the experts of every token (aux moe.routed_experts) are not a monitor
+            moe, mtp_moe = ({k: v for k, v in aux.get(key, {}).items() if k != "routed_experts"}
+                            for key in ("moe", "mtp_moe"))
+            return jax.tree.map(jnp.add, grads, g), (loss, parts, moe, mtp_moe)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         grads, (losses, parts, moe_aux, mtp_moe_aux) = jax.lax.scan(accumulate, zeros, batch)
@@ -129,6 +135,9 @@ def make_train_step(training: Training, run: RunConfig
         if stages > 1:
             metrics["pipeline/bubble_fraction"] = jnp.float32(
                 bubble_fraction(stages, num_microbatches(run.model, stages)))
+        if "replay_mismatch" in moe_aux:  # anticipatory routing's replayed choice
+            metrics["anticipatory_routing/mismatch"] = jnp.mean(
+                learned_routing_mean(run.model, moe_aux.pop("replay_mismatch")))
         if moe_aux:
             metrics.update(moe_monitors(moe_aux, run.model.moe_layer_indices()))
             metrics.update(expert_param_norms(new_state.params, run.model))

@@ -9,6 +9,7 @@ configs by `build_dataclass`, which rejects unknown keys by name; `config_to_dic
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
@@ -18,7 +19,24 @@ import yaml
 
 class _YamlLoader(yaml.SafeLoader):
     """SafeLoader that also reads YAML 1.2 floats such as `1e-5` and `5e6` (YAML 1.1, and so
-    PyYAML, would read them as strings)."""
+    PyYAML, would read them as strings) and refuses a key given twice in one mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        """YAML would keep the last of two equal keys, so a setting written twice (the first
+        one then silently ignored) is an error naming both lines. Keys merged in with `<<:`
+        may still be overridden, as YAML means them to be."""
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first on line {seen[key] + 1}); "
+                    "keep one", key_node.start_mark)
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 _YamlLoader.add_implicit_resolver(
@@ -31,6 +49,15 @@ _YamlLoader.add_implicit_resolver(
 
 def yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_YamlLoader)
+
+
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """One line for a YAML error: what is wrong and its line, without PyYAML's source excerpt."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None)
+    if problem and mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(err).split())
 
 
 # ---- validation ---------------------------------------------------------------------------------
@@ -52,6 +79,17 @@ class ConfigError(ValueError):
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _not_finite(value: Any) -> bool:
+    """A float NaN or +-inf, also inside lists, tuples and mappings."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return any(_not_finite(v) for v in value)
+    if isinstance(value, Mapping):
+        return any(_not_finite(v) for v in value.values())
+    return False
 
 
 def check_choice(field: str, value: Any, allowed: Sequence[str]) -> None:
@@ -104,12 +142,21 @@ class Config:
 
     def __post_init__(self) -> None:
         try:
+            self._check_finite()
             self.validate()
         except ConfigError as err:
             raise err.within(self.section) from None
 
     def validate(self) -> None:
         """Raises `ConfigError` for the first bad field; field groups extend it with super()."""
+
+    def _check_finite(self) -> None:
+        """No field holds NaN or an infinity (YAML's `.nan`, `.inf`): every range check would
+        let NaN through (all its comparisons are false), and a run would train on it."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if _not_finite(value):
+                raise ConfigError(field.name, f"must be a finite number, got {value!r}")
 
 
 # ---- dicts <-> configs --------------------------------------------------------------------------
@@ -163,7 +210,8 @@ def read_yaml(path: str | Path) -> dict:
     try:
         values = yaml_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {yaml_problem(err)}"
+                         ) from None
     if not isinstance(values, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping of fields")
     return values
@@ -178,7 +226,8 @@ def parse_override(override: str) -> tuple[str, Any]:
     try:
         value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
-        raise ValueError(f"override {override!r}: cannot parse value: {err}") from None
+        raise ValueError(f"override {override!r}: cannot parse value: {yaml_problem(err)}"
+                         ) from None
     return key, value
 
 

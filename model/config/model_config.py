@@ -36,6 +36,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "save_attention_out", "save_ffn_out")
 EP_COLLECTIVES = ("auto", "ragged", "padded")
 MTP_BLOCKS = ("dense", "layer")
+INT32_MAX = 2**31 - 1
+# Far beyond any model (the largest have ~100 layers); bounds what per-layer lists a config
+# (or a checkpoint's config.json) makes us build.
+MAX_LAYERS = 10_000
 
 # One character per layer: Step 3.5's GQA attention, full (F) or sliding-window (S), or
 # DeepSeek-V4's shared-KV attention, sliding-window only (W), CSA (C) or HCA (H).
@@ -68,6 +72,8 @@ def expand_layout(layout: str) -> str:
         unit, repeat = match.group(1), int(match.group(2) or 1)
         if repeat < 1:
             raise ConfigError("layout", f"repeat count in {term!r} must be >= 1")
+        if sum(map(len, expanded)) + len(unit) * repeat > MAX_LAYERS:
+            raise ConfigError("layout", f"{layout!r} expands to more than {MAX_LAYERS} layers")
         expanded.append(unit * repeat)
     return "".join(expanded)
 
@@ -227,6 +233,8 @@ class ModelConfig(Config):
 
     def __post_init__(self) -> None:
         check_int("num_layers", self.num_layers, 1)  # the per-layer lists below depend on it
+        if self.num_layers > MAX_LAYERS:
+            raise ConfigError("num_layers", f"must be at most {MAX_LAYERS}, got {self.num_layers}")
         object.__setattr__(self, "layout", expand_layout(self.layout))
         for name in ("swiglu_limits", "swiglu_limits_shared"):
             object.__setattr__(self, name, self._per_layer_limits(name, getattr(self, name)))
@@ -257,6 +265,10 @@ class ModelConfig(Config):
         for name in ("vocab_size", "d_model", "num_layers", "window", "head_dim", "num_kv_heads",
                      "dense_hidden"):
             check_int(name, getattr(self, name), 1)
+        for name in ("vocab_size", "window"):  # token ids and positions are int32
+            if getattr(self, name) > INT32_MAX:
+                raise ConfigError(name, f"must be at most {INT32_MAX} (token ids and positions "
+                                  f"are int32), got {getattr(self, name)}")
         if len(self.layout) != self.num_layers:
             raise ConfigError("layout", f"expands to {len(self.layout)} layers ({self.layout!r}) "
                               f"but num_layers={self.num_layers}")

@@ -7,6 +7,8 @@
     out.mean_accepted   # tokens committed per main-model forward pass (speculative)
     out.logprobs        # log-probability of each generated token under the sampling
                         # distribution (plain decoding; RL records it as pi_infer)
+    out.routed_experts  # with record_routing=True: the experts every MoE layer routed each
+                        # processed token to (RL replays them: Rollout Routing Replay)
 
 Caches (model/inference/kv_cache.py) hold max_len positions on full layers and a W + draft ring on
 SWA layers; DeepSeek-V4's W / C / H layers (model/inference/compressed_cache.py) a W + draft ring of
@@ -27,6 +29,7 @@ tokens are proposed, never which are committed.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import NamedTuple, Sequence
 
@@ -36,6 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from model.config import ModelConfig
+from model.config.model_config import INT32_MAX
 from model.inference.compressed_cache import CompressorCache
 from model.inference.kv_cache import KVCacheSpec
 from model.inference.sampling import Sampling, sample, sample_with_logprob, token_probs
@@ -54,6 +58,10 @@ class Generation(NamedTuple):
     # per prompt, log-probability of each generated token under the sampling distribution it
     # was drawn from (plain decoding); None with speculative decoding
     logprobs: list[list[float]] | None = None
+    # per prompt (`generate(record_routing=True)`, plain decoding, a model with MoE layers):
+    # int32 [L_moe, P + G - 1, k], the experts each MoE layer sent the prompt's P tokens and
+    # the first G - 1 of the G generated ones to (the last generated token is never fed back)
+    routed_experts: list[np.ndarray] | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -77,8 +85,12 @@ class Decoder:
         if not 0 <= draft <= config.mtp.num_heads:
             raise ValueError(f"draft: {draft} speculative tokens need as many MTP heads; the "
                              f"model has mtp.num_heads={config.mtp.num_heads}")
+        if max_len + draft > INT32_MAX:
+            raise ValueError(f"a cache of {max_len} positions: positions are int32, so at most "
+                             f"{INT32_MAX}; generate fewer new tokens")
         self.config, self.variables = config, variables
         self.spec = KVCacheSpec(max_len, draft, kv_fp8)
+        self._fitting_batches: set[int] = set()
         self.model = CausalLM(config, self.spec)
         self.prefill_chunk = max(1, min(prefill_chunk, max_len))
         self._init = jax.jit(self._init_cache, static_argnums=1)
@@ -97,7 +109,18 @@ class Decoder:
         return other
 
     def init_cache(self, batch: int):
-        """Empty caches for `batch` rows: the `cache` collection of the decoding model."""
+        """Empty caches for `batch` rows: the `cache` collection of the decoding model. Refused
+        (ValueError) before anything is allocated when they would not fit in free memory."""
+        if batch not in self._fitting_batches:
+            shapes = jax.eval_shape(self._init, self.variables, batch)
+            need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+            free = free_memory()
+            if need > free:
+                raise ValueError(f"the KV caches of {batch} row(s) x {self.spec.max_len} "
+                                 f"positions need {need / 2**30:.2f} GiB, more than the "
+                                 f"{free / 2**30:.2f} GiB of free memory; generate fewer new "
+                                 "tokens (or fewer rows at once)")
+            self._fitting_batches.add(batch)
         return self._init(self.variables, batch)
 
     # ---- pure steps (jitted above) ------------------------------------------------------------
@@ -114,7 +137,7 @@ class Decoder:
         """Empty caches of every layer (and of the MTP heads used for drafting)."""
         tokens = jnp.zeros((batch, 1), jnp.int32)
         padding = jnp.full((batch, 1), -1, jnp.int32)
-        (_, h), cache = self._apply(variables, {}, CausalLM.decode_chunk, tokens, padding)
+        (_, h, _), cache = self._apply(variables, {}, CausalLM.decode_chunk, tokens, padding)
         for head in range(1, self.spec.draft + 1):
             (_, h), cache = self._apply(variables, cache, CausalLM.mtp_chunk, head, h, tokens,
                                         padding)
@@ -122,11 +145,12 @@ class Decoder:
 
     def _prefill_step(self, variables, cache, tokens, positions, last_index):
         """tokens/positions [B, C]; last_index [B]: chunk index whose logits to return.
-        -> (cache, logits [B, V], pre-norm hidden [B, C, D])."""
-        (normed, h), cache = self._apply(variables, cache, CausalLM.decode_chunk, tokens,
-                                         positions)
+        -> (cache, logits [B, V], pre-norm hidden [B, C, D], routed experts [L_moe, B, C, k]
+        or None)."""
+        (normed, h, routed), cache = self._apply(variables, cache, CausalLM.decode_chunk, tokens,
+                                                 positions)
         rows = jnp.arange(tokens.shape[0])
-        return cache, self._logits(variables, normed[rows, last_index]), h
+        return cache, self._logits(variables, normed[rows, last_index]), h, routed
 
     def _draft_step(self, variables, cache, h_prev, positions, known_tokens, known, last, key,
                     sampling):
@@ -150,11 +174,12 @@ class Decoder:
 
     def _decode_step(self, variables, cache, token, position, key, sampling):
         """token/position [B] (position -1 = frozen row) -> (cache, next token [B], its
-        log-probability [B])."""
-        (normed, _), cache = self._apply(variables, cache, CausalLM.decode_chunk, token[:, None],
-                                         position[:, None])
+        log-probability [B], the experts `token` was routed to [L_moe, B, k] or None)."""
+        (normed, _, routed), cache = self._apply(variables, cache, CausalLM.decode_chunk,
+                                                 token[:, None], position[:, None])
         probs = token_probs(self._logits(variables, normed[:, 0]), sampling)
-        return cache, *sample_with_logprob(key, probs)
+        return (cache, *sample_with_logprob(key, probs),
+                None if routed is None else routed[:, :, 0])
 
     def _speculative_step(self, variables, cache, token, position, drafts, draft_probs, key,
                           sampling):
@@ -164,7 +189,8 @@ class Decoder:
         offsets = jnp.arange(draft + 1)
         positions = jnp.where(position[:, None] >= 0, position[:, None] + offsets, -1)
         chunk = jnp.concatenate([token[:, None], drafts], axis=1)
-        (normed, h), cache = self._apply(variables, cache, CausalLM.decode_chunk, chunk, positions)
+        (normed, h, _), cache = self._apply(variables, cache, CausalLM.decode_chunk, chunk,
+                                            positions)
         target_probs = token_probs(self._logits(variables, normed), sampling)
         accept_key, draft_key = jax.random.split(key)
         accepted, committed = accept_drafts(accept_key, target_probs, draft_probs, drafts)
@@ -179,18 +205,23 @@ class Decoder:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  sampling: Sampling = Sampling(), speculative: bool = False,
                  key: jax.Array | None = None, stop_ids: Sequence[int] = (),
-                 progress: bool = False) -> Generation:
+                 progress: bool = False, record_routing: bool = False) -> Generation:
         """Continues every prompt (a non-empty list of token ids) by up to `max_new_tokens`,
-        stopping a row early at any of `stop_ids`."""
+        stopping a row early at any of `stop_ids`. `record_routing`: also return the experts
+        every token was routed to (`Generation.routed_experts`; plain decoding only)."""
         sampling.validate()
+        if record_routing and speculative:
+            raise ValueError("record_routing: recording the routed experts needs plain decoding "
+                             "(speculative=False)")
         lengths = self._check_prompts(prompts, max_new_tokens, speculative)
         key = jax.random.key(0) if key is None else key
         batch, draft = len(prompts), self.spec.draft if speculative else 0
         started = time.perf_counter()
         cache = self.init_cache(batch)
         key, first_key, draft_key = jax.random.split(key, 3)
-        cache, last_logits, hidden, padded, positions = self._prefill_prompts(cache, prompts,
-                                                                              lengths)
+        cache, last_logits, hidden, padded, positions, prefill_routes = self._prefill_prompts(
+            cache, prompts, lengths)
+        step_routes = []
         first, first_logprob = self._sample(first_key, last_logits, sampling)
         if draft:
             cache, drafts, draft_probs = self._draft_prompts(cache, hidden, padded, positions,
@@ -216,8 +247,10 @@ class Decoder:
                 accepted, committed = np.asarray(accepted), np.asarray(committed)
                 new = [committed[b, :accepted[b] + 1] for b in range(batch)]
             else:
-                cache, token, token_logprob = self._decode(self.variables, cache, current,
-                                                           frozen_position, step_key, sampling)
+                cache, token, token_logprob, routed = self._decode(
+                    self.variables, cache, current, frozen_position, step_key, sampling)
+                if record_routing and routed is not None:
+                    step_routes.append(routed)
                 new = [[t] for t in np.asarray(token)]
                 new_logprobs = np.asarray(token_logprob)
             passes += 1
@@ -244,8 +277,12 @@ class Decoder:
                 timed_tokens += step_tokens
         bar.close()
         decode_seconds = time.perf_counter() - timer if timer is not None else 0.0
+        routed_experts = None
+        if record_routing and prefill_routes is not None:
+            routed_experts = _routes_per_row(prefill_routes, step_routes, lengths, outputs)
         return Generation(outputs, passes, row_tokens / row_passes if row_passes else 0.0,
-                          prefill_seconds, decode_seconds, timed_tokens, logprobs)
+                          prefill_seconds, decode_seconds, timed_tokens, logprobs,
+                          routed_experts)
 
     def _check_prompts(self, prompts, max_new_tokens: int, speculative: bool) -> np.ndarray:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
@@ -272,7 +309,8 @@ class Decoder:
     def _prefill_prompts(self, cache, prompts, lengths):
         """Runs the prompts through the backbone in chunks of `prefill_chunk` tokens.
         -> (cache, logits at each prompt's last token [B, V], per-chunk hidden states,
-        padded prompts [B, P], positions [B, P] with -1 on padding)."""
+        padded prompts [B, P], positions [B, P] with -1 on padding, the routed experts
+        [L_moe, B, P, k] or None without MoE layers)."""
         chunk = self.prefill_chunk
         width = -(-int(lengths.max()) // chunk) * chunk
         padded = np.zeros((len(prompts), width), np.int32)
@@ -280,16 +318,19 @@ class Decoder:
             padded[b, :len(prompt)] = prompt
         index = np.arange(width)
         positions = np.where(index < lengths[:, None], index, -1).astype(np.int32)
-        last_logits, hidden = None, []
+        last_logits, hidden, routes = None, [], []
         for start in range(0, width, chunk):
             last_index = np.clip(lengths - 1 - start, 0, chunk - 1)
-            cache, logits, h = self._prefill(self.variables, cache, padded[:, start:start + chunk],
-                                             positions[:, start:start + chunk], last_index)
+            cache, logits, h, routed = self._prefill(
+                self.variables, cache, padded[:, start:start + chunk],
+                positions[:, start:start + chunk], last_index)
+            routes.append(routed)
             ends_here = ((lengths - 1) // chunk == start // chunk)[:, None]
             last_logits = logits if last_logits is None else jnp.where(ends_here, logits,
                                                                        last_logits)
             hidden.append(h)
-        return cache, last_logits, hidden, padded, positions
+        routed = None if routes[0] is None else jnp.concatenate(routes, axis=2)
+        return cache, last_logits, hidden, padded, positions, routed
 
     def _draft_prompts(self, cache, hidden, padded, positions, lengths, first, key, sampling):
         """Fills the MTP caches over the prompt and drafts the tokens after `first`, the token
@@ -311,6 +352,35 @@ class Decoder:
             draft_probs = q if draft_probs is None else jnp.where(ends_here[:, None, None], q,
                                                                   draft_probs)
         return cache, drafts, draft_probs
+
+
+def _routes_per_row(prefill, steps, lengths, outputs) -> list[np.ndarray]:
+    """The prefill's routes [L_moe, B, P_max, k] and each decode step's [L_moe, B, k] -> per row
+    [L_moe, P_b + G_b - 1, k]: its prompt's P_b tokens, then the generated tokens it fed back
+    (row b feeds its i-th generated token at step i, and stops before feeding its last)."""
+    prefill = np.asarray(prefill)
+    layers, _, _, k = prefill.shape
+    fed = (np.asarray(jnp.stack(steps, axis=2)) if steps
+           else np.zeros((layers, len(outputs), 0, k), np.int32))
+    return [np.concatenate([prefill[:, b, :length], fed[:, b, :len(out) - 1]], axis=1)
+            for b, (length, out) in enumerate(zip(lengths, outputs))]
+
+
+def free_memory() -> int:
+    """Bytes the first device can still allocate: its allocator's limit less what is in use
+    (GPU, TPU), or the host memory available to new allocations (CPU, whose arrays live
+    there: Linux's MemAvailable, which counts reclaimable caches, else the free pages)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def cache_bytes(config: ModelConfig, cache) -> dict[str, int]:

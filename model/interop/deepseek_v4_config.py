@@ -283,7 +283,7 @@ def _check_exportable(cfg: ModelConfig) -> None:
             cfg.mtp.block, cfg.mtp.attention_type, cfg.mtp.share_output_head) != ("layer", "W", True),
          "DeepSeek-V4's MTP layers are full decoder layers on sliding-window attention sharing "
          "the output head (mtp.block=layer, mtp.attention_type=W, mtp.share_output_head=true); "
-         "or export with mtp.num_heads=0"),
+         "export without them with --drop-mtp"),
         ("shared_kv_attention.compress_rope_scaling",
          attn.compress_rope_scaling.type not in ("none", "yarn"), "only yarn has an equivalent"),
         ("shared_kv_attention.rope_dims",

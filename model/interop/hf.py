@@ -14,6 +14,7 @@ one entry here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -38,8 +39,11 @@ from model.interop.safetensors_io import (
     shard_names,
     write_tensors,
 )
+from model.interop.io_errors import os_reason
 from model.interop.tensor_names import Entry, lookup
 from model.lm import abstract_variables
+from model.tokenizers.chat import write_tokenizer_files
+from model.tokenizers.text import TextTokenizer
 
 
 class Family(NamedTuple):
@@ -113,7 +117,7 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
     hf_config = read_json(path / "config.json")
     family = checkpoint_family(hf_config.get("model_type"))
     scheme = quantized.scheme_of(hf_config)
-    config = family.config_from_hf(hf_config)
+    config = _translated(family, hf_config, path / "config.json")
     if param_dtype is not None:
         config = config.replace(param_dtype=param_dtype)
     files = _without_ignored(shard_names(path), family.ignored_tensors)
@@ -131,22 +135,48 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
     shardings = variable_shardings(config, mesh)
     variables: dict = {}
     tensors = {file: [n for n in names if n in headers] for file, names in files.items()}
-    stream = read_tensors(path, tensors, progress=progress)
-    for name, array in quantized.dequantize(stream, path, stored, plan):
-        entry = entries[name]
-        leaf = lookup(abstract[entry.collection], entry.path)
-        sharding = lookup(shardings[entry.collection], entry.path)
-        value = entry.transform.to_ours(array, entry.shape).astype(leaf.dtype)
-        if not entry.index:
-            _insert(variables, entry, _place(value, sharding))
-            continue
-        stacked = lookup(variables.get(entry.collection, {}), entry.path)
-        if stacked is None:
-            stacked = jnp.zeros(leaf.shape, leaf.dtype, device=sharding)
-        slice_sharding = _slice_sharding(sharding, len(entry.index))
-        _insert(variables, entry, _write_slice(stacked, _place(value, slice_sharding),
-                                               np.asarray(entry.index, np.int32)))
+    # Closed on an error, so the progress bar ends its line before the error is printed.
+    with contextlib.closing(read_tensors(path, tensors, progress=progress)) as stream:
+        for name, array in quantized.dequantize(stream, path, stored, plan):
+            _check_finite(name, array, stored[name].file)
+            entry = entries[name]
+            leaf = lookup(abstract[entry.collection], entry.path)
+            sharding = lookup(shardings[entry.collection], entry.path)
+            value = entry.transform.to_ours(array, entry.shape).astype(leaf.dtype)
+            if not entry.index:
+                _insert(variables, entry, _place(value, sharding))
+                continue
+            stacked = lookup(variables.get(entry.collection, {}), entry.path)
+            if stacked is None:
+                stacked = jnp.zeros(leaf.shape, leaf.dtype, device=sharding)
+            slice_sharding = _slice_sharding(sharding, len(entry.index))
+            _insert(variables, entry, _write_slice(stacked, _place(value, slice_sharding),
+                                                   np.asarray(entry.index, np.int32)))
     return config, variables
+
+
+def _translated(family: Family, hf_config: dict, where: Path) -> ModelConfig:
+    """The family's translation of config.json; a value it cannot use (a type or combination
+    the checks before it did not name) is a one-line error naming the file."""
+    try:
+        return family.config_from_hf(hf_config)
+    except CheckpointFormatError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as err:
+        reason = " ".join(str(err).split())[:200]
+        raise CheckpointFormatError(f"{where}: a value does not fit its key ({type(err).__name__}"
+                                    f": {reason})") from None
+
+
+def _check_finite(name: str, array: np.ndarray, file: str) -> None:
+    """Refuses a tensor holding NaN or an infinity: the model would compute NaN everywhere."""
+    if np.issubdtype(array.dtype, np.integer):
+        return
+    bad = ~np.isfinite(array)
+    if bad.any():
+        raise CheckpointFormatError(f"{name} (in {file}): {int(bad.sum())} of {array.size} values "
+                                    "are NaN or infinite; the checkpoint is damaged, download or "
+                                    "export it again")
 
 
 def _named_as_stored(table: list[Entry], stored: Mapping[str, Any],
@@ -216,7 +246,8 @@ def _check_variables(variables: dict, abstract: dict) -> None:
 def save_hf_checkpoint(config: ModelConfig, variables: dict, path: str | Path, *,
                        model_type: str | None = None, max_shard_bytes: int = 5 * 2**30,
                        dtype: str | None = None, names: str = "transformers",
-                       expert_dtype: str | None = None, progress: bool = True) -> None:
+                       expert_dtype: str | None = None, tokenizer: TextTokenizer | None = None,
+                       progress: bool = True) -> None:
     """Writes `path/config.json` and the safetensors shards (`model.safetensors`, or
     `model-0000k-of-0000N.safetensors` + `model.safetensors.index.json`) of family
     `model_type` (default: `model_type_of(config)`), materialising one shard on the host at a
@@ -226,8 +257,10 @@ def save_hf_checkpoint(config: ModelConfig, variables: dict, path: str | Path, *
     the reference keeps them. `names`: "transformers" (what save_pretrained writes) or
     "release" (the family's own release names: DeepSeek-V4). `expert_dtype` "fp4": the routed
     experts in the MXFP4 layout of DeepSeek-V4's release (`quantized.mxfp4_pack`: the values
-    FP4 QAT computes with), announced in config.json as the release does.
-    `path` must be new or empty.
+    FP4 QAT computes with), announced in config.json as the release does. `tokenizer`: written
+    beside them (tokenizer.json and tokenizer_config.json, `write_tokenizer_files`), so the
+    directory is a complete model.
+    `path` must be new or empty; on failure nothing is left there.
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype: got {dtype!r}, allowed values are {list(DTYPES)}")
@@ -276,11 +309,17 @@ def save_hf_checkpoint(config: ModelConfig, variables: dict, path: str | Path, *
             outputs.append((name, math.prod(entry.shape) * kind.itemsize,
                             lambda e=entry, k=kind: np.ascontiguousarray(values(e).astype(k))))
 
-    with fresh_directory(Path(path)) as staging:
-        write_tensors(staging, [o[0] for o in outputs], [o[1] for o in outputs],
-                      lambda i: outputs[i][2](), max_shard_bytes=max_shard_bytes,
-                      progress=progress)
-        hf_config["torch_dtype"] = dtype or config.param_dtype
-        if expert_dtype:
-            hf_config.update(quantized.MXFP4_EXPORT_KEYS)
-        (staging / "config.json").write_text(json.dumps(hf_config, indent=1) + "\n")
+    try:
+        with fresh_directory(Path(path)) as staging:
+            write_tensors(staging, [o[0] for o in outputs], [o[1] for o in outputs],
+                          lambda i: outputs[i][2](), max_shard_bytes=max_shard_bytes,
+                          progress=progress)
+            hf_config["torch_dtype"] = dtype or config.param_dtype
+            if expert_dtype:
+                hf_config.update(quantized.MXFP4_EXPORT_KEYS)
+            (staging / "config.json").write_text(json.dumps(hf_config, indent=1) + "\n")
+            if tokenizer is not None:
+                write_tokenizer_files(staging, tokenizer)
+    except OSError as err:  # a full disk: the staging directory is gone, `path` untouched
+        raise OSError(f"writing {path} failed ({os_reason(err)}); nothing was written there: "
+                      "free disk space and re-run") from None

@@ -280,7 +280,7 @@ def _check_exportable(cfg: ModelConfig) -> None:
         ("swiglu_limits", any(cfg.swiglu_limits) or any(cfg.swiglu_limits_shared),
          "MiMo-V2-Flash's FFNs are unclamped"),
         ("mtp.num_heads", cfg.mtp.num_heads != 0,
-         "transformers' MiMoV2FlashForCausalLM has no MTP layers; export with 0"),
+         "transformers' MiMoV2FlashForCausalLM has no MTP layers; export with --drop-mtp"),
     )
     for field, failed, reason in problems:
         if failed:

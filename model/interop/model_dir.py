@@ -25,8 +25,10 @@ import jax
 import orbax.checkpoint as ocp
 
 from model.config import ModelConfig, config_from_dict, config_to_dict
+from model.interop.io_errors import os_reason
+from model.interop.orbax_quiet import quiet_background_failures
 from model.interop.workdir import restore_target
-from model.interop.workdir_lock import LOCK_FILE, workdir_lock
+from model.interop.workdir_lock import LOCK_FILE, claimed_workdir
 from model.lm import abstract_variables
 from model.parallel.rules import named, param_axes, param_specs
 
@@ -87,27 +89,28 @@ def fresh_directory(path: Path) -> Iterator[Path]:
 def locked_output(path: Path) -> Iterator[None]:
     """Holds the workdir lock (model/interop/workdir_lock.py) of output directory `path`, new
     or empty, while a command writes it: a concurrent writer is refused naming the holder. A
-    `path` this created is removed again if the block fails before writing it."""
+    `path` this created is removed again if the block fails before writing it; a complete
+    output keeps no lock file (the next writer finds it not empty and stops there)."""
     path = Path(path)
     check_fresh(path)
-    created = not path.exists()
-    path.mkdir(parents=True, exist_ok=True)
-    with workdir_lock(path, option="--out"):
-        try:
-            yield
-        except BaseException:
-            if created and [p.name for p in path.iterdir()] == [LOCK_FILE]:
-                shutil.rmtree(path)  # still under the lock: nobody else is writing here
-            raise
+    with claimed_workdir(path, option="--out"):
+        yield
+        (path / LOCK_FILE).unlink(missing_ok=True)
 
 
 def save_model_dir(config: ModelConfig, variables: dict, path: str | Path) -> None:
-    """Writes a stepjax model directory (see the module docstring); `path` must be new or empty."""
-    with fresh_directory(Path(path)) as staging:
-        with ocp.StandardCheckpointer() as checkpointer:  # leaving the block waits for the save
-            checkpointer.save(staging / "variables", variables)
-        (staging / MODEL_CONFIG).write_text(
-            json.dumps({"format": FORMAT, "model": config_to_dict(config)}, indent=1) + "\n")
+    """Writes a stepjax model directory (see the module docstring); `path` must be new or
+    empty. A failed write (a full disk) is one OSError, and nothing is left at `path`."""
+    quiet_background_failures()  # the failure is reported once, here
+    try:
+        with fresh_directory(Path(path)) as staging:
+            with ocp.StandardCheckpointer() as checkpointer:  # leaving it waits for the save
+                checkpointer.save(staging / "variables", variables)
+            (staging / MODEL_CONFIG).write_text(
+                json.dumps({"format": FORMAT, "model": config_to_dict(config)}, indent=1) + "\n")
+    except Exception as err:  # orbax wraps OS errors in ValueError and others
+        raise OSError(f"writing {path} failed ({os_reason(err)}); nothing was written there: "
+                      "free disk space and re-run") from None
 
 
 # ---- reading ------------------------------------------------------------------------------------

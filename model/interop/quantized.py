@@ -166,8 +166,15 @@ def dequantize(stream: Iterator[tuple[str, np.ndarray]], path: Path,
     for name, array in stream:
         if name in quantized:
             q = quantized[name]
-            array = dequantize_tensor(array, read_tensor(path, headers[q.scale]), q.block,
-                                      q.fp4)
+            scale = read_tensor(path, headers[q.scale])
+            bad = ~np.isfinite(scale.view(ml_dtypes.float8_e8m0fnu) if scale.dtype == np.uint8
+                               else scale)
+            if bad.any():  # every value of its blocks would be NaN
+                raise CheckpointFormatError(
+                    f"{q.scale} (in {headers[q.scale].file}): {int(bad.sum())} of {bad.size} "
+                    f"scales are NaN or infinite, so {name} would be; the checkpoint is "
+                    "damaged, download it again")
+            array = dequantize_tensor(array, scale, q.block, q.fp4)
         yield name, array
 
 

@@ -12,7 +12,7 @@ import json
 import os
 import struct
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Collection, Iterator, Mapping, NamedTuple, Sequence
 
 import ml_dtypes
@@ -20,6 +20,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tqdm import tqdm
+
+from model.interop.io_errors import os_reason
 
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -44,13 +46,18 @@ class CheckpointFormatError(ValueError):
     """A checkpoint file, tensor or config entry that does not fit the model (one line)."""
 
 
-def read_json(path: Path) -> Any:
+def read_json(path: Path) -> dict:
+    """The JSON object in `path` (config.json, the shard index)."""
     if not path.is_file():
         raise CheckpointFormatError(f"{path} not found")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        values = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(values, dict):
+        raise CheckpointFormatError(f"{path}: expected a JSON object, got "
+                                    f"{type(values).__name__}")
+    return values
 
 
 @contextlib.contextmanager
@@ -108,12 +115,25 @@ def shard_names(path: Path) -> dict[str, list[str]]:
             raise CheckpointFormatError(f"{path / INDEX}: no 'weight_map'")
         files: dict[str, list[str]] = {}
         for name, file in weight_map.items():
+            if not _inside(file):
+                raise CheckpointFormatError(
+                    f"{path / INDEX}: weight_map sends {name} to {file!r}, which is not a file "
+                    f"name inside {path}; shards must be listed by their names in the directory")
             files.setdefault(file, []).append(name)
         return files
     if (path / SINGLE_FILE).is_file():
         with open_shard(path / SINGLE_FILE) as f:
             return {SINGLE_FILE: list(f.keys())}
     raise CheckpointFormatError(f"{path}: neither {INDEX} nor {SINGLE_FILE} found")
+
+
+def _inside(file: Any) -> bool:
+    """A shard name of an index: a relative path that stays inside the checkpoint directory
+    (no absolute path, no `..`, no backslash that Windows would read as a separator)."""
+    if not isinstance(file, str) or not file or "\\" in file:
+        return False
+    parts = PurePosixPath(file).parts
+    return not PurePosixPath(file).is_absolute() and ".." not in parts
 
 
 def _listing(names: Sequence[str]) -> str:
@@ -220,8 +240,11 @@ def write_tensors(directory: Path, names: Sequence[str], sizes: Sequence[int],
              [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))])
     for file, shard in tqdm(list(zip(files, plan)), desc="export", unit="shard",
                             disable=not progress, file=sys.stderr):
-        save_file({names[i]: tensor(i) for i in shard}, directory / file,
-                  metadata={"format": "pt"})
+        try:
+            save_file({names[i]: tensor(i) for i in shard}, directory / file,
+                      metadata={"format": "pt"})
+        except SafetensorError as err:  # its I/O errors, e.g. a full disk
+            raise OSError(f"{file}: {os_reason(err)}") from None
         # safetensors creates its files 0600 whatever the umask; shards are meant to be shared
         # like the config.json written beside them.
         os.chmod(directory / file, _default_file_mode())

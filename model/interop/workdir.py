@@ -2,7 +2,9 @@
 `DIR/checkpoints/<step>/{state,data,config}`.
 
 `state` is the `TrainState` pytree (params, optimizer state, step, RNG, skip counters), `data`
-the grain iterator position (JSON) and `config` the resolved `RunConfig` (JSON). Saves are
+the grain iterator position (JSON) and `config` the resolved `RunConfig` (JSON). An RL workdir
+(`python -m rl`) has the same layout around its own state, whose `actor` is the policy's
+`TrainState` (`WORKDIR_KINDS`), so a model loads from either. Saves are
 asynchronous (the blocking part only copies arrays to host) and keep the last K steps; orbax
 writes into a temporary directory and renames it when complete, so an interrupted save never
 replaces a good checkpoint.
@@ -11,16 +13,41 @@ It lives with the model because a model loads from a workdir as from any other c
 format (`model.weights.load_model`); the trainer writes it (`train.loop`).
 """
 
-import errno
-import os
-import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
 
+from model.interop.io_errors import os_reason
 from model.interop.orbax_quiet import quiet_background_failures
+
+
+class WorkdirKind(NamedTuple):
+    """What the checkpoints of one command's workdirs hold."""
+
+    command: str
+    model_state: tuple[str, ...]  # where the model's TrainState lies in the `state` item
+    tokenizer: tuple[str, ...]  # where the saved run config names the tokenizer
+
+
+WORKDIR_KINDS = {
+    "train": WorkdirKind("python -m train", (), ("train", "data", "tokenizer")),
+    "rl": WorkdirKind("python -m rl", ("actor",), ("rl", "tokenizer")),  # the policy
+}
+
+
+def workdir_kind(run: Mapping[str, Any]) -> str:
+    """The command that saved run config `run` (a checkpoint's `config` item)."""
+    return "rl" if "rl" in run else "train"
+
+
+def saved_tokenizer(run: Mapping[str, Any]) -> str:
+    """The tokenizer (`train.data.tokenizer` spec) a saved run config trained with."""
+    value: Any = run
+    for key in WORKDIR_KINDS[workdir_kind(run)].tokenizer:
+        value = value[key]
+    return value
 
 
 class CheckpointError(RuntimeError):
@@ -55,6 +82,12 @@ class Checkpointer:
         except Exception as err:  # orbax wraps OS errors in ValueError and others
             raise CheckpointError(self._save_failed(err)) from None
 
+    def delete_after(self, step: int) -> None:
+        """Deletes the checkpoints of the steps after `step` (a rollback discards them)."""
+        for later in self.all_steps():
+            if later > step:
+                self._manager.delete(later)
+
     def read_config(self, step: int) -> dict:
         try:
             return self._manager.restore(step, args=ocp.args.Composite(
@@ -68,11 +101,19 @@ class Checkpointer:
         state_dir = self.directory / str(step) / "state"
         try:
             with ocp.PyTreeCheckpointer() as checkpointer:
-                return checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
+                restored = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
                     item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                     partial_restore=True))
         except Exception as err:  # orbax raises many types for damaged or foreign files
             raise CheckpointError(self._unreadable(step, err)) from None
+        # A leaf the checkpoint does not hold comes back as its target, unread.
+        missing = [jax.tree_util.keystr(path) for path, leaf in
+                   jax.tree_util.tree_flatten_with_path(restored)[0]
+                   if isinstance(leaf, jax.ShapeDtypeStruct)]
+        if missing:
+            raise CheckpointError(f"checkpoint {self.directory / str(step)} holds no "
+                                  f"{missing[0]} ({len(missing)} leaves missing)")
+        return restored
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """-> (state with the structure/dtypes of `abstract_state`, data-iterator state)."""
@@ -101,26 +142,13 @@ class Checkpointer:
         kept = self._manager.latest_step()
         intact = (f"the checkpoints up to step {kept} are intact" if kept is not None
                   else "no checkpoint was saved yet")
-        return (f"saving a checkpoint in {self.directory} failed ({_os_reason(err)}); {intact}: "
+        return (f"saving a checkpoint in {self.directory} failed ({os_reason(err)}); {intact}: "
                 "free disk space and re-run the same command to resume")
 
     def _unreadable(self, step: int, err: Exception) -> str:
         reason = " ".join(str(err).split()).split(" See full TensorStore details")[0][:200]
         return (f"checkpoint {self.directory / str(step)} is unreadable or corrupt "
                 f"({type(err).__name__}: {reason}); move it away to resume from an earlier one")
-
-
-def _os_reason(err: Exception) -> str:
-    """The operating system's words for `err` ("No space left on device"), found in an OSError
-    or in the text TensorStore wraps one in ("... [os_error_code='28']"), else the error's
-    first 200 characters."""
-    code = err.errno if isinstance(err, OSError) else None
-    match = re.search(r"os_error_code='(\d+)'", str(err))
-    if code is None and match:
-        code = int(match.group(1))
-    if code is not None:
-        return f"{os.strerror(code)}, errno {errno.errorcode.get(code, code)}"
-    return " ".join(str(err).split())[:200]
 
 
 def latest_checkpoint_step(workdir: Path) -> int | None:

@@ -6,6 +6,10 @@ is never in force, and the next writer takes it over without any staleness guess
 the holder's host, pid, start time and command, which a second writer's error names. The file
 itself stays (removing it while another process waits on it would let two writers in).
 
+`claimed_workdir` creates the workdir, checks that it is writable and holds its lock; a workdir
+it created is removed again when the command fails before writing anything there, so a refused
+run leaves nothing behind (not even the lock file).
+
 Multi-host runs write one workdir from every process under process 0's control; process 0
 holds the lock for all of them. flock works on local filesystems and on most network mounts
 (NFSv4 emulates it with byte-range locks); where it is unsupported the error says so.
@@ -18,6 +22,7 @@ import datetime
 import errno
 import fcntl
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -63,3 +68,31 @@ def workdir_lock(workdir: Path, option: str = "--workdir") -> Iterator[None]:
         yield
     finally:
         os.close(descriptor)  # releases the lock
+
+
+@contextlib.contextmanager
+def claimed_workdir(workdir: Path, option: str = "--workdir") -> Iterator[None]:
+    """Creates `workdir` if needed (every process), checks that this process can write it
+    (OSError naming it), and holds its lock (`workdir_lock`) for the block. If the block fails
+    and the directories it created hold nothing but the lock, they are removed again."""
+    workdir = Path(workdir)
+    created = workdir
+    while not created.parent.exists() and created.parent != created:
+        created = created.parent  # the outermost directory this call creates
+    if workdir.exists():
+        created = None
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / f".write-test-{jax.process_index()}"  # processes may share workdir
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise OSError(f"workdir {workdir} is not writable: {err.strerror or err}") from None
+    with workdir_lock(workdir, option):
+        try:
+            yield
+        except BaseException:
+            if (created is not None and jax.process_index() == 0
+                    and [p.name for p in workdir.iterdir()] == [LOCK_FILE]):
+                shutil.rmtree(created)  # still under the lock: nobody else writes here
+            raise

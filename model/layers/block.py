@@ -21,7 +21,8 @@ from model.layers.shared_kv_attention import SharedKVAttention
 class DecoderBlock(nn.Module):
     """x: [B, T, d_model] (or streams [B, T, n, d_model]) -> (same shape, aux). HF names:
     input_layernorm, self_attn, post_attention_layernorm, mlp (dense) or moe (+ shared_expert),
-    attn_hc / ffn_hc (mHC). `token_ids` [B, T]: the hash-routed MoE layers' input."""
+    attn_hc / ffn_hc (mHC). `token_ids` [B, T]: the hash-routed MoE layers' input;
+    `routed_experts` [B, T, k]: a replayed expert choice for an MoE block (model/layers/moe.py)."""
 
     config: ModelConfig
     attention_type: str
@@ -33,7 +34,7 @@ class DecoderBlock(nn.Module):
     streams: bool = True  # mHC when hc_mult > 1 (MTP blocks take one stream)
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids, token_ids=None):
+    def __call__(self, x, positions, segment_ids, token_ids=None, routed_experts=None):
         cfg = self.config
         norm = dict(eps=cfg.norm_eps, dtype=dtype_of(cfg.compute_dtype),
                     param_dtype=dtype_of(cfg.param_dtype), axis_name="embed")
@@ -48,7 +49,7 @@ class DecoderBlock(nn.Module):
         def ffn(h):
             if self.is_moe:
                 return MoE(cfg, self.limit, self.shared_limit, self.is_hash, name="moe")(
-                    ffn_norm(h), token_ids)
+                    ffn_norm(h), token_ids, routed_experts)
             return SwiGLU(cfg, cfg.dense_hidden, self.shared_limit, name="mlp")(ffn_norm(h)), {}
 
         if self.streams and cfg.hyper_connections.hc_mult > 1:

@@ -8,7 +8,8 @@ As in transformers' DeepseekV4HashRouter, the choice is a lookup in a frozen int
 while the combine weights come from the layer's router exactly as for top-k routing: the
 affinity scores of the table's experts, renormalised and scaled by the routed scaling factor.
 The report does not give the hash function; `random_hash_table` builds one for training from
-scratch, a released checkpoint brings its own.
+scratch, a released checkpoint brings its own. A replayed choice (model/layers/router.py) has
+nothing to replace here: the table decides, whatever parameters routed before.
 """
 
 import jax
@@ -30,7 +31,7 @@ def hash_route(token_ids: jax.Array, table: jax.Array, logits: jax.Array,
                          f"top_k={cfg.top_k}")
     scores, probs = affinity_scores(logits, cfg.router_activation)
     indices = jnp.take(table, token_ids, axis=0).astype(jnp.int32)
-    return Routing(indices, combine_weights(scores, indices, cfg), probs)
+    return Routing(indices, combine_weights(scores, indices, cfg), probs, indices)
 
 
 def random_hash_table(key: jax.Array, vocab_size: int, num_experts: int,

@@ -16,7 +16,13 @@ from model.config import ModelConfig
 from model.layers.common import dtype_of, normal_init
 from model.layers.ffn import SwiGLU
 from model.layers.hash_routing import hash_route, random_hash_table
-from model.layers.router import expert_load, route, routing_confidence, sequence_balance_loss
+from model.layers.router import (
+    choices_differ,
+    expert_load,
+    route,
+    routing_confidence,
+    sequence_balance_loss,
+)
 from model.ops.moe_dispatch import ExpertWeights, combine_copies, finalize_statistics
 from model.ops.mx_quant import fake_mxfp4_weight
 from model.ops.swiglu import SwiGLUClamp
@@ -42,8 +48,11 @@ class MoE(nn.Module):
 
     aux (per layer): `expert_load` f_e [E], `expert_prob` p_e [E] (with gradient: the EP-group
     balance loss of eq. 1 is formed from f and p by `model.lm.collect_aux`, after pipeline
-    micro-batches are merged), `routing_confidence` Σk [B, T], and the per-expert statistics
-    of `moe_dispatch.finalize_statistics`.
+    micro-batches are merged), `routing_confidence` Σk [B, T], `routed_experts` [B, T, k] int32
+    (the experts each token went to), and the per-expert statistics of
+    `moe_dispatch.finalize_statistics`. With `replayed_experts` given (a replayed choice,
+    model/layers/router.py) also `replay_mismatch` [B, T] float32: 1 where the router's own
+    top-k differs from the replayed experts (0 on hash-routed layers and unrecorded tokens).
     """
 
     config: ModelConfig
@@ -52,8 +61,10 @@ class MoE(nn.Module):
     is_hash: bool = False  # experts chosen by token id (needs `token_ids`)
 
     @nn.compact
-    def __call__(self, x, token_ids=None):
-        """x [B, T, d_model]; token_ids [B, T] int (hash-routed layers only)."""
+    def __call__(self, x, token_ids=None, replayed_experts=None):
+        """x [B, T, d_model]; token_ids [B, T] int (hash-routed layers only); replayed_experts
+        [B, T, k] int: experts to route to instead of the router's top-k (a token with a
+        negative entry keeps its own; ignored by hash-routed layers, whose table decides)."""
         cfg, moe = self.config, self.config.moe
         dtype, param_dtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
         batch, length, d_model = x.shape
@@ -81,7 +92,9 @@ class MoE(nn.Module):
                     lambda: nn.with_logical_partitioning(
                         jnp.zeros, ("expert",))((moe.num_experts,), jnp.float32),
                 ).value
-            routing = route(logits, bias, moe)
+            replayed = (None if replayed_experts is None
+                        else replayed_experts.reshape(batch * length, moe.top_k))
+            routing = route(logits, bias, moe, replayed)
 
         def expert_param(name, shape, axes):
             # FP4 QAT (DeepSeek-V4 report §3.4): the float32 master as the experts compute with
@@ -119,6 +132,7 @@ class MoE(nn.Module):
             "routing_confidence": jax.lax.stop_gradient(
                 routing_confidence(routing.probs, routing.indices).reshape(batch, length)
             ),
+            "routed_experts": routing.indices.reshape(batch, length, moe.top_k),
             # DeepSeek-V4's sequence-wise balance loss (report 2.1); a fixed hash choice has
             # nothing to balance.
             "sequence_balance_loss": (jnp.zeros((), jnp.float32) if self.is_hash else
@@ -127,4 +141,7 @@ class MoE(nn.Module):
                                           routing.indices.reshape(batch, length, -1))),
             **stats,
         }
+        if replayed_experts is not None:  # (an unrecorded token's own choice is its choice)
+            mismatch = choices_differ(routing.own_choice, routing.indices)
+            aux["replay_mismatch"] = mismatch.astype(jnp.float32).reshape(batch, length)
         return y, aux

@@ -4,6 +4,13 @@
 Selection uses the biased scores s + b (b: the non-trainable loss-free balancing bias); the
 combine weights are the *unbiased* scores of the chosen experts, renormalised to sum 1 and
 multiplied by the routed scaling factor.
+
+Replayed routing (docs/architecture.md, "Exact semantics"): the experts may come from outside, as
+MiMo-V2-Flash's Rollout Routing Replay (R3) uses the rollout's choice in the training forward and
+DeepSeek-V4's anticipatory routing (report 4.2.3) the choice of parameters some steps old. Only
+the choice is replayed: the combine weights are the current router's unbiased scores at the
+replayed experts, renormalised and scaled as above, so the gradient still reaches the router
+through them (as in the R3 paper and Megatron-LM's routing replay).
 """
 
 from typing import NamedTuple
@@ -15,9 +22,11 @@ from model.config import MoEConfig
 
 
 class Routing(NamedTuple):
-    indices: jax.Array  # [N, k] int32 chosen experts
+    indices: jax.Array  # [N, k] int32 experts the tokens go to
     weights: jax.Array  # [N, k] float32 combine weights
     probs: jax.Array  # [N, E] float32 routing probabilities (rows sum to 1)
+    # [N, k] int32 the router's own top-k: `indices` unless a replayed choice replaced it
+    own_choice: jax.Array
 
 
 def sqrt_softplus(logits: jax.Array) -> jax.Array:
@@ -65,15 +74,31 @@ def limit_to_groups(selection: jax.Array, num_groups: int, topk_groups: int) -> 
     return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(tokens, num_experts)
 
 
-def route(logits: jax.Array, bias: jax.Array | None, cfg: MoEConfig) -> Routing:
-    """logits: [N, E] float32; bias: [E] or None."""
+def route(logits: jax.Array, bias: jax.Array | None, cfg: MoEConfig,
+          replayed: jax.Array | None = None) -> Routing:
+    """logits: [N, E] float32; bias: [E] or None; replayed: [N, k] int experts to use instead
+    of the router's top-k (`with_replayed`; None: the router's own)."""
     scores, probs = affinity_scores(logits, cfg.router_activation)
     selection = scores if bias is None else scores + jax.lax.stop_gradient(bias)
     if cfg.topk_groups < cfg.num_groups:
         selection = limit_to_groups(selection, cfg.num_groups, cfg.topk_groups)
-    _, indices = jax.lax.top_k(selection, cfg.top_k)
-    indices = indices.astype(jnp.int32)
-    return Routing(indices, combine_weights(scores, indices, cfg), probs)
+    _, own = jax.lax.top_k(selection, cfg.top_k)
+    own = own.astype(jnp.int32)
+    indices = own if replayed is None else with_replayed(replayed, own)
+    return Routing(indices, combine_weights(scores, indices, cfg), probs, own)
+
+
+def with_replayed(replayed: jax.Array, own: jax.Array) -> jax.Array:
+    """The replayed experts [N, k] where a token has them; a token whose row holds a negative
+    entry (nothing recorded, e.g. padding) keeps its own choice `own` [N, k]. -> [N, k] int32."""
+    recorded = jnp.all(replayed >= 0, axis=-1, keepdims=True)
+    return jnp.where(recorded, replayed, own).astype(jnp.int32)
+
+
+def choices_differ(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Whether two top-k choices [N, k] name different sets of experts (slot order aside). -> [N]
+    bool."""
+    return jnp.any(jnp.sort(a, axis=-1) != jnp.sort(b, axis=-1), axis=-1)
 
 
 def expert_load(indices: jax.Array, num_experts: int) -> jax.Array:

@@ -9,6 +9,7 @@ Param trees:
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from model.config import ModelConfig
 from model.inference.kv_cache import KVCacheSpec
@@ -46,55 +47,83 @@ def block_class(cfg: ModelConfig, in_scan: bool):
 
 
 class BlockGroup(nn.Module):
-    """One period of a segment: `len(kinds)` consecutive blocks. Scan body: carry = x."""
+    """One period of a segment: `len(kinds)` consecutive blocks. Scan body: carry = x;
+    `routed_experts`: None or one entry per block ([B, T, k] for an MoE block, else None)."""
 
     config: ModelConfig
     kinds: tuple
     kv_cache: KVCacheSpec | None = None
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids, token_ids=None):
+    def __call__(self, x, positions, segment_ids, token_ids=None, routed_experts=None):
         block = block_class(self.config, in_scan=True)
         auxes = []
         for j, kind in enumerate(self.kinds):
             x, aux = block(self.config, kind.attention_type, kind.is_moe, kind.limit,
                            kind.shared_limit, self.kv_cache, kind.is_hash, name=f"block_{j}")(
-                x, positions, segment_ids, token_ids)
+                x, positions, segment_ids, token_ids,
+                None if routed_experts is None else routed_experts[j])
             auxes.append(aux)
         return x, tuple(auxes)
 
 
+def per_layer_routes(cfg: ModelConfig, routed_experts) -> list:
+    """A replayed expert choice [L_moe, B, T, k] (the MoE layers in order, as `aux["moe"]`
+    stacks them) -> one entry per layer: [B, T, k] for an MoE layer, None for a dense one."""
+    moe_layers = cfg.moe_layer_indices()
+    if routed_experts.shape[0] != len(moe_layers):
+        raise ValueError(f"routed_experts: {routed_experts.shape[0]} layers given, the model has "
+                         f"{len(moe_layers)} MoE layers")
+    routes = [None] * cfg.num_layers
+    for n, i in enumerate(moe_layers):
+        routes[i] = routed_experts[n]
+    return routes
+
+
+def segment_routes(routes: list, seg: Segment) -> tuple:
+    """Per-layer routes -> the scanned input of segment `seg`: per block of the period, the
+    repeats' routes stacked [repeats, B, T, k] (None for a dense block)."""
+    return tuple(
+        None if routes[seg.start + j] is None else
+        jnp.stack([routes[seg.start + r * seg.period + j] for r in range(seg.repeats)])
+        for j in range(seg.period))
+
+
 class LayerStack(nn.Module):
     """x: [B, T, d_model] (mHC: streams [B, T, n, d_model]) -> (same shape, per-layer aux list
-    of length num_layers). `token_ids` [B, T] feed the hash-routed MoE layers. With `kv_cache`
-    the layers decode incrementally; their caches are the `cache` collection, stacked like
-    params."""
+    of length num_layers). `token_ids` [B, T] feed the hash-routed MoE layers;
+    `routed_experts` [L_moe, B, T, k] replays an expert choice (model/layers/router.py). With
+    `kv_cache` the layers decode incrementally; their caches are the `cache` collection,
+    stacked like params."""
 
     config: ModelConfig
     kv_cache: KVCacheSpec | None = None
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids, token_ids=None):
+    def __call__(self, x, positions, segment_ids, token_ids=None, routed_experts=None):
         cfg = self.config
         kinds = layer_kinds(cfg)
         per_layer_aux = [None] * cfg.num_layers
+        routes = ([None] * cfg.num_layers if routed_experts is None
+                  else per_layer_routes(cfg, routed_experts))
         if not cfg.scan_layers:
             block = block_class(cfg, in_scan=False)
             for i, kind in enumerate(kinds):
                 x, per_layer_aux[i] = block(cfg, kind.attention_type, kind.is_moe, kind.limit,
                                             kind.shared_limit, self.kv_cache, kind.is_hash,
                                             name=f"layer_{i}")(
-                    x, positions, segment_ids, token_ids)
+                    x, positions, segment_ids, token_ids, routes[i])
             return x, per_layer_aux
 
         stages = mesh_axis_size("pipeline")
         if stages > 1 and self.kv_cache is not None:
             raise ValueError("decoding with KV caches does not run under a pipeline mesh axis; "
                              "use mesh.pipeline=1 for inference")
-        if stages > 1 and (cfg.hyper_connections.hc_mult > 1 or cfg.moe.hash_layers):
+        if stages > 1 and (cfg.hyper_connections.hc_mult > 1 or cfg.moe.hash_layers
+                           or routed_experts is not None):
             raise ValueError("pipeline stages carry one [B, T, D] stream and no token ids: "
-                             "mHC (hyper_connections.hc_mult > 1) and hash-routed MoE layers "
-                             "(moe.hash_layers > 0) need mesh.pipeline=1")
+                             "mHC (hyper_connections.hc_mult > 1), hash-routed MoE layers "
+                             "(moe.hash_layers > 0) and replayed routing need mesh.pipeline=1")
         piped = pipelined_segment(cfg, stages) if stages > 1 else None
         for s, seg in enumerate(plan_segments(kinds)):
             unit = tuple(kinds[seg.start:seg.start + seg.period])
@@ -106,13 +135,14 @@ class LayerStack(nn.Module):
                 BlockGroup,
                 variable_axes={"params": 0, "balance": 0, "cache": 0},
                 split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
                 length=seg.repeats,
                 unroll=scan_unroll(seg),
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             x, auxes = scanned(cfg, unit, self.kv_cache, name=f"segment_{s}")(
-                x, positions, segment_ids, token_ids)
+                x, positions, segment_ids, token_ids,
+                None if routed_experts is None else segment_routes(routes, seg))
             _scatter_aux(per_layer_aux, seg, auxes)
         return x, per_layer_aux
 

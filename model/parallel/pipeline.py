@@ -53,7 +53,8 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 # Per-layer MoE aux of a micro-batch -> whole batch: counts add, peaks take the maximum,
 # per-token values concatenate (axis 1 of [layers, micro-batch rows, T]), means average.
-_MERGE = {"expert_tokens": "sum", "expert_out_norm_max": "max", "routing_confidence": "rows"}
+_MERGE = {"expert_tokens": "sum", "expert_out_norm_max": "max", "routing_confidence": "rows",
+          "routed_experts": "rows"}
 
 
 def merge_microbatch_aux(name: str, values: jax.Array) -> jax.Array:

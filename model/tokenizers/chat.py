@@ -295,3 +295,24 @@ def chat_tokenizer_for(text: TextTokenizer) -> ChatTokenizer:
                          f"{chat.vocab_size - text.vocab_size} token(s) that tokenizer.json "
                          "lacks; add them to tokenizer.json")
     return chat
+
+
+def write_tokenizer_files(directory: Path, text: TextTokenizer) -> None:
+    """Writes training tokenizer `text` as a Hugging Face model directory holds it:
+    tokenizer.json (its ids unchanged) and tokenizer_config.json with its end-of-text token and,
+    when it has one (`chat_tokenizer_for`), its chat template, so that `load_chat_tokenizer`
+    reads the same vocabulary, stop tokens and template back."""
+    directory = Path(directory)
+    (directory / "tokenizer.json").write_text(text.hf.to_str(), encoding="utf-8")
+    config: dict = {"eos_token": text.hf.id_to_token(text.eos_id)}
+    try:
+        chat = chat_tokenizer_for(text)
+    except ValueError:  # no chat template (arith_chars, a bare tokenizer.json)
+        chat = None
+    if chat is not None:
+        config.update(chat.special_tokens)
+        templates = chat.templates
+        config["chat_template"] = (templates["default"] if list(templates) == ["default"] else
+                                   [{"name": n, "template": t} for n, t in templates.items()])
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n",
+                                                     encoding="utf-8")

@@ -29,6 +29,8 @@ from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from model.tokenizers import template_limits as limits
+
 _OPEN, _CLOSE = "\ufdd0", "\ufdd1"  # Unicode noncharacters: marks around {% generation %} output
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _COMMENT = re.compile(r"\{#.*?#\}", re.DOTALL)
@@ -64,10 +66,33 @@ class _MarkingGenerationTag(_GenerationTag):
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """Raises on an unsafe attribute; Jinja would return an Undefined that prints as ''."""
+    """Raises on an unsafe attribute (Jinja would return an Undefined that prints as ''), and
+    renders within the bounds of `model.tokenizers.template_limits`: the template's code is
+    rewritten as it compiles, and operators, calls and filters are sized before they run."""
+
+    intercepted_binops = frozenset({"*", "+", "%", "**"})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.filters = {name: limits.bounded_filter(name, f) for name, f in self.filters.items()}
+        self.filters.update(limits.FILTERS)
+
+    def _parse(self, source, name, filename):
+        return limits.BoundedCode(self).visit(super()._parse(source, name, filename))
 
     def unsafe_undefined(self, obj, attribute):
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object")
+
+    def call_binop(self, context, operator, left, right):
+        return limits.checked_binop(operator, left, right, self.binop_table[operator])
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's signature)
+        target = getattr(__obj, "__wrapped__", __obj)  # str.format comes wrapped
+        name, receiver = getattr(target, "__name__", ""), getattr(target, "__self__", None)
+        if name == "join" and isinstance(receiver, str) and args:
+            args = (list(args[0]), *args[1:])  # sized before it is joined
+        limits.check_call(name, receiver, args, kwargs)
+        return limits.check_value(super().call(__context, __obj, *args, **kwargs))
 
 
 def _raise_exception(message):
@@ -75,6 +100,8 @@ def _raise_exception(message):
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    if len(str(indent)) > 64 if isinstance(indent, str) else (indent or 0) > 64:
+        raise TemplateError(f"tojson: an indent of more than 64 characters, got {indent!r}")
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
 
@@ -85,7 +112,7 @@ def compile_template(source: str, marking: bool):
     _OPEN/_CLOSE. Raises TemplateSyntaxError."""
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[
         _MarkingGenerationTag if marking else _GenerationTag, loopcontrols])
-    env.filters["tojson"] = _tojson
+    env.filters["tojson"] = limits.bounded_filter("tojson", _tojson)
     env.globals.update(raise_exception=_raise_exception,
                        strftime_now=lambda fmt: datetime.now().strftime(fmt))
     return env.from_string(source)
@@ -94,7 +121,12 @@ def compile_template(source: str, marking: bool):
 def run_template(source: str, origin: str, marking: bool, context: dict) -> str:
     """Rendered text; every failure of the (untrusted) template -> one-line ValueError."""
     try:
-        return compile_template(source, marking).render(**context)
+        with limits.budget():
+            return "".join(compile_template(source, marking).generate(**context))
+    except limits.RenderLimitError as err:
+        raise ValueError(f"chat template of {origin}: stopped: {one_line(err)} (a chat "
+                         "template's rendering is bounded); fix or replace the template"
+                         ) from None
     except SecurityError as err:
         raise ValueError(f"chat template of {origin}: unsafe operation blocked: {one_line(err)}"
                          ) from None

@@ -29,7 +29,7 @@ OUTCOME_COEF = 1.0
 
 @dataclasses.dataclass(frozen=True)
 class TeacherConfig(Config):
-    """A frozen teacher: any checkpoint `rl.policies.load_policy` reads (stepjax model
+    """A frozen teacher: any checkpoint `model.weights.load_model` reads (stepjax model
     directory, HF checkpoint, `python -m train` or `python -m rl` workdir), possibly of another
     architecture family, with the student's vocabulary."""
 

@@ -4,7 +4,7 @@
     scores = score_rows(teachers, drawn.tasks, tokens, segment_ids, rl.temperature)
     scores.logp, scores.teacher_id                 # [B, T] log pi_teacher(y_t), [B] (-1: none)
 
-A teacher is any checkpoint `rl.policies.load_policy` reads, of any architecture family, but it
+A teacher is any checkpoint `model.weights.load_model` reads, of any architecture family, but it
 must read the student's token ids as the student does: its tokenizer's vocabulary (token -> id,
 compared by fingerprint, not by name) must be the student's, and its `vocab_size` at least the
 student's (a larger one, the same tokenizer rounded up further, is fine). Tasks naming the same
@@ -17,7 +17,7 @@ rollout temperature, the training path's `token_logprobs` (rl/models.py) with th
 weights. It runs under the RL mesh, rows over the data-parallel axes (a teacher's rows are padded
 with repeats to a power-of-two multiple of the data-parallel size, so few shapes compile) and
 the teacher's params replicated on every device: the teachers here are small, and a large one
-would take the model's sharding rules instead (`load_policy(path, mesh)`). One jitted scorer per
+would take the model's sharding rules instead (`load_model(path, mesh)`). One jitted scorer per
 teacher architecture, shared by the teachers of one architecture.
 """
 
@@ -37,10 +37,11 @@ from model.interop.workdir_record import describe_tokenizer, tokenizer_identity
 from model.lm import CausalLM
 from model.parallel.rules import replicated
 from model.tokenizers.text import TextTokenizer
+from model.weights import load_model
 from rl.distill.config import TeacherConfig
 from rl.models import token_logprobs
 from rl.parallel import row_sharding, sharded_jit
-from rl.policies import checkpoint_tokenizer, load_policy
+from rl.policies import checkpoint_tokenizer
 from train.parallel.sharding import data_parallel_size
 
 
@@ -82,11 +83,11 @@ def load_teachers(assigned: dict[str, tuple[TeacherConfig, str]], tokenizer: Tex
 def _load_teacher(config: TeacherConfig, where: str, task: str, student: TextTokenizer,
                   vocab_size: int, mesh: Mesh) -> Teacher:
     try:
-        model, variables = load_policy(config.checkpoint)
+        model, variables = load_model(config.checkpoint)
         tokenizer = checkpoint_tokenizer(Path(config.checkpoint), config.tokenizer)
     except ConfigError as err:
         raise err.within(where) from None
-    except ValueError as err:  # load_policy: not a checkpoint
+    except ValueError as err:  # load_model: not a checkpoint
         raise ConfigError("checkpoint", str(err)).within(where) from None
     if tokenizer.fingerprint() != student.fingerprint():
         raise ConfigError("tokenizer", f"task {task}: the teacher's tokenizer "

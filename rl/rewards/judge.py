@@ -3,7 +3,7 @@
     judge = PairwiseJudge.from_checkpoint("runs/judge", length_penalty=0.5)
     rewards = judge.score(problems, responses)          # float32 [n]
 
-Any stepjax or Hugging Face checkpoint (`rl.policies.load_policy`) reads a rendered template
+Any stepjax or Hugging Face checkpoint (`model.weights.load_model`) reads a rendered template
 (question, response A, response B, "Which response is better? Answer A or B:") and its next-token
 distribution, restricted to the two choice tokens, is the confidence that A wins. As in 5.2.2
 every response is compared with a fixed reference: the problem's reference solution (the SFT
@@ -27,7 +27,8 @@ import numpy as np
 from model.config import ConfigError, ModelConfig
 from model.lm import CausalLM
 from model.tokenizers.text import TextTokenizer
-from rl.policies import checkpoint_tokenizer, load_policy
+from model.weights import load_model
+from rl.policies import checkpoint_tokenizer
 from rl.rewards.bradley_terry import bradley_terry_reward
 from rl.rewards.template import (DEFAULT_CHOICES, DEFAULT_TEMPLATE, literal_pieces, render,
                                  template_error)
@@ -81,7 +82,7 @@ class PairwiseJudge:
         """A stepjax model directory, HF checkpoint, training or RL workdir, and its
         tokenizer: `tokenizer` names it (as `rl.tokenizer` does); "" takes the checkpoint's own
         (`rl.policies.checkpoint_tokenizer`)."""
-        config, variables = load_policy(checkpoint)
+        config, variables = load_model(checkpoint)
         return cls(config, variables, checkpoint_tokenizer(Path(checkpoint), tokenizer),
                    **settings)
 

@@ -12,6 +12,7 @@ import pytest
 from train_helpers import SMALL_MODEL, TINY
 
 from model.config import load_config
+from model.inference import decode
 from model.inference.decode import Decoder, cache_bytes
 from model.inference.kv_cache import KVCacheSpec
 from model.inference.sampling import Sampling, token_probs
@@ -42,8 +43,8 @@ CACHED = CausalLM(CFG, KVCacheSpec(max_len=32, draft=3))
 
 @jax.jit
 def _backbone(cache, tokens, positions):
-    (normed, h), mutated = CACHED.apply({**VARIABLES, "cache": cache}, tokens, positions,
-                                        method=CausalLM.decode_chunk, mutable=["cache"])
+    (normed, h, _), mutated = CACHED.apply({**VARIABLES, "cache": cache}, tokens, positions,
+                                           method=CausalLM.decode_chunk, mutable=["cache"])
     return CACHED.apply(VARIABLES, normed, method=CausalLM.project), h, mutated["cache"]
 
 
@@ -237,6 +238,19 @@ def test_generate_rejects_bad_requests():
         decoder.generate([[1]], 2, sampling=Sampling(1.0, top_p=0.0))
     with pytest.raises(ValueError, match="MTP heads"):
         Decoder(CFG, VARIABLES, max_len=8, draft=4)
+
+
+def test_caches_beyond_memory_or_int32_positions_are_refused_before_allocating(monkeypatch):
+    """Generated lengths are bounded: positions are int32, and caches that would not fit in
+    free memory are refused from their shapes alone (nothing traced into a buffer)."""
+    with pytest.raises(ValueError, match="positions are int32, so at most 2147483647"):
+        Decoder(CFG, VARIABLES, max_len=2**31)
+    decoder = Decoder(CFG, VARIABLES, max_len=10**5)  # full layers: 4 x 10^5 x 2 x 8 x 2 x 2
+    monkeypatch.setattr(decode, "free_memory", lambda: 2**26)
+    with pytest.raises(ValueError, match=r"the KV caches of 4 row\(s\) x 100000 positions need "
+                                         r"0\.[0-9]+ GiB, more than the 0\.06 GiB of free memory; "
+                                         "generate fewer new tokens"):
+        decoder.init_cache(4)
 
 
 def reference_probs(logits, temperature, top_k, top_p):

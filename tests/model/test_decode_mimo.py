@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from routing_checks import check_recorded_routes, model_forward
 from train_helpers import REPO
 
 from model.config import load_config
@@ -59,10 +60,7 @@ def test_config_covers_the_mimo_features():
     assert CFG.window + DRAFT < len(SEQUENCES[0]) // 2
 
 
-@jax.jit
-def _full_forward(tokens):
-    out = CausalLM(CFG).apply(VARIABLES, tokens)
-    return out.logits, out.mtp_logits
+_full_forward = model_forward(CFG, VARIABLES)  # (tokens, routes=None): tests/routing_checks.py
 
 
 def full_forward(rows):
@@ -71,7 +69,7 @@ def full_forward(rows):
     tokens = np.zeros((len(rows), MAX_LEN), np.int32)
     for b, row in enumerate(rows):
         tokens[b, :len(row)] = row
-    logits, mtp_logits = _full_forward(jnp.asarray(tokens))
+    logits, mtp_logits, _, _ = _full_forward(jnp.asarray(tokens))
     return np.asarray(logits), [np.asarray(m) for m in mtp_logits], tokens
 
 
@@ -80,8 +78,8 @@ CACHED = CausalLM(CFG, KVCacheSpec(MAX_LEN, DRAFT))
 
 @jax.jit
 def _backbone(cache, tokens, positions):
-    (normed, h), mutated = CACHED.apply({**VARIABLES, "cache": cache}, tokens, positions,
-                                        method=CausalLM.decode_chunk, mutable=["cache"])
+    (normed, h, _), mutated = CACHED.apply({**VARIABLES, "cache": cache}, tokens, positions,
+                                           method=CausalLM.decode_chunk, mutable=["cache"])
     return CACHED.apply(VARIABLES, normed, method=CausalLM.project), h, mutated["cache"]
 
 
@@ -213,8 +211,11 @@ NEW_TOKENS = 20  # row 0 ends at position 31: its rings wrap three times
 
 
 def test_greedy_generation_equals_full_forward_argmax():
-    out = decoder().generate(PROMPTS, NEW_TOKENS)
+    """... and records the experts the full forward chooses, which it replays exactly
+    (tests/routing_checks.py)."""
+    out = decoder().generate(PROMPTS, NEW_TOKENS, record_routing=True)
     assert out.tokens == greedy_reference(PROMPTS, NEW_TOKENS)
+    check_recorded_routes(_full_forward, PROMPTS, out, MAX_LEN)
 
 
 def test_greedy_speculative_equals_greedy():

@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from routing_checks import check_recorded_routes, model_forward
 from train_helpers import SMALL_V4, TINY_V4
 
 from model.config import load_config
@@ -33,10 +34,7 @@ def test_config_covers_every_v4_feature():
     assert CFG.moe.hash_layers == 1 and CFG.mtp.attention_type == "W"
 
 
-@jax.jit
-def _full_forward(tokens):
-    out = CausalLM(CFG).apply(VARIABLES, tokens)
-    return out.logits, out.mtp_logits
+_full_forward = model_forward(CFG, VARIABLES)  # (tokens, routes=None): tests/routing_checks.py
 
 
 def full_forward(rows):
@@ -45,7 +43,7 @@ def full_forward(rows):
     tokens = np.zeros((len(rows), MAX_LEN), np.int32)
     for b, row in enumerate(rows):
         tokens[b, :len(row)] = row
-    logits, mtp_logits = _full_forward(jnp.asarray(tokens))
+    logits, mtp_logits, _, _ = _full_forward(jnp.asarray(tokens))
     return np.asarray(logits), [np.asarray(m) for m in mtp_logits], tokens
 
 
@@ -54,8 +52,8 @@ CACHED = CausalLM(CFG, KVCacheSpec(MAX_LEN, DRAFT))
 
 @jax.jit
 def _backbone(cache, tokens, positions):
-    (normed, h), mutated = CACHED.apply({**VARIABLES, "cache": cache}, tokens, positions,
-                                        method=CausalLM.decode_chunk, mutable=["cache"])
+    (normed, h, _), mutated = CACHED.apply({**VARIABLES, "cache": cache}, tokens, positions,
+                                           method=CausalLM.decode_chunk, mutable=["cache"])
     return CACHED.apply(VARIABLES, normed, method=CausalLM.project), h, mutated["cache"]
 
 
@@ -156,8 +154,11 @@ PROMPTS = [list(SEQUENCES[0][:13]), list(SEQUENCES[1][:5])]
 
 
 def test_greedy_generation_equals_full_forward_argmax():
-    out = decoder().generate(PROMPTS, 14)
+    """... and records the experts the full forward chooses, which it replays exactly
+    (tests/routing_checks.py)."""
+    out = decoder().generate(PROMPTS, 14, record_routing=True)
     assert out.tokens == greedy_reference(PROMPTS, 14)
+    check_recorded_routes(_full_forward, PROMPTS, out, MAX_LEN)
 
 
 def test_greedy_speculative_equals_greedy():
@@ -191,7 +192,7 @@ CACHED_FP8 = CausalLM(CFG, KVCacheSpec(MAX_LEN, DRAFT, fp8=True))
 
 @jax.jit
 def _backbone_fp8(cache, tokens, positions):
-    (normed, _), mutated = CACHED_FP8.apply({**VARIABLES, "cache": cache}, tokens, positions,
+    (normed, *_), mutated = CACHED_FP8.apply({**VARIABLES, "cache": cache}, tokens, positions,
                                             method=CausalLM.decode_chunk, mutable=["cache"])
     return CACHED_FP8.apply(VARIABLES, normed, method=CausalLM.project), mutated["cache"]
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import ml_dtypes
 import numpy as np
@@ -29,9 +30,12 @@ from hf_step3p5_checkpoint import (
 
 import model.interop.hf as hf
 from model.config import config_from_dict, config_to_dict
+from model.hf import main as hf_main
 from model.interop.deepseek_v4 import config_from_hf, config_to_hf
+from model.interop.model_dir import save_model_dir
 from model.interop.safetensors_io import CheckpointFormatError
 from model.layers.params import convert_layer_layout
+from model.lm import abstract_variables
 
 VOCAB, D, HEADS, HEAD_DIM, Q_RANK, GROUPS, O_RANK = 64, 32, 4, 16, 24, 2, 12
 EXPERTS, HIDDEN, INDEX_HEADS, INDEX_DIM, HC = 4, 16, 2, 8, 2
@@ -139,6 +143,11 @@ def test_the_flat_rope_form_is_nested_as_transformers_does():
     ({"rope_parameters": {**HF_CONFIG["rope_parameters"], "compress": {
         **HF_CONFIG["rope_parameters"]["compress"], "partial_rotary_factor": 0.25}}},
      "rope_parameters"),
+    ({"hc_mult": "four"}, "hc_mult"),  # values of the wrong type, before any arithmetic
+    ({"num_hidden_layers": 4.0}, "num_hidden_layers"),
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers"),  # per-layer lists would be built
+    ({"tie_word_embeddings": "no"}, "tie_word_embeddings"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps"),
 ])
 def test_unsupported_config_values_are_named(change, field):
     with pytest.raises(CheckpointFormatError) as err:
@@ -329,6 +338,32 @@ def test_import_then_export_is_tensor_exact(source, tmp_path):
                           names="release", progress=False)
     assert_same_tensors({hf.deepseek_v4.release_name(name): a for name, a in tensors.items()},
                         read_dir(tmp_path / "release"))
+
+
+def test_a_model_with_other_mtp_heads_exports_with_drop_mtp(source, tmp_path, capsys):
+    """DeepSeek-V4's MTP layers are `layer` blocks: a model with a dense MTP head (Step 3.5's)
+    is refused, naming --drop-mtp, which leaves the heads out and writes the checkpoint the
+    model came from less its MTP layer."""
+    config, variables = hf.load_hf_checkpoint(source[0], progress=False)
+    dense = config.replace(mtp=dataclasses.replace(config.mtp, block="dense",
+                                                   share_output_head=False))
+    rng = np.random.default_rng(0)
+    mtp = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(a.dtype),
+                       nn.meta.unbox(abstract_variables(dense))["params"]["mtp_0"])
+    balance = {k: v for k, v in variables["balance"].items() if k != "mtp_0"}
+    save_model_dir(dense, {"params": {**variables["params"], "mtp_0": mtp}, "balance": balance},
+                   tmp_path / "model")
+    assert hf_main(["export", str(tmp_path / "model"), "--out", str(tmp_path / "hf")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: mtp.block: DeepSeek-V4's MTP layers are full decoder layers")
+    assert error.endswith("export without them with --drop-mtp\n") and error.count("\n") == 1
+    assert not (tmp_path / "hf").exists()
+    assert hf_main(["export", str(tmp_path / "model"), "--out", str(tmp_path / "hf"),
+                    "--drop-mtp", "--dtype", "bfloat16"]) == 0
+    expected = {name: a for name, a in source[1].items() if not name.startswith("mtp.")}
+    assert_same_tensors(expected, read_dir(tmp_path / "hf"))
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [  # no tokenizer, no .lock
+        "config.json", "model.safetensors"]
 
 
 def test_a_deepseek_v4_model_is_not_exported_as_step3p5(source, tmp_path):

@@ -282,3 +282,26 @@ def test_unknown_quantization_layouts_are_refused_by_key(change, message, tmp_pa
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1
     assert not (tmp_path / "model").exists()
+
+
+@pytest.mark.parametrize("family, scale, value", [
+    ("step3p5", "model.layers.1.self_attn.q_proj.weight_scale_inv", np.nan),  # float32 scales
+    ("step3p5", "model.layers.1.self_attn.q_proj.weight_scale_inv", -np.inf),
+    ("deepseek_v4", "model.layers.1.attn.wq_a.scale", 255),  # e8m0 byte 0xFF: NaN
+])
+def test_non_finite_scales_are_refused_naming_them(family, scale, value, tmp_path, capsys):
+    """A NaN or infinite scale makes its whole block NaN: refused, naming the scale, with
+    nothing written (an import would otherwise succeed and generate empty text)."""
+    config, quant, stored, _ = CASES[family](np.random.default_rng(0))
+    bad = stored[scale].copy()
+    bad.reshape(-1).view(np.uint8 if bad.dtype == np.uint8 else bad.dtype)[0] = value
+    stored[scale] = bad
+    path = write_hf_dir(tmp_path / "hf", stored, {**config, **quant})
+    assert main(["import", str(path), "--out", str(tmp_path / "model")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    weight = scale.removesuffix("_scale_inv").removesuffix(".scale") + (
+        "" if scale.endswith("_scale_inv") else ".weight")
+    assert error.startswith(f"error: {scale} (in model-0000") and (
+        f"1 of {bad.size} scales are NaN or infinite, so {weight} would be; the checkpoint is "
+        "damaged") in error, error
+    assert not (tmp_path / "model").exists()

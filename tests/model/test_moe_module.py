@@ -17,6 +17,7 @@ from moe_references import (
     np_ep_balance_loss,
     np_route,
     np_routed_experts,
+    np_routed_experts_grads,
     np_sigmoid,
     np_swiglu,
 )
@@ -29,6 +30,7 @@ TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
 
 IMPLS = ["sorted", "ragged_dot"]
+REPLAY_IMPLS = [*IMPLS, "pallas"]  # pallas: the grouped-matmul kernels in interpret mode
 
 
 # ---- the MoE module ----------------------------------------------------------------------------
@@ -99,6 +101,7 @@ def _np_moe(params, bias, x, before_silu=False):
     aux = {
         "expert_load": load,
         "expert_prob": probs.mean(0),
+        "routed_experts": np.array([list(r) for r in routes]),  # by descending selection score
         "routing_confidence": np.array([sum(probs[n, e] for e in r) for n, r in enumerate(routes)]),
         "sequence_balance_loss": np.mean(per_row),
         **stats,
@@ -147,7 +150,8 @@ def test_moe_module_matches_reference(moe_setup, impl, bias_kind):
     assert set(aux) == set(ref_aux)
     n = x.shape[0] * x.shape[1]
     expected_shapes = {k: (EXPERTS,) for k in ref_aux}
-    expected_shapes.update(routing_confidence=x.shape[:2], sequence_balance_loss=())
+    expected_shapes.update(routing_confidence=x.shape[:2], sequence_balance_loss=(),
+                           routed_experts=(*x.shape[:2], TOP_K))
     for key, ref in ref_aux.items():
         assert aux[key].shape == expected_shapes[key], key
         np.testing.assert_allclose(np.asarray(aux[key]).reshape(np.shape(ref)), ref, rtol=1e-4,
@@ -237,3 +241,79 @@ def test_moe_without_shared_expert_and_without_bias(moe_setup):
     ref_y, _ = np_routed_experts(tokens, indices, combine, p["gate_proj"], p["up_proj"],
                                  p["down_proj"], LIMIT)
     np.testing.assert_allclose(np.asarray(y), ref_y.reshape(x.shape), rtol=1e-4, atol=1e-5)
+
+
+# ---- replayed routing (model/layers/router.py, "Replayed routing") -----------------------------
+
+
+def _replay_case(x):
+    """Replayed experts [B, T, k]: k distinct random experts per token, and tokens 0 and 5 of
+    the first row unrecorded (-1: they keep the router's own choice)."""
+    rng = np.random.default_rng(12)
+    chosen = np.stack([rng.choice(EXPERTS, TOP_K, replace=False)
+                       for _ in range(x.shape[0] * x.shape[1])]).reshape(*x.shape[:2], TOP_K)
+    chosen[0, [0, 5]] = -1
+    return chosen.astype(np.int32)
+
+
+def _np_replayed(params, x, replayed, probe):
+    """Float64 reference of the MoE with replayed experts -> (y [N, D], experts used [N, k],
+    d sum(y * probe) / d router [D, E]). The combine weights are the current router's scores
+    at the replayed experts, renormalised and scaled (3.0); the router gets its gradient
+    through them: dc_j/dz_m = 3 s'_m (1[j = m] S - s_j) / S^2, with s = sigmoid(z), s' its
+    slope and S the sum of the k scores."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    tokens = np.asarray(x, np.float64).reshape(-1, D_MODEL)
+    logits = tokens @ p["router"]
+    own, _ = np_route(logits, None, TOP_K)  # the bias (zero here) only selects
+    flat = replayed.reshape(-1, TOP_K)
+    used = np.array([row if row.min() >= 0 else list(mine) for row, mine in zip(flat, own)])
+    scores = np_sigmoid(logits)
+    chosen = np.take_along_axis(scores, used, axis=1)
+    total = chosen.sum(1, keepdims=True)
+    combine = 3.0 * chosen / total
+    y, _ = np_routed_experts(tokens, used, combine, p["gate_proj"], p["up_proj"],
+                             p["down_proj"], LIMIT)
+    shared = p["shared_expert"]
+    y = y + np_swiglu(tokens, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],
+                      shared["down_proj"]["kernel"], SHARED_LIMIT)[0]
+    probe = np.asarray(probe, np.float64).reshape(-1, D_MODEL)
+    _, d_combine, *_ = np_routed_experts_grads(tokens, used, combine, p["gate_proj"],
+                                               p["up_proj"], p["down_proj"], probe, LIMIT, False)
+    slope = np.take_along_axis(scores * (1 - scores), used, axis=1)
+    d_chosen = 3.0 * slope * (d_combine * total - np.sum(d_combine * chosen, 1, keepdims=True)) \
+        / total ** 2
+    d_logits = np.zeros_like(logits)
+    np.put_along_axis(d_logits, used, d_chosen, axis=1)
+    return y, used, tokens.T @ d_logits
+
+
+@pytest.mark.parametrize("impl", REPLAY_IMPLS)
+def test_replayed_experts_take_the_current_routers_weights(moe_setup, impl):
+    """Tokens go to the replayed experts with the current router's (renormalised, scaled)
+    scores of those experts, the router gets its gradient through those weights, unrecorded
+    tokens keep their own choice, and `replay_mismatch` marks the recorded tokens whose own
+    top-k differs. Every moe_impl: the replayed choice enters the same dispatch."""
+    _, x, params, _ = moe_setup
+    module = MoE(_module_cfg(impl), LIMIT, SHARED_LIMIT)
+    bias = {"router_bias": jnp.zeros(EXPERTS)}
+    replayed = _replay_case(x)
+    probe = jnp.asarray(np.random.default_rng(13).normal(size=x.shape), jnp.float32)
+
+    def probed(router):
+        y, aux = module.apply({"params": {**params, "router": router}, "balance": bias}, x,
+                              None, jnp.asarray(replayed))
+        return jnp.sum(y * probe), (y, aux)
+
+    grad, (y, aux) = fast_jit(jax.grad(probed, has_aux=True))(params["router"])
+    ref_y, used, ref_grad = _np_replayed(params, x, replayed, probe)
+    np.testing.assert_allclose(np.asarray(y).reshape(ref_y.shape), ref_y, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-4, atol=1e-6)
+    assert np.abs(ref_grad).max() > 1e-2  # a real gradient reaches the router
+    np.testing.assert_array_equal(np.asarray(aux["routed_experts"]).reshape(used.shape), used)
+    own = _np_moe(params, np.zeros(EXPERTS), x)[2]
+    recorded = replayed.reshape(-1, TOP_K).min(1) >= 0
+    expected = [rec and set(mine) != set(row) for rec, mine, row in
+                zip(recorded, own, replayed.reshape(-1, TOP_K))]
+    np.testing.assert_array_equal(np.asarray(aux["replay_mismatch"]).reshape(-1), expected)
+    assert 0 < np.mean(expected) < 1

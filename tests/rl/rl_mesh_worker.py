@@ -28,13 +28,16 @@ from model.parallel.rules import use_mesh  # noqa: E402
 from train.telemetry.metrics import read_metrics  # noqa: E402
 
 # 2 prompts x 4 samples: 8 rollouts, two minibatches of 4 rows for actor and critic, which
-# split over up to 4 data-parallel devices. float32 inference: see the test's docstring.
+# split over up to 4 data-parallel devices. float32 inference: see the test's docstring. The
+# decoder records the routed experts and the training forwards replay them (rl.routing_replay):
+# the recorded [B, L_moe, T, k] rows split over the devices like the other rows.
 RUN = dict(iterations=2, prompts_per_iteration=2, samples_per_prompt=4, eval_prompts=4,
-           inference_dtype="float32", truncation_bootstrap=False, xla_cache_dir="")
+           inference_dtype="float32", truncation_bootstrap=False, xla_cache_dir="",
+           routing_replay=True)
 COMPARED = ("reward", "response_length", "entropy", "kl", "actor/loss", "actor/grad_norm",
             "critic/loss", "critic/grad_norm", "advantage_rms", "value_mean",
             "routing_confidence", "token_keep_frac", "traj_keep_frac", "eval/accuracy",
-            "eval/sample_accuracy")
+            "eval/sample_accuracy", "replay/topk_mismatch", "actor/replay_topk_mismatch")
 
 
 def odd_length_reward(texts, answers):

@@ -37,6 +37,16 @@ RL_ARITH = Path(__file__).resolve().parents[2] / "configs" / "rl_arith.yaml"
     (lambda: RLConfig(overlong_buffer=True), "rl.overlong_buffer: must be an integer in [0, "),
     (lambda: RLConfig(algorithm="dapo", samples_per_prompt=1),
      "rl.dynamic_sampling: needs rl.samples_per_prompt >= 2"),
+    # one sample per prompt: every group advantage is exactly 0
+    (lambda: RLConfig(advantages="group", samples_per_prompt=1),
+     "rl.samples_per_prompt: rl.advantages=group: a group of 1 sample has advantage 0 and "
+     "trains nothing; raise it or use rl.advantages=gae"),
+    (lambda: RLConfig(algorithm="grpo", samples_per_prompt=1),
+     "rl.samples_per_prompt: rl.algorithm=grpo uses group advantages: a group of 1 sample"),
+    (lambda: RLConfig(prompts_per_iteration=2, samples_per_prompt=4),
+     "rl.critic_minibatches: 8 rollouts per iteration (rl.prompts_per_iteration x "
+     "rl.samples_per_prompt) cannot fill 12 minibatches"),
+    (lambda: RLConfig(temperature=float("nan")), "rl.temperature: must be a finite number"),
 ])
 def test_bad_value_raises_on_construction(make, message):
     with pytest.raises(ValueError) as info:
@@ -67,6 +77,17 @@ def test_loaded_sections_name_the_dotted_field(override, message):
     with pytest.raises(ValueError) as info:
         load_rl_config(RL_ARITH, override.split())
     assert str(info.value).startswith(message), str(info.value)
+
+
+def test_the_minibatches_of_an_unused_critic_and_single_samples_of_mopd_are_accepted():
+    """Group advantages have no critic to split rollouts for; MOPD's teacher signal trains
+    with one sample per prompt (only its outcome advantage is 0)."""
+    assert RLConfig(advantages="group", prompts_per_iteration=2, samples_per_prompt=4,
+                    actor_minibatches=2).critic_minibatches == 12
+    assert RLConfig(algorithm="mopd", samples_per_prompt=1).samples_per_prompt == 1
+    with pytest.raises(ValueError, match="^rl.actor_minibatches: 8 rollouts"):
+        RLConfig(advantages="group", prompts_per_iteration=2, samples_per_prompt=4,
+                 actor_minibatches=9)
 
 
 def test_warmups_as_long_as_the_run_or_of_an_unused_critic_are_accepted():

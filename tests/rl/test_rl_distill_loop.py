@@ -5,7 +5,7 @@
   answers nothing right, so every outcome advantage is 0 and what remains is the teacher's), and
   a run interrupted after one iteration and resumed (teachers reloaded from the config) matching
   the straight run;
-- an RL workdir as a policy (`rl.policies.load_policy`: its actor, as the trainer restores it)
+- an RL workdir as a policy (`model.weights.load_model`: its actor, as the trainer restores it)
   and as the run-wide teacher of PPO with the full-vocabulary KL;
 - MIS-PO with the token signal.
 """
@@ -19,9 +19,9 @@ from test_rl_loop import small_run
 from model.interop.model_dir import save_model_dir
 from model.lm import CausalLM, init_variables
 from model.parallel.rules import use_mesh
+from model.weights import load_model
 from rl.config import rl_config_from_dict
 from rl.loop import run_rl
-from rl.policies import load_policy
 from rl.trainer import RLTrainer
 from train.telemetry.metrics import read_metrics
 
@@ -91,7 +91,7 @@ def test_an_rl_workdir_is_a_policy_and_a_full_vocab_teacher_of_ppo(tmp_path, tea
             restored = trainer.initial_state().actor.params
     finally:
         trainer.checkpoints.close()
-    config, variables = load_policy(source.workdir)
+    config, variables = load_model(source.workdir)
     assert config == small_run().model
     assert jax.tree.all(jax.tree.map(np.array_equal, variables["params"], restored))
 

@@ -12,14 +12,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from train_helpers import REPO
 
 import rl.trainer as rl_trainer
 import rl.tasks as rl_tasks
+from model.generate import main as generate_main
+from model.hf import main as hf_main
 from model.inference.decode import Decoder
 from model.inference.sampling import Sampling
 from model.lm import CausalLM, init_variables
+from model.weights import load_model
 from rl.__main__ import main as rl_main
 from rl.config import load_rl_config, rl_config_from_dict
 from rl.loop import run_rl
@@ -28,6 +32,7 @@ from rl.objectives import kl as K
 from rl.objectives import losses
 from rl.rollout import collect_rollouts, layout_rows
 from rl.update import actor_loss, minibatches
+from train.eval import main as eval_main
 from train.config import load_run_config
 from train.telemetry.metrics import read_metrics
 
@@ -189,13 +194,17 @@ def check_iteration_metrics(r: dict, rows: int, max_new_tokens: int, vocab: int)
 
 @pytest.mark.slow
 def test_loop_metrics_resume_and_cli_on_a_finished_run(tmp_path, capsys):
-    """Two iterations from random weights (bfloat16 inference), the same run interrupted after
-    one iteration and resumed, and the command line on the finished workdir."""
-    straight = run_rl(small_run(), tmp_path / "straight")
+    """Two iterations from random weights (bfloat16 inference) with Rollout Routing Replay and
+    rollouts one iteration stale (the second iteration trains on the batch the initial policy
+    drew for it, with truncated importance sampling), the same run interrupted after one
+    iteration and resumed (the waiting batch comes back from the checkpoint), and the command
+    line on the finished workdir."""
+    run = small_run(routing_replay=True, max_staleness=1)
+    straight = run_rl(run, tmp_path / "straight")
     assert (straight.first_iteration, straight.last_iteration) == (0, 2)
     records = read_metrics(straight.workdir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
-    rl, vocab = small_run().rl, small_run().model.vocab_size
+    rl, vocab = run.rl, run.model.vocab_size
     rows = rl.prompts_per_iteration * rl.samples_per_prompt  # rollouts per iteration
     for r in records[1:]:
         check_iteration_metrics(r, rows, rl.max_new_tokens, vocab)
@@ -208,21 +217,30 @@ def test_loop_metrics_resume_and_cli_on_a_finished_run(tmp_path, capsys):
     # head starts at zero (test_critic_starts_from_the_policy_backbone_with_zero_values).
     assert records[1]["kl"] == 0.0 and records[1]["value_mean"] == 0.0
     # bfloat16 inference against float32 training: pi_infer really differs from pi_old
-    # (float32 decoding matches the training path to ~1e-6, see the decoder test above).
+    # (float32 decoding matches the training path to ~1e-6, see the decoder test above), even
+    # with the rollout's routes replayed.
     assert records[1]["mismatch/abs_log_ratio_mean"] > 1e-4
+    assert [r["staleness"] for r in records[1:]] == [0, 1]
+    for r in records[1:]:
+        assert 0 < r["tis/mean_weight"] <= rl.tis_cap and 0 <= r["tis/truncation_rate"] <= 1, r
+        for key in ("replay/topk_mismatch", "replay/token_mismatch",
+                    "actor/replay_topk_mismatch"):
+            assert 0 <= r[key] <= 1, (key, r)
+        assert r["replay/topk_mismatch"] <= r["replay/token_mismatch"], r
 
-    first = run_rl(small_run(), tmp_path / "resumed", stop_after=1)
+    first = run_rl(run, tmp_path / "resumed", stop_after=1)
     assert first.interrupted and first.last_iteration == 1
-    second = run_rl(small_run(), tmp_path / "resumed")
+    second = run_rl(run, tmp_path / "resumed")
     assert (second.first_iteration, second.last_iteration) == (1, 2)
     assert second.accuracy_before == pytest.approx(records[0]["eval/accuracy"])
     resumed = read_metrics(second.workdir / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2]
-    for key in ("reward", "actor/loss", "critic/loss", "eval/accuracy"):
+    for key in ("reward", "actor/loss", "critic/loss", "eval/accuracy", "tis/mean_weight",
+                "replay/topk_mismatch"):
         assert resumed[-1][key] == pytest.approx(records[-1][key], rel=1e-5), key
 
     config = tmp_path / "rl.yaml"
-    config.write_text(json.dumps(small_run().to_dict()))  # JSON is YAML
+    config.write_text(json.dumps(run.to_dict()))  # JSON is YAML
     capsys.readouterr()
     assert rl_main(["--config", str(config), "--workdir", str(straight.workdir)]) == 0
     assert "nothing to do" in capsys.readouterr().out
@@ -232,6 +250,36 @@ def test_loop_metrics_resume_and_cli_on_a_finished_run(tmp_path, capsys):
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "rl.algorithm" in error
     assert sorted(p.name for p in (straight.workdir / "checkpoints").iterdir()) == saved
+    check_rl_workdir_is_a_model_source(straight.workdir, tmp_path, capsys)
+
+
+def check_rl_workdir_is_a_model_source(workdir, tmp_path, capsys):
+    """The policy an RL run trained loads as a model (load_model, generate --workdir), exports
+    as a complete Hugging Face directory (its tokenizer beside it: generate --hf reads it and
+    answers the same), and train.eval says what the directory is."""
+    config, variables = load_model(workdir)
+    with ocp.PyTreeCheckpointer() as checkpointer:  # the raw tree orbax saved, no target
+        saved = checkpointer.restore(workdir / "checkpoints" / "2" / "state")
+    assert config == small_run().model
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(variables)[0],
+                                 jax.tree.leaves({"params": saved["actor"]["params"],
+                                                  "balance": saved["actor"]["balance"]})):
+        assert np.array_equal(np.asarray(got), np.asarray(want)), jax.tree_util.keystr(path)
+    assert hf_main(["export", str(workdir), "--out", str(tmp_path / "hf")]) == 0
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    capsys.readouterr()
+    answers = []
+    for source in (["--workdir", str(workdir)], ["--hf", str(tmp_path / "hf")]):
+        assert generate_main([*source, "--prompt", "12+7=", "--max-new-tokens", "3",
+                              "--json"]) == 0
+        answers.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert answers[0] == answers[1] and len(answers[0]) >= 1
+    assert eval_main(["--workdir", str(workdir)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {workdir} is a workdir of `python -m rl`, not of `python -m train`; its "
+        "held-out accuracy is eval/accuracy in its metrics.jsonl (python -m rl.compare "
+        "compares RL runs)\n")
 
 
 @pytest.mark.slow

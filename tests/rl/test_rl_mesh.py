@@ -39,7 +39,8 @@ def run_worker(*args: str) -> dict:
 @pytest.mark.slow
 def test_rl_on_a_2x2_mesh_matches_one_device():
     """Two iterations (rollouts, scoring, critic values, 2 actor and 2 critic minibatch steps
-    each, held-out evaluation) with MoE experts spread over `expert` and rows over data x expert.
+    each, held-out evaluation; Rollout Routing Replay on) with MoE experts spread over `expert`
+    and rows over data x expert.
     Inference in float32 (`rl.inference_dtype`): in bfloat16 the other reduction order moves
     pi_infer by ~1e-3, enough to flip a sampled token or MIS-PO's trajectory filter
     [0.996, 1.001], and the runs would legitimately part ways."""

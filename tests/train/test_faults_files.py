@@ -12,13 +12,18 @@ resumed run's per-step losses equal an uninterrupted run's, exactly. Run alone w
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fault_helpers import RUN, logged_losses, reference, run_args
-from hf_step3p5_checkpoint import random_tensors, write_hf_dir
-from train_helpers import TINY
+from hf_step3p5_checkpoint import HF_CONFIG, random_tensors, write_hf_dir
+from train_helpers import REPO, TINY
 
 from model.hf import main as hf_main
 from model.interop.workdir_lock import LOCK_FILE
@@ -158,3 +163,83 @@ def test_hf_import_after_repair(hf_dir, tmp_path, capsys):
     capsys.readouterr()
     shard.write_bytes(intact)
     assert hf_main(["import", str(hf_dir), "--out", str(tmp_path / "model")]) == 0
+
+
+@pytest.mark.parametrize("shard", ["../x.safetensors", "/etc/x.safetensors", "a/../../x"])
+def test_hf_index_pointing_outside_the_checkpoint(hf_dir, tmp_path, capsys, shard):
+    index = hf_dir / "model.safetensors.index.json"
+    values = json.loads(index.read_text())
+    name = sorted(values["weight_map"])[0]
+    values["weight_map"][name] = shard
+    index.write_text(json.dumps(values))
+    out = tmp_path / "model"
+    assert hf_main(["import", str(hf_dir), "--out", str(out)]) == 2
+    _one_line_error(capsys, f"{index}: weight_map sends {name} to {shard!r}, which is not a "
+                    f"file name inside {hf_dir}")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+def test_hf_tensors_holding_nan_or_inf(tmp_path, capsys, bad):
+    tensors = random_tensors()
+    name = "model.layers.2.moe.up_proj.weight"
+    tensors[name] = tensors[name].copy()
+    tensors[name][1, 2, 3] = bad
+    hf_dir = write_hf_dir(tmp_path / "hf", tensors)
+    out = tmp_path / "model"
+    assert hf_main(["import", str(hf_dir), "--out", str(out)]) == 2
+    *progress, error = capsys.readouterr().err.strip().splitlines()  # the bar ends its line
+    assert error == (f"error: {name} (in model-00001-of-00002.safetensors): 1 of "
+                     f"{tensors[name].size} values are NaN or infinite; the checkpoint is "
+                     "damaged, download or export it again")
+    assert all(line.startswith("import:") for line in progress), progress
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("config, needle", [
+    ([1, 2], "config.json: expected a JSON object, got list"),
+    ({**HF_CONFIG, "num_hidden_layers": 5.0}, "num_hidden_layers: expected an integer, got 5.0"),
+    ({**HF_CONFIG, "hidden_size": "32"}, "hidden_size: expected an integer, got '32'"),
+    ({**HF_CONFIG, "num_hidden_layers": 10**12}, "num_hidden_layers: expected 1 to 10000"),
+    ({**HF_CONFIG, "rope_scaling": "llama3"}, "config.json: a value does not fit its key"),
+])
+def test_hf_config_json_values_of_the_wrong_type(tmp_path, capsys, config, needle):
+    hf_dir = write_hf_dir(tmp_path / "hf", random_tensors())
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "model"
+    assert hf_main(["import", str(hf_dir), "--out", str(out)]) == 2
+    _one_line_error(capsys, needle)
+    assert not out.exists()
+
+
+# model.hf import and export with writes past 64 KiB failing (EFBIG, as a full disk's ENOSPC):
+# config.json fits, the tensors do not.
+HF_FILE_SIZE_LIMITED = r"""
+import contextlib, io, json, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+from model.hf import main
+results = []
+for command, source, out in (("import", sys.argv[1], sys.argv[3]),
+                             ("export", sys.argv[2], sys.argv[4])):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main([command, source, "--out", out])
+    results.append([code, err.getvalue().strip().splitlines()[-1]])
+print(json.dumps(results))
+"""
+
+
+def test_full_disk_in_model_hf(hf_dir, tmp_path):
+    model = tmp_path / "model"
+    assert hf_main(["import", str(hf_dir), "--out", str(model)]) == 0
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}  # no cache writes
+    done = subprocess.run([sys.executable, "-c", HF_FILE_SIZE_LIMITED, str(hf_dir), str(model),
+                           str(tmp_path / "imported"), str(tmp_path / "exported")], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (code, line), out in zip(json.loads(done.stdout), ("imported", "exported")):
+        assert code == 2 and line.startswith(f"error: writing {tmp_path / out} failed ("), line
+        assert line.endswith("File too large, errno EFBIG); nothing was written there: free "
+                             "disk space and re-run"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "model"]  # no partial output

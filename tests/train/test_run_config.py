@@ -86,6 +86,7 @@ def test_a_config_without_a_model_is_refused_by_both_loaders(tmp_path, text):
         # the presets are the repository's configs/*.yaml that define a model
         assert message.endswith("start from a preset that has one: "
                                 "configs/deepseek_v4_flash.yaml, configs/gpu_1b.yaml, "
+                                "configs/gpu_1b_deepseek_v4.yaml, configs/gpu_1b_mimo.yaml, "
                                 "configs/mimo_v2_flash.yaml, "
                                 "configs/sft_arith.yaml, configs/sft_chat_arith.yaml, "
                                 "configs/step35_flash.yaml, "

@@ -190,13 +190,16 @@ def test_consecutive_skips_stop_the_run_with_good_checkpoints(tmp_path, monkeypa
         return {**batch, "poison": np.full(batch["tokens"].shape, step >= 2)}, tokens
 
     monkeypatch.setattr(Trainer, "next_batch", next_batch)
-    run = loop_run("train.max_consecutive_skips=2")
-    with pytest.raises(TrainingError, match="2 consecutive steps had a non-finite"):
+    run = loop_run("train.max_consecutive_skips=3")
+    with pytest.raises(TrainingError, match="3 consecutive steps had a non-finite .* the "
+                                            "checkpoint of step 4 is intact"):
         train(run, tmp_path)
     checkpoints = Checkpointer(tmp_path / "checkpoints", keep=100)
     steps = checkpoints.all_steps()
     checkpoints.close()
-    assert steps == [2, 4]  # the run stopped at the second skip (steps 3 and 4)
+    # Skips at steps 3, 4 and 5: the run stopped at the third, never saving its state; step 4
+    # was saved while skipping, within the limit.
+    assert steps == [2, 4]
     good = restore_params(tmp_path, 2, run)
     for later in steps:  # a checkpoint taken while skipping holds the last good params
         state = restore_params(tmp_path, later, run)

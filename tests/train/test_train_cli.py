@@ -64,13 +64,13 @@ def test_a_config_directory_is_named_as_such(tmp_path, capsys):
     assert not workdir.exists()
 
 
-def test_a_run_failing_before_its_first_checkpoint_leaves_no_checkpoints_dir(tmp_path, capsys):
-    workdir = tmp_path / "run"
+def test_a_run_failing_before_it_writes_leaves_no_workdir(tmp_path, capsys):
+    workdir = tmp_path / "new" / "run"  # both directories are the run's
     code = train_main(["--config", str(TINY), "--workdir", str(workdir), *SMALL_MODEL,
                        "train.steps=2", "train.warmup_steps=1", "train.progress=false",
                        f"train.data.source={tmp_path / 'missing.jsonl'}"])
     assert code == 2 and "does not exist" in _error_line(capsys.readouterr().err)
-    assert workdir.is_dir() and not (workdir / "checkpoints").exists()
+    assert not workdir.parent.exists()  # not even the lock file
 
 
 def test_eval_of_an_unsaved_step_lists_the_saved_ones(tmp_path, capsys):

@@ -20,6 +20,9 @@ import numpy as np
 from train.data.documents import Document, heldout_score
 
 OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+# Every problem is enumerated ((max_operand + 1)^2 x |ops| of them): 400^2 x 3 = 480k at most,
+# about 100 MB and 2 s, the size of the multi-step task's space (train/data/multistep.py).
+OPERAND_LIMIT = 399
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +52,9 @@ class Problem:
 
 def arithmetic_problems(max_operand: int = 99, ops: str = "+-") -> list[Problem]:
     """Every `a op b` with 0 <= a, b <= max_operand, in a fixed order."""
-    if max_operand < 1:
-        raise ValueError(f"task.max_operand: must be >= 1, got {max_operand}")
+    if not 1 <= max_operand <= OPERAND_LIMIT:
+        raise ValueError(f"task.max_operand: must be in [1, {OPERAND_LIMIT}] (every problem is "
+                         f"enumerated), got {max_operand}")
     unknown = set(ops) - set(OPERATORS)
     if not ops or unknown:
         raise ValueError(f"task.ops: must be a non-empty string of {''.join(OPERATORS)}, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import sysconfig
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -122,6 +123,8 @@ def read_jsonl(path: Path, name: str) -> Iterator[Document]:
             raise ValueError(f"{where}: malformed JSON ({err.msg})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        if _SURROGATE_ESCAPE.search(line):
+            _check_unicode(record, where)
         is_chat = "messages" in record if is_chat is None else is_chat
         meta = {"source": name}
         meta.update({k: str(record[k]) for k in META_FIELDS if record.get(k) not in (None, "")})
@@ -136,6 +139,20 @@ def read_jsonl(path: Path, name: str) -> Iterator[Document]:
                              "chat file, whose first record has 'messages')")
         if record["text"].strip():
             yield Document(f"{name}:{number}", record["text"], meta)
+
+
+# JSON can spell a lone UTF-16 surrogate (`"\ud800"`), which no tokenizer reads as text; a
+# cheap look at the line first, the exact check only where one may be.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _check_unicode(record: dict, where: str) -> None:
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{where}: a string holds a lone UTF-16 surrogate "
+                         f"({err.object[err.start]!r}), which is not text; fix or remove it"
+                         ) from None
 
 
 def _read_text(path: Path) -> str:

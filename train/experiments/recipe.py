@@ -38,13 +38,16 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
+import flax.linen as nn
 import jax
 
+from model.config import ModelConfig, config_to_dict
 from model.interop.workdir import latest_checkpoint_step
 from model.interop.workdir_lock import workdir_lock
+from model.lm import abstract_variables
 from model.weights import load_model
 from train.checkpoint import changed_since_checkpoint
-from train.config import RunConfig, load_run_config
+from train.config import RESUMABLE_CHANGES, RunConfig, flatten, load_run_config
 from train.data.corpus import load_documents
 from train.data.pipeline import check_splits
 from train.experiments.spec import override_list, read_spec
@@ -102,6 +105,7 @@ def load_recipe(path: str | Path, extra: Sequence[str] = ()) -> Recipe:
         overrides = override_list(entry.get("overrides"), f"recipe stages[{i}].overrides")
         stages.append(Stage(name, overrides, clone))
     recipe = Recipe(spec.base, spec.overrides, tuple(stages), spec.description)
+    previous = None
     for i, stage in enumerate(recipe.stages):
         try:
             run = recipe.stage_config(i, extra)
@@ -110,7 +114,39 @@ def load_recipe(path: str | Path, extra: Sequence[str] = ()) -> Recipe:
         if stage.clone_mtp and run.model.mtp.num_heads < 2:
             raise ValueError(f"recipe stage {stage.name}: clone_mtp needs model.mtp.num_heads "
                              f">= 2, got {run.model.mtp.num_heads}")
+        if previous is not None:
+            _check_continues(previous, run.model, recipe.stages[i - 1].name, stage.name)
+        previous = run.model
     return recipe
+
+
+def _check_continues(before: ModelConfig, after: ModelConfig, before_name: str,
+                     name: str) -> None:
+    """Stage `name` starts from stage `before_name`'s weights, so its model must have the same
+    parameters and shapes (ValueError naming the model fields that change them). Changes of
+    RoPE settings, windows and implementation switches keep them; anything else is checked on
+    the parameter shapes (traced, nothing allocated)."""
+    old, new = flatten(config_to_dict(before)), flatten(config_to_dict(after))
+    changed = [k for k in old if old[k] != new.get(k)]
+    suspects = [k for k in changed if not _keeps_shapes(k)]
+    if not suspects or _variable_shapes(before) == _variable_shapes(after):
+        return
+    shown = ", ".join(f"model.{k} ({old[k]} -> {new[k]})" for k in suspects[:3])
+    raise ValueError(f"recipe stage {name}: {shown} change the model's parameters from stage "
+                     f"{before_name}'s; a stage continues the previous stage's weights, so only "
+                     "changes that keep every parameter shape are possible (RoPE settings, "
+                     "windows, kernels, ...)")
+
+
+def _keeps_shapes(field: str) -> bool:
+    """Model fields (dotted, below `model.`) that never change a parameter's shape."""
+    return (f"model.{field}" in RESUMABLE_CHANGES or "rope" in field
+            or field.split(".")[-1] == "window")
+
+
+def _variable_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    leaves = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(abstract_variables(config)))[0]
+    return {jax.tree_util.keystr(path): leaf.shape for path, leaf in leaves}
 
 
 def clone_mtp_heads(params: dict) -> dict:

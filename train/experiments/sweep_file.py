@@ -120,6 +120,11 @@ def load_sweep(path: str | Path, extra: Sequence[str] = ()) -> Sweep:
         runs = named or [SweepRun(suffix, point) for suffix, point in points]
     runs = [dataclasses.replace(r, name=_UNSAFE.sub("_", r.name)) for r in runs]
     names = [r.name for r in runs]
+    hidden = [n for n in names if n.startswith(".")]  # ".", "..": the sweep's own directories
+    if hidden:
+        raise ValueError(f"sweep {spec.path}: run name {hidden[0]!r} is not a usable directory "
+                         "name (runs train in DIR/runs/NAME); give the run a name that does "
+                         "not start with '.'")
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"sweep {spec.path}: run names must be unique, repeated: {duplicates}")

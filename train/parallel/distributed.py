@@ -30,8 +30,11 @@ shard of the data, so each has its own data-iterator position) go through
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
+import time
 from typing import Any, Sequence
 
 import jax
@@ -41,6 +44,7 @@ ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 ENV_CPU_COLLECTIVES = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
+DEFAULT_TIMEOUT_S = 300.0  # how long the processes may take to reach the coordinator
 PROCESSES_KEY = "processes"  # gather_process_states: {"processes": [state of process 0, ...]}
 
 
@@ -131,13 +135,17 @@ def resolve(coordinator: str | None, num_processes: int | None, process_id: int 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, local_device_ids: Sequence[int] | None = None,
-               *, timeout_seconds: int = 300) -> bool:
+               *, timeout_seconds: float = DEFAULT_TIMEOUT_S) -> bool:
     """Starts `jax.distributed` if a multi-process run is asked for (see the module doc);
-    returns whether it did. Call it before anything touches devices (jax.devices(), arrays)."""
+    returns whether it did. Call it before anything touches devices (jax.devices(), arrays).
+    With an explicit coordinator, every process must reach it within `timeout_seconds`
+    (`rendezvous`), else DistributedError."""
     coordinator, num_processes, process_id, start = resolve(coordinator, num_processes,
                                                             process_id)
     if not start:
         return False
+    if not timeout_seconds > 0:
+        raise DistributedError(f"--coordinator-timeout must be > 0 seconds, got {timeout_seconds}")
     if jax.distributed.is_initialized():
         raise DistributedError("jax.distributed is already initialised in this process")
     from jax._src import xla_bridge
@@ -148,10 +156,12 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         # Cross-process collectives of the CPU backend; without them a CPU mesh spanning
         # processes fails at the first all-reduce. No effect on GPU/TPU backends.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if coordinator is not None and num_processes is not None and process_id is not None:
+        rendezvous(coordinator, num_processes, process_id, timeout_seconds)
     try:
         jax.distributed.initialize(coordinator, num_processes, process_id,
                                    local_device_ids=local_device_ids,
-                                   initialization_timeout=timeout_seconds)
+                                   initialization_timeout=max(1, int(timeout_seconds)))
     except (RuntimeError, ValueError, TypeError) as err:
         who = (f"process {process_id} of {num_processes}" if process_id is not None
                else "this process")
@@ -162,6 +172,95 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if jax.process_count() > 1 and jax.default_backend() == "cpu":
         jax.config.update("jax_enable_compilation_cache", False)  # see the module doc
     return True
+
+
+def rendezvous(coordinator: str, num_processes: int, process_id: int, timeout: float) -> None:
+    """Waits until every process has reached process 0 at `coordinator`, or raises
+    DistributedError naming who did not within `timeout` seconds. JAX's own start-up would
+    wait as long, then abort every process with a C++ stack dump. Process 0 listens on the
+    coordinator's port and closes it when all have come, before JAX's coordination service
+    takes the port; each other process connects, says its id and waits for the go-ahead."""
+    host, _, port = coordinator.rpartition(":")
+    deadline = time.monotonic() + timeout
+    if process_id == 0:
+        _gather(int(port), num_processes, deadline, coordinator, timeout)
+    else:
+        _report(host.strip("[]"), int(port), process_id, deadline, coordinator, timeout)
+
+
+def _gather(port: int, num_processes: int, deadline: float, coordinator: str,
+            timeout: float) -> None:
+    """Process 0's side of `rendezvous`."""
+    try:  # every interface, IPv6 too where it can, as JAX's service listens
+        dual = socket.has_dualstack_ipv6()
+        server = socket.create_server(("", port), family=socket.AF_INET6 if dual else
+                                      socket.AF_INET, dualstack_ipv6=dual)
+    except OSError as err:
+        raise DistributedError(f"process 0 cannot listen on port {port} of --coordinator "
+                               f"{coordinator} ({err.strerror or err}); choose a free port") \
+            from None
+    peers: dict[int, socket.socket] = {}
+    try:
+        while len(peers) < num_processes - 1:
+            server.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                connection, _ = server.accept()
+                connection.settimeout(max(0.01, deadline - time.monotonic()))
+                said = connection.makefile().readline().strip()
+            except (socket.timeout, OSError):
+                said, connection = "", None
+            if connection is not None and said.isdigit() and 0 < int(said) < num_processes \
+                    and int(said) not in peers:
+                peers[int(said)] = connection
+            elif connection is not None:
+                connection.close()  # a stray connection, or an id already seen
+            if time.monotonic() >= deadline and len(peers) < num_processes - 1:
+                missing = sorted(set(range(1, num_processes)) - set(peers))
+                raise DistributedError(
+                    f"process(es) {', '.join(map(str, missing))} of {num_processes} did not "
+                    f"reach the coordinator {coordinator} within {timeout:g} s; start every "
+                    "process (the same command with --process-id 0.."
+                    f"{num_processes - 1}), or raise --coordinator-timeout")
+        for connection in peers.values():
+            connection.sendall(b"go\n")
+        for connection in peers.values():  # they hang up first: the port is free at once
+            connection.settimeout(5)
+            with contextlib.suppress(OSError):
+                connection.recv(1)
+    finally:
+        for connection in peers.values():
+            connection.close()
+        server.close()
+
+
+def _report(host: str, port: int, process_id: int, deadline: float, coordinator: str,
+            timeout: float) -> None:
+    """The side of `rendezvous` of a process other than 0."""
+    while True:
+        try:
+            connection = socket.create_connection(
+                (host, port), timeout=max(0.01, min(5.0, deadline - time.monotonic())))
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise DistributedError(
+                    f"process {process_id} could not reach the coordinator {coordinator} "
+                    f"(process 0) within {timeout:g} s; start process 0 there (the same "
+                    "command with --process-id 0), check the address, or raise "
+                    "--coordinator-timeout") from None
+            time.sleep(0.2)
+    with connection:
+        try:
+            connection.settimeout(max(0.01, deadline - time.monotonic()))
+            connection.sendall(f"{process_id}\n".encode())
+            answer = connection.makefile().readline().strip()
+        except OSError:
+            answer = ""
+    if answer != "go":
+        raise DistributedError(
+            f"process {process_id}: the coordinator {coordinator} did not see every process "
+            f"within {timeout:g} s (or another service listens there); start all processes "
+            "together, or raise --coordinator-timeout")
 
 
 def is_lead() -> bool:
