@@ -2,7 +2,8 @@
 read from one YAML.
 
 A run YAML has an `rl:` section, a `task:` section and optionally a `model:` section (used only
-when the policy is not initialised from a checkpoint with `--init-from`). Dotted overrides
+when the policy is not initialised from a checkpoint with `--init-from`; then only its `qat`
+applies, over the checkpoint's architecture: `model.qat.expert_weights=mxfp4`). Dotted overrides
 `rl.algorithm=ppo rl.actor.lr=1e-5 task.max_operand=49` work as in `python -m train`; the
 device mesh is `rl.mesh` (`rl.mesh.data=2 rl.mesh.expert=2`, training's `mesh:` fields).
 Defaults are the report's (5.2.1, 5.2.3): MIS-PO with token bounds [0.5, 2] and trajectory
@@ -338,6 +339,11 @@ class RLRunConfig(Config):
 
     def with_model(self, model: ModelConfig) -> "RLRunConfig":
         return dataclasses.replace(self, model=model)
+
+    def with_checkpoint_model(self, model: ModelConfig) -> "RLRunConfig":
+        """The --init-from checkpoint's model, with this run's FP4 QAT switches (`model.qat`: a
+        training choice, not architecture; report §5.2.1 brings QAT in here)."""
+        return self.with_model(model if self.model is None else model.replace(qat=self.model.qat))
 
 
 SECTIONS = ("model", "rl", "task")

@@ -27,6 +27,7 @@ from model.config.attention_config import (
     SharedKVAttentionConfig,
     resolve_geometry,
 )
+from model.config.mtp_config import MTPConfig
 from model.config.qat_config import QATConfig
 from model.ops.swiglu import GATE_CLAMPS
 from model.ops.tables import ATTENTION, MOE
@@ -35,7 +36,6 @@ ROUTER_ACTIVATIONS = ("sigmoid", "softmax", "sqrt_softplus")  # sqrt_softplus: D
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "save_attention_out", "save_ffn_out")
 EP_COLLECTIVES = ("auto", "ragged", "padded")
-MTP_BLOCKS = ("dense", "layer")
 INT32_MAX = 2**31 - 1
 # Far beyond any model (the largest have ~100 layers); bounds what per-layer lists a config
 # (or a checkpoint's config.json) makes us build.
@@ -154,27 +154,6 @@ class MoEConfig(Config):
         if self.num_groups > 1 and self.top_k > self.topk_groups * self.num_experts // self.num_groups:
             raise ConfigError("top_k", f"{self.top_k} exceeds the {self.topk_groups} groups of "
                               f"{self.num_experts // self.num_groups} experts it may choose from")
-
-
-@dataclasses.dataclass(frozen=True)
-class MTPConfig(Config):
-    """Multi-token prediction heads (report 2.2; model/layers/mtp.py). `block`: `dense` (Step
-    3.5, DeepSeek-V3: eh_proj + one SWA block with a dense FFN on the collapsed residual) or
-    `layer` (DeepSeek-V4's release: e_proj + h_proj into a full decoder layer, routed MoE and
-    the model's mHC streams, collapsed by the head's own hc_head)."""
-
-    section = "mtp"
-
-    num_heads: int = 3
-    share_output_head: bool = False  # the released checkpoint stores one head per MTP layer
-    attention_type: str = "S"  # the MTP block's layer character (DeepSeek-V4 models: W)
-    block: str = "dense"
-
-    def validate(self) -> None:
-        check_int("num_heads", self.num_heads, 0)
-        check_choice("attention_type", self.attention_type, ("S", "W"))
-        check_bool("share_output_head", self.share_output_head)
-        check_choice("block", self.block, MTP_BLOCKS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,11 +77,10 @@ class Decoder:
     """Jitted prefill / decode / speculative steps for one model and cache size.
 
     `variables`: {"params": ..., "balance": ...} as `CausalLM.init` makes them (unboxed);
-    `max_len`: cache positions per row; `draft`: MTP drafts per step (0 = no speculation);
-    `kv_fp8`: keys and values cached in FP8 but their RoPE channels (`KVCacheSpec.fp8`)."""
+    `max_len`: cache positions per row; `draft`: MTP drafts per step (0 = no speculation)."""
 
     def __init__(self, config: ModelConfig, variables: dict, *, max_len: int, draft: int = 0,
-                 prefill_chunk: int = 256, kv_fp8: bool = False):
+                 prefill_chunk: int = 256, kv_fp8: bool = False):  # KVCacheSpec.fp8
         if not 0 <= draft <= config.mtp.num_heads:
             raise ValueError(f"draft: {draft} speculative tokens need as many MTP heads; the "
                              f"model has mtp.num_heads={config.mtp.num_heads}")

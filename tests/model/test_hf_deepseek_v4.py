@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import ml_dtypes
 import numpy as np
@@ -30,12 +29,9 @@ from hf_step3p5_checkpoint import (
 
 import model.interop.hf as hf
 from model.config import config_from_dict, config_to_dict
-from model.hf import main as hf_main
 from model.interop.deepseek_v4 import config_from_hf, config_to_hf
-from model.interop.model_dir import save_model_dir
 from model.interop.safetensors_io import CheckpointFormatError
 from model.layers.params import convert_layer_layout
-from model.lm import abstract_variables
 
 VOCAB, D, HEADS, HEAD_DIM, Q_RANK, GROUPS, O_RANK = 64, 32, 4, 16, 24, 2, 12
 EXPERTS, HIDDEN, INDEX_HEADS, INDEX_DIM, HC = 4, 16, 2, 8, 2
@@ -317,13 +313,6 @@ def test_imported_tensors_land_in_their_variables(source):
                                   w("mtp.0.ffn.gate.bias"))
 
 
-def test_checkpoints_without_mtp_tensors_import_without_mtp_heads(tmp_path):
-    """What transformers' save_pretrained writes: num_nextn_predict_layers 1, no mtp.* tensors."""
-    path = write_hf_dir(tmp_path / "hf", hf_tensors(mtp=False), HF_CONFIG)
-    config, variables = hf.load_hf_checkpoint(path, progress=False)
-    assert architecture(config) == architecture(CFG) and "mtp_0" not in variables["params"]
-
-
 def test_import_then_export_is_tensor_exact(source, tmp_path):
     """bfloat16 weights, float32 norms (exactly w - 1 + 1 for w in [0.5, 2]), mHC and biases,
     int64 hash tables, the MTP layer; under the release's names too."""
@@ -338,32 +327,6 @@ def test_import_then_export_is_tensor_exact(source, tmp_path):
                           names="release", progress=False)
     assert_same_tensors({hf.deepseek_v4.release_name(name): a for name, a in tensors.items()},
                         read_dir(tmp_path / "release"))
-
-
-def test_a_model_with_other_mtp_heads_exports_with_drop_mtp(source, tmp_path, capsys):
-    """DeepSeek-V4's MTP layers are `layer` blocks: a model with a dense MTP head (Step 3.5's)
-    is refused, naming --drop-mtp, which leaves the heads out and writes the checkpoint the
-    model came from less its MTP layer."""
-    config, variables = hf.load_hf_checkpoint(source[0], progress=False)
-    dense = config.replace(mtp=dataclasses.replace(config.mtp, block="dense",
-                                                   share_output_head=False))
-    rng = np.random.default_rng(0)
-    mtp = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(a.dtype),
-                       nn.meta.unbox(abstract_variables(dense))["params"]["mtp_0"])
-    balance = {k: v for k, v in variables["balance"].items() if k != "mtp_0"}
-    save_model_dir(dense, {"params": {**variables["params"], "mtp_0": mtp}, "balance": balance},
-                   tmp_path / "model")
-    assert hf_main(["export", str(tmp_path / "model"), "--out", str(tmp_path / "hf")]) == 2
-    error = capsys.readouterr().err
-    assert error.startswith("error: mtp.block: DeepSeek-V4's MTP layers are full decoder layers")
-    assert error.endswith("export without them with --drop-mtp\n") and error.count("\n") == 1
-    assert not (tmp_path / "hf").exists()
-    assert hf_main(["export", str(tmp_path / "model"), "--out", str(tmp_path / "hf"),
-                    "--drop-mtp", "--dtype", "bfloat16"]) == 0
-    expected = {name: a for name, a in source[1].items() if not name.startswith("mtp.")}
-    assert_same_tensors(expected, read_dir(tmp_path / "hf"))
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [  # no tokenizer, no .lock
-        "config.json", "model.safetensors"]
 
 
 def test_a_deepseek_v4_model_is_not_exported_as_step3p5(source, tmp_path):

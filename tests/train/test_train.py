@@ -247,22 +247,6 @@ def test_loss_free_bias_balances_a_skewed_router(scan):
     assert np.all(after < 1.25), after
 
 
-def test_the_bias_update_reaches_layer_mtp_blocks():
-    """`mtp.block: layer` heads have their own router bias: the same sign rule moves it with
-    their loads; layers without a bias (all dense here) are left alone."""
-    cfg = load_config(TINY, ["num_dense_layers=4", "num_layers=4", "layout=SSSF",
-                             "swiglu_limits=0", "swiglu_limits_shared=0",
-                             "mtp.block=layer", "mtp.num_heads=2", "moe.num_experts=4"])
-    balance = {f"mtp_{h}": {"block": {"moe": {"router_bias": jnp.full(4, float(h))}}}
-               for h in range(2)}
-    loads = jnp.asarray([[0.5, 0.25, 0.25, 0.0], [0.1, 0.2, 0.3, 0.4]])
-    updated = update_router_bias(balance, None, cfg, 0.01, loads)
-    np.testing.assert_allclose(updated["mtp_0"]["block"]["moe"]["router_bias"],
-                               [-0.01, 0.0, 0.0, 0.01])
-    np.testing.assert_allclose(updated["mtp_1"]["block"]["moe"]["router_bias"],
-                               [1.01, 1.01, 0.99, 0.99])
-
-
 def test_meta_loss_switch_threshold():
     assert not meta_loss_masked(-1, 10**12)  # never
     assert meta_loss_masked(0, 0)  # from the start
