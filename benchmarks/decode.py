@@ -26,7 +26,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks.common import RESULTS, markdown_table, save  # noqa: E402
 from model.config import load_config  # noqa: E402
-from model.inference.decode import Decoder, cache_bytes  # noqa: E402
+from model.inference.cache_memory import cache_bytes  # noqa: E402
+from model.inference.decode import Decoder  # noqa: E402
 from model.lm import CausalLM, abstract_variables, init_variables  # noqa: E402
 from model.weights import load_model  # noqa: E402
 

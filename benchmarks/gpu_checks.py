@@ -24,6 +24,7 @@ import numpy as np
 
 from benchmarks.gpu_attention_checks import attention_verdict
 from model.ops.moe_dispatch import ExpertWeights
+from model.ops.pallas_moe import expert_plan
 from model.ops.swiglu import SwiGLUClamp
 from model.ops.tables import ATTENTION, MOE
 
@@ -253,11 +254,23 @@ def check_moe(case: MoECase, backend: str) -> list[dict]:
             records.append(_record("moe", impl, case.label, shape, case.dtype,
                                    status=verdict(errors, fields["tolerance"]), errors=errors,
                                    compared=int(sum(np.size(w) for w in want.values())),
-                                   note=kernel_note(impl, backend, ""), **fields))
+                                   note=moe_kernels(case, backend) if impl == "pallas"
+                                   else kernel_note(impl, backend, ""), **fields))
         except Exception as err:
             records.append(_record("moe", impl, case.label, shape, case.dtype,
                                    status="error", note=first_line(err), **fields))
     return records
+
+
+def moe_kernels(case: MoECase, backend: str) -> str:
+    """The grouped-matmul kernels of `moe_impl=pallas` for this case, per leg (both expert
+    matmuls' when they differ), as the choice table picks them here."""
+    if backend == "cpu":
+        return "Pallas interpret mode"
+    plan = expert_plan(None, case.d_model, case.hidden, jnp.dtype(case.dtype), 8,
+                       interpret=False)
+    return "; ".join(f"{leg} " + "/".join(dict.fromkeys(
+        getattr(legs, leg).backend for legs in plan)) for leg in ("fwd", "dx", "dw"))
 
 
 def first_line(err: BaseException, limit: int = 300) -> str:

@@ -15,8 +15,13 @@ import dataclasses
 from benchmarks.gpu_checks import AttentionCase, MoECase
 from benchmarks.gpu_timings import AttentionShape
 from model.config import ModelConfig
+from pallas_kernels.grouped_common import Tiling
+from pallas_kernels.grouped_legs import LegChoice
 
-SECTIONS = ("checks", "attention", "moe", "train", "decode", "attention_sweep", "v4_layers")
+# In the order they run, most wanted first: the per-leg kernel sweep before the train step,
+# which uses its winners; the train step (the MFU figure) before the sections that add detail.
+SECTIONS = ("checks", "legs", "train", "moe", "profile", "attention", "remat", "decode",
+            "attention_sweep", "v4_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +50,11 @@ class Plan:
     v4_dry_run: bool  # shrink the V4 layers (benchmarks.gpu_v4_layers.layer_config)
     limits: dict  # section -> seconds after which it starts no new case
     budget_s: float  # sections starting later than this are skipped
+    legs_repeats: int = 10  # timed calls per grouped-matmul candidate
+    legs_candidates: dict | None = None  # leg -> LegChoices; None: gpu_moe_legs.CANDIDATES
+    profile_steps: int = 2
+    remat_policy: str = "dots_with_kernels"  # timed against the train config's policy
+    remat_steps: int = 10
 
     def with_changes(self, **changes) -> "Plan":
         return dataclasses.replace(self, **changes)
@@ -97,7 +107,7 @@ ACCELERATOR = Plan(
     # kernels fail).
     train_overrides=("train.warmup_steps=3", "model.moe_impl=pallas"),
     train_warmup=3,
-    train_steps=30,
+    train_steps=20,
     decode_prompt=64,
     decode_new_tokens=64,
     decode_batches=(1, 32),
@@ -107,8 +117,12 @@ ACCELERATOR = Plan(
     v4_cases=((16384, "C"), (16384, "dense"), (8192, "C"), (65536, "C"), (32768, "C"),
               (16384, "H"), (16384, "W"), (65536, "dense")),
     v4_dry_run=False,
-    limits={"checks": 90, "attention": 100, "moe": 45, "train": 150, "decode": 75,
-            "attention_sweep": 60, "v4_layers": 60},
+    # Expected on an H100, compiles included: checks ~90 s, legs <= 60 s (up to 48 kernel
+    # compiles), train ~60 s (a ~45 s compile), moe ~25 s, profile ~15 s, attention ~90 s, remat
+    # ~55 s, decode ~60 s: about 460 s, so the two sweeps after them start only with --budget
+    # raised or --sections chosen. The train limit leaves room for its kernel fallbacks.
+    limits={"checks": 90, "legs": 60, "train": 150, "moe": 45, "profile": 30, "attention": 100,
+            "remat": 90, "decode": 75, "attention_sweep": 60, "v4_layers": 60},
     budget_s=480,
 )
 
@@ -144,7 +158,15 @@ DRY_RUN = ACCELERATOR.with_changes(
     decode_others=(),  # benchmarks.gpu_decode's untrained path: tests/test_gpu_suite.py
     v4_cases=((128, "W"),),  # a shrunken V4 sliding-window layer
     v4_dry_run=True,
-    limits={"checks": 60, "attention": 30, "moe": 30, "train": 60, "decode": 30,
-            "attention_sweep": 30, "v4_layers": 30},
+    limits={"checks": 60, "legs": 30, "train": 60, "moe": 30, "profile": 30, "attention": 30,
+            "remat": 60, "decode": 30, "attention_sweep": 30, "v4_layers": 30},
     budget_s=300,  # generous: a dry run is to run every section, on any machine
+    legs_repeats=2,
+    # One interpreted Pallas candidate, one that needs a Hopper GPU (skipped) and XLA's.
+    legs_candidates={"fwd": (LegChoice("mosaic_gpu"), LegChoice("triton", Tiling(16, 16, 16)),
+                             LegChoice("xla")),
+                     "dx": (LegChoice("xla"),), "dw": (LegChoice("xla"),)},
+    # tiny.yaml's own policy: the section skips a comparison with itself (its compile would be
+    # the dry run's most expensive step); tests/test_gpu_suite.py runs it with a stubbed step
+    remat_policy="none",
 )

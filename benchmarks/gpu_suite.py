@@ -4,19 +4,26 @@
         [--train-config PATH] [--train-override KEY=VALUE ...] [--limit SECTION=SECONDS ...]
         [--budget SECONDS]
 
-Sections (benchmarks.gpu_plans sizes them; each records its results or "skipped: reason"):
+Sections, in this order (benchmarks.gpu_plans sizes them; each records its results or
+"skipped: reason"):
 1. checks: every `attention_impl` and `moe_impl` of the implementation tables against an XLA
    reference, forward and gradients, tiny and medium shapes (benchmarks.gpu_checks); the
    expert-parallel `ragged` collective when several devices are present (gpu_ep_check).
-2. attention: forward + backward of `xla`, `cudnn`, `pallas` at 4k-32k, SWA and full.
-3. moe: the MoE layer per `moe_impl` against a dense FFN of equal active FLOPs.
-4. train: configs/gpu_1b.yaml (~1B, bfloat16) for a few dozen steps: tokens/s, MFU against
-   the device's dense bf16 peak (benchmarks.pallas_attention.PEAKS; unknown device: omitted).
-5. decode: tokens/s at batch 1 and 32, without and with MTP speculation: the trained model and
+2. legs: the MoE's grouped matmuls per leg (fwd, dx, dw) on each candidate kernel and
+   configuration; the fastest correct ones serve the rest of the run (benchmarks.gpu_moe_legs)
+   and are written to DIR/grouped_leg_table.json.
+3. train: configs/gpu_1b.yaml (~1B, bfloat16) for a few dozen steps: tokens/s, MFU against
+   the device's dense bf16 peak (benchmarks.pallas_attention.PEAKS; unknown device: omitted),
+   XLA's scratch memory beside train.plan's estimate.
+4. moe: the MoE layer per `moe_impl` against a dense FFN of equal active FLOPs.
+5. profile: two more train steps under jax.profiler, time per category (gpu_profile).
+6. attention: forward + backward of `xla`, `cudnn`, `pallas` at 4k-32k, SWA and full.
+7. remat: the train step with remat_policy=dots_with_kernels against the config's policy.
+8. decode: tokens/s at batch 1 and 32, without and with MTP speculation: the trained model and
    the MiMo and DeepSeek-V4 ~1B configs (benchmarks.gpu_decode).
-6. attention_sweep: block sizes of the Mosaic GPU flash attention (sm90), writes the chosen
+9. attention_sweep: block sizes of the Mosaic GPU flash attention (sm90), writes the chosen
    table DIR/flash_attention_blocks.json (benchmarks.gpu_attention_sweep).
-7. v4_layers: DeepSeek-V4's CSA, HCA and sliding-window layers against a dense full-attention
+10. v4_layers: DeepSeek-V4's CSA, HCA and sliding-window layers against a dense full-attention
    layer, 8k-64k (benchmarks.gpu_v4_layers).
 Writes DIR/gpu_report.json and DIR/gpu_report.md (default benchmarks/results/;
 docs/kernels.md, "make gpu-check", says how to read them). Exit status 1 if a correctness check
@@ -40,16 +47,19 @@ from typing import NamedTuple, Sequence
 
 import jax
 
+from benchmarks import gpu_moe_probe
 from benchmarks.common import RESULTS
 from benchmarks.gpu_attention_sweep import run_attention_sweep as attention_sweep
 from benchmarks.gpu_checks import TOLERANCE, check_attention, check_moe, first_line
 from benchmarks.gpu_decode import decode_section
 from benchmarks.gpu_ep_check import check_ragged_collective
+from benchmarks.gpu_moe_legs import run_legs
 from benchmarks.gpu_mosaic_probe import probe_mosaic
 from benchmarks.gpu_plans import ACCELERATOR, DRY_RUN, SECTIONS, Plan, attention_shapes
+from benchmarks.gpu_profile import run_profile
 from benchmarks.gpu_report import targets, write_report
 from benchmarks.gpu_timings import time_attention, time_moe
-from benchmarks.gpu_train import train_section
+from benchmarks.gpu_train import run_remat, train_section
 from benchmarks.gpu_v4_layers import run_v4_layers as v4_layers
 from benchmarks.pallas_attention import peak_for
 from model.config import ModelConfig
@@ -61,6 +71,16 @@ PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "libtpu",
             "optax", "orbax-checkpoint")
 
 
+def cudnn_version() -> str | None:
+    """The cuDNN that JAX's CUDA plugin loaded (e.g. "9.14.0"), None without one."""
+    try:
+        from jax._src.lib import cuda_versions
+        number = cuda_versions.cudnn_get_version()
+    except Exception:  # no CUDA plugin, or cuDNN not found
+        return None
+    return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
+
+
 def versions() -> dict[str, str]:
     found = {"python": platform.python_version()}
     for name in PACKAGES:
@@ -68,6 +88,8 @@ def versions() -> dict[str, str]:
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             continue
+    if jax.default_backend() == "gpu" and (cudnn := cudnn_version()):
+        found["cudnn"] = cudnn
     return found
 
 
@@ -91,7 +113,7 @@ class Context(NamedTuple):
     model: ModelConfig  # of the train config: the timed attention and MoE shapes
     backend: str
     peak_tflops: float | None
-    shared: dict  # results a later section uses ("trained": run, state and data)
+    shared: dict  # results later sections use ("trained", "train_record")
 
 
 def run_checks(ctx: Context, deadline: float) -> dict:
@@ -134,6 +156,7 @@ def run_train(ctx: Context, deadline: float) -> dict:
     section, ctx.shared["trained"] = train_section(
         plan.train_config, list(plan.train_overrides), warmup=plan.train_warmup,
         steps=plan.train_steps, peak_tflops=ctx.peak_tflops)
+    ctx.shared["train_record"] = section
     return section
 
 
@@ -155,9 +178,10 @@ def run_v4_layers(ctx: Context, deadline: float) -> dict:
                      repeats=ctx.plan.attention_repeats, deadline=deadline)
 
 
-# section -> runner(context, deadline); moe and train are one case each, which a deadline
-# cannot stop midway.
-RUNNERS = {"checks": run_checks, "attention": run_attention, "moe": run_moe, "train": run_train,
+# section -> runner(context, deadline); moe, train, profile, remat and decode are one case
+# each, which a deadline cannot stop midway.
+RUNNERS = {"checks": run_checks, "legs": run_legs, "train": run_train, "moe": run_moe,
+           "profile": run_profile, "attention": run_attention, "remat": run_remat,
            "decode": run_decode, "attention_sweep": run_attention_sweep,
            "v4_layers": run_v4_layers}
 
@@ -233,10 +257,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if not dry_run and is_hopper(compute_capability()):
+        grouped_probe = gpu_moe_probe.start()  # runs alongside the attention probe
         usable, device["mosaic_attention"] = probe_mosaic()
         if not usable:
             UNAVAILABLE["mosaic"] = device["mosaic_attention"]
         print(f"[gpu-check] Mosaic GPU flash attention: {device['mosaic_attention']}", flush=True)
+        device["mosaic_grouped_matmuls"] = gpu_moe_probe.finish(grouped_probe)
+        print(f"[gpu-check] Mosaic GPU grouped matmuls: {device['mosaic_grouped_matmuls']}",
+              flush=True)
     ctx = Context(plan, model, device["backend"], device["peak_bf16_tflops"],
                   shared={"out_dir": args.out})
     sections = run_sections(ctx, args.sections)

@@ -21,7 +21,8 @@ import numpy as np
 from benchmarks.common import markdown_table, save
 from benchmarks.decode import heldout_prompts
 from model.config import load_config
-from model.inference.decode import Decoder, cache_bytes
+from model.inference.cache_memory import cache_bytes
+from model.inference.decode import Decoder
 from model.inference.kv_cache import KVCacheSpec
 from model.lm import CausalLM, abstract_variables
 from model.weights import load_model

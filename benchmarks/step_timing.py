@@ -21,6 +21,7 @@ class TimedSteps(NamedTuple):
     losses: list[float]  # every step's loss, warm-up included
     step_seconds: list[float]  # wall time of each step after the warm-up
     temp_bytes: int | None  # XLA's planned scratch memory of the compiled step
+    compiled: Any  # the compiled step: (state, batch, mask_meta) -> (state, metrics), donating
 
 
 def timed_steps(training, run, state, next_batch: Callable[[], dict], *, warmup: int,
@@ -41,4 +42,4 @@ def timed_steps(training, run, state, next_batch: Callable[[], dict], *, warmup:
         if index >= warmup:
             times.append(time.perf_counter() - start)
         losses.append(float(metrics["loss"]))
-    return TimedSteps(state, metrics, compile_s, losses, times, temp_bytes(compiled))
+    return TimedSteps(state, metrics, compile_s, losses, times, temp_bytes(compiled), compiled)

@@ -83,6 +83,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.saved_names import name_attention
+from pallas_kernels.target import target_backend
+
 _NEG = -1e30  # finite "minus infinity" for masked scores, as in the XLA attention path
 DEFAULT_BLOCKS = {"gpu": (64, 64)}  # (block_q, block_k) per backend (see the docstring)
 FALLBACK_BLOCKS = (128, 128)  # interpret mode on CPU
@@ -429,7 +432,7 @@ def _flash(q, k, v, segment_ids, sink, cfg: _Config):
 
 
 def _flash_fwd(q, k, v, segment_ids, sink, cfg: _Config):
-    out, lse = _forward(q, k, v, segment_ids, sink, cfg)
+    out, lse = name_attention(*_forward(q, k, v, segment_ids, sink, cfg))  # named for remat
     return out, (q, k, v, segment_ids, sink, out, lse)
 
 
@@ -486,7 +489,7 @@ def flash_attention(q, k, v, *, window=None, segment_ids=None, sink=None, block_
         raise ValueError(f"segment_ids: expected shape {(batch, length)}, got {segment_ids.shape}")
     if sink is not None and sink.shape != (heads,):
         raise ValueError(f"sink: expected shape {(heads,)}, got {sink.shape}")
-    backend = jax.default_backend()
+    backend = target_backend()
     interpret = backend == "cpu" if interpret is None else bool(interpret)
     if not interpret and backend == "tpu":
         raise NotImplementedError(

@@ -48,6 +48,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import mgpu_attention_common as mc
 from pallas_kernels.flash_attention import kv_block_range, sink_gradient
 from pallas_kernels.flash_attention_mgpu_bwd import backward
+from pallas_kernels.saved_names import name_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +203,7 @@ def _flash(q, k, v, segment_ids, sink, cfg: MosaicConfig):
 
 
 def _flash_fwd(q, k, v, segment_ids, sink, cfg: MosaicConfig):
-    out, lse = _attention(q, k, v, segment_ids, sink, cfg)
+    out, lse = name_attention(*_attention(q, k, v, segment_ids, sink, cfg))  # named for remat
     return out, (q, k, v, segment_ids, sink, out, lse)
 
 

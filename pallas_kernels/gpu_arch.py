@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels.target import target_backend, target_capability
+
 HOPPER = (9, 0)  # wgmma + TMA (sm90); Blackwell (sm100) has tcgen05 instead of wgmma
 
 
 def compute_capability() -> tuple[int, int] | None:
-    """(major, minor) of device 0 when it is an NVIDIA GPU, else None."""
-    if jax.default_backend() != "gpu":
+    """(major, minor) of device 0 when it is an NVIDIA GPU (or of the GPU `pallas_kernels.target`
+    lowers for), else None."""
+    if target_backend() != "gpu":
         return None
+    if target_capability() is not None:  # lowering for a GPU this host does not have
+        return target_capability()
     text = getattr(jax.devices()[0], "compute_capability", None)
     if not text:  # a ROCm device has none
         return None

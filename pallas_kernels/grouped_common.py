@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.target import target_backend
+
 
 class Tiling(NamedTuple):
     """Tile sizes by role: rows (M), contraction (K) and output columns (N) of the forward gmm.
@@ -30,7 +32,7 @@ class Tiling(NamedTuple):
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
-    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+    return target_backend() == "cpu" if interpret is None else bool(interpret)
 
 
 class Schedule(NamedTuple):

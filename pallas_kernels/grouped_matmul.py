@@ -50,7 +50,8 @@ so they read the same schedule as ordinary int32 arrays and store with row masks
 dispatches: `kernel="mosaic"` (TPU), `"triton"` (GPU), None for the backend's (Triton on GPU,
 Mosaic elsewhere); these Mosaic kernels raise on GPU unless interpreted.
 
-`interpret=None` means interpret mode when `jax.default_backend() == "cpu"` (slow; tests only).
+`interpret=None` means interpret mode when tracing for the CPU (`pallas_kernels.target`; slow,
+tests only).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from pallas_kernels.grouped_common import (
     schedule_size,
     tgmm_shapes,
 )
+from pallas_kernels.target import target_backend
 
 
 # Per-backend defaults. TPU: 128-row tiles (the MXU width of v4/v5) and 512-wide K/N tiles keep
@@ -90,7 +92,7 @@ def default_tiling(interpret: bool) -> Tiling:
 def _check_backend(interpret: bool) -> None:
     # Only GPU is refused here: on CPU Pallas itself says that only interpret mode runs, and
     # lowering for TPU from a CPU host (`.lower(lowering_platforms=("tpu",))`) must stay open.
-    if not interpret and jax.default_backend() in ("gpu", "cuda", "rocm"):
+    if not interpret and target_backend() == "gpu":
         raise NotImplementedError(
             "pallas grouped matmul: the Mosaic kernels target TPU and do not lower on GPU; "
             "use kernel='triton' there (the default on GPU), or interpret=True for testing"
@@ -327,10 +329,10 @@ KERNELS = ("mosaic", "triton")
 
 
 def resolve_kernel(kernel: str | None) -> str:
-    """"mosaic" (TPU) or "triton" (GPU); None picks by `jax.default_backend()`: Triton on GPU,
+    """"mosaic" (TPU) or "triton" (GPU); None picks by the backend traced for (`pallas_kernels.target`): Triton on GPU,
     Mosaic elsewhere (so CPU interpret mode runs the TPU kernels unless told otherwise)."""
     if kernel is None:
-        return "triton" if jax.default_backend() == "gpu" else "mosaic"
+        return "triton" if target_backend() == "gpu" else "mosaic"
     if kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS} or None, got {kernel!r}")
     return kernel

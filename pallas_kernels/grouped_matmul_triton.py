@@ -64,6 +64,7 @@ from pallas_kernels.grouped_common import (
     resolve_interpret,
     tgmm_shapes,
 )
+from pallas_kernels.target import target_backend
 
 MIN_TILE = 16  # tl.dot needs at least 16 along every dimension
 DEFAULT_TILING = {"gpu": Tiling(128, 64, 128), "interpret": Tiling(128, 128, 128)}
@@ -94,7 +95,7 @@ def _prepare(lhs, rhs, tiling, interpret, m, k, n):
     """(lhs, rhs in their common dtype, fitted tiles, interpret, dtype); refuses TPU and bad
     compiled tiles. Lowering for CUDA from a CPU host stays open."""
     interpret = resolve_interpret(interpret)
-    if not interpret and jax.default_backend() == "tpu":
+    if not interpret and target_backend() == "tpu":
         raise NotImplementedError("pallas grouped matmul: the Triton kernels target GPU; use "
                                   "kernel='mosaic' on TPU")
     tiles = Tiling(*(tiling or default_tiling(interpret)))

@@ -1,7 +1,8 @@
 """Independent float64 numpy references of the router, SwiGLU and routed experts (explicit
 loops; docs/architecture.md "Exact semantics", report eq. 1 and 4.1.3), routing comparisons
 and a fast-compiling jit, shared by tests/model/test_moe_router.py, test_moe_routed_experts.py and test_moe_module.py;
-grouped-matmul operands for the Pallas kernel tests (tests/pallas_kernels/test_pallas_moe*.py).
+grouped-matmul operands, float64 loops and the relative error for the Pallas kernel tests
+(tests/pallas_kernels/test_pallas_moe*.py, test_grouped_matmul_mgpu.py).
 Nothing here imports `model/`."""
 
 import zlib
@@ -163,3 +164,32 @@ def grouped_matmul_operands(name: str, case: tuple, dtype):
     rhs = jnp.asarray(rng.normal(size=(len(sizes), k, n)) / np.sqrt(k), dtype)
     dout = jnp.asarray(rng.normal(size=(m, n)), dtype)
     return lhs, rhs, jnp.asarray(sizes, jnp.int32), dout
+
+
+def numpy_grouped(lhs, rhs, dout, sizes):
+    """(out, dlhs, drhs) in float64 by explicit loops over groups and their rows."""
+    lhs, rhs, dout = (as_float64(a) for a in (lhs, rhs, dout))
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    dlhs = np.zeros(lhs.shape)
+    drhs = np.zeros(rhs.shape)
+    start = 0
+    for g, size in enumerate(sizes):
+        for r in range(start, start + size):
+            for j in range(rhs.shape[2]):
+                out[r, j] = sum(lhs[r, c] * rhs[g, c, j] for c in range(lhs.shape[1]))
+            dlhs[r] = rhs[g] @ dout[r]
+            drhs[g] += np.outer(lhs[r], dout[r])
+        start += size
+    return out, dlhs, drhs
+
+
+def as_float64(a) -> np.ndarray:
+    """A float64 numpy copy (numpy arrays keep their precision; JAX arrays go through float32)."""
+    return np.asarray(a if isinstance(a, np.ndarray) else jnp.asarray(a, jnp.float32), np.float64)
+
+
+def rel_error(actual, expected) -> float:
+    """max|actual - expected| / max|expected|, in float64."""
+    actual, expected = as_float64(actual), as_float64(expected)
+    assert actual.shape == expected.shape
+    return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))

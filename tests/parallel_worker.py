@@ -4,11 +4,13 @@ single-device dispatch. Prints one JSON object; the test asserts on it.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/parallel_worker.py MESH...
 
-MESH: comma-separated axis=size, e.g. `pipeline=2,data=4` (loss and gradients), prefixed with
-`step:` to also run the whole train step with the Muon update (slower to compile); the word
-`ep_skew` runs the skewed expert-parallel dispatch check instead, `v4:MESH` the loss and
-gradients of a tiny DeepSeek-V4 model (W/C/H layers, mHC, hash routing) on MESH, `mimo:MESH`
-those of a tiny MiMo-V2-Flash model (per-type KV heads and head dims, sinks on SWA layers only).
+MESH: comma-separated axis=size, e.g. `pipeline=2,data=4` (loss and gradients), where
+`virtual=V` sets model.pipeline_virtual_stages; prefixed with `step:` to also run the whole train
+step with the Muon update (slower to compile); the word `ep_skew` runs the skewed
+expert-parallel dispatch check instead, `v4:MESH` the loss and gradients of a tiny DeepSeek-V4
+model (W/C/H layers, mHC, hash routing; its two hash-routed W layers form the pipelined segment)
+on MESH, `mimo:MESH` those of a tiny MiMo-V2-Flash model (per-type KV heads and head dims, sinks
+on SWA layers only; four SWA layers in the pipelined segment).
 """
 
 import functools
@@ -71,14 +73,25 @@ def initial_state():
     return jax.jit(lambda: create_state(training.model, training.optimizer, run.train.seed))()
 
 
-FAMILY_RUNS = {"v4": small_v4_run, "mimo": small_mimo_run}
+FAMILY_RUNS = {
+    "v4": lambda *o: small_v4_run("model.layout=WWCH", "model.moe.hash_layers=2", *o),
+    "mimo": small_mimo_run,
+}
 
 
-def family_loss_and_grads(family: str, mesh_sizes: dict, devices) -> tuple[float, list]:
+def parse_mesh(text: str) -> tuple[dict, tuple[str, ...]]:
+    """'pipeline=2,data=4,virtual=2' -> ({mesh axis: size}, model overrides)."""
+    sizes = {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
+    virtual = sizes.pop("virtual", 1)
+    return sizes, (f"model.pipeline_virtual_stages={virtual}",)
+
+
+def family_loss_and_grads(family: str, mesh_sizes: dict, devices,
+                          overrides: tuple = ()) -> tuple[float, list]:
     """Loss and gradients of a tiny DeepSeek-V4 or MiMo-V2-Flash model on a mesh of
     `mesh_sizes`."""
     run = FAMILY_RUNS[family]("train.batch_size=16", "train.seq_len=16",
-                              "model.moe.num_ep_groups=2")
+                              "model.moe.num_ep_groups=2", *overrides)
     training = build_training(run)
     mesh = make_mesh(MeshConfig(**{"data": 1, **mesh_sizes}), devices)
     abstract = abstract_state(training, run.train.seed)
@@ -100,8 +113,8 @@ def family_loss_and_grads(family: str, mesh_sizes: dict, devices) -> tuple[float
     return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
-def run_step(mesh_sizes: dict, devices, whole_step: bool = True) -> dict:
-    run = small_run(*RUN_OVERRIDES)
+def run_step(mesh_sizes: dict, devices, whole_step: bool = True, overrides: tuple = ()) -> dict:
+    run = small_run(*RUN_OVERRIDES, *overrides)
     training = build_training(run)
     mesh = make_mesh(MeshConfig(**{"data": 1, **mesh_sizes}), devices)
     abstract = abstract_state(training, run.train.seed)
@@ -239,9 +252,57 @@ def pallas_on_mesh() -> dict:
             "moe_error": relative_error([np.asarray(got_y)], [np.asarray(want_y)])}
 
 
+def pipeline_schedules() -> dict:
+    """`pipeline_forward` on a mesh (pipeline=2, data=4) against the repeats applied one after
+    another on the whole batch, for uneven GPipe stages and virtual stages with and without an
+    empty chunk: outputs, per-repeat aux (summed over micro-batches) and weight gradients.
+    The repeats do not commute (tanh of a matmul plus a bias), so a chunk run out of order or
+    twice, or a round that skips the queue, shows."""
+    from model.parallel.pipeline import StagePlan, pipeline_forward
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(8, 4, 8)), jnp.float32)  # [B, T, D]
+    positions = jnp.broadcast_to(jnp.arange(4), (8, 4))
+
+    def repeat_fn(v, h, pos, *_):
+        out = jnp.tanh(h @ v["w"]) + v["b"] + 0.01 * pos[..., None]
+        return out, {"expert_tokens": jnp.sum(out, axis=(0, 1))}
+
+    def sequential(variables):
+        h, aux = x, []
+        for r in range(variables["w"].shape[0]):
+            h, a = repeat_fn(jax.tree.map(lambda t: t[r], variables), h, positions)
+            aux.append(a["expert_tokens"])
+        return h, jnp.stack(aux)
+
+    mesh = make_mesh(MeshConfig(pipeline=2, data=4))
+    errors = {}
+    for repeats, virtual in ((3, 1), (4, 2), (3, 2)):
+        variables = {"w": jnp.asarray(rng.normal(size=(repeats, 8, 8)) * 0.5, jnp.float32),
+                     "b": jnp.asarray(rng.normal(size=(repeats, 8)), jnp.float32)}
+        plan = StagePlan(2, virtual, repeats, 4)
+
+        def piped(variables, plan=plan):
+            h, aux = pipeline_forward(repeat_fn, variables, x, (positions, None, None), plan)
+            return h, aux["expert_tokens"]
+
+        def outputs_and_grads(fn):  # one program: (h, aux) and the gradient of a loss of both
+            def loss(v):
+                h, aux = fn(v)
+                return jnp.sum(jnp.sin(h)) + jnp.sum(aux), (h, aux)
+            return jax.jit(lambda v: jax.grad(loss, has_aux=True)(v))
+
+        want = outputs_and_grads(sequential)(variables)
+        with use_mesh(mesh):
+            got = outputs_and_grads(piped)(variables)
+        errors[f"R={repeats},V={virtual}"] = relative_error(
+            [np.asarray(a) for a in jax.tree.leaves(got)],
+            [np.asarray(a) for a in jax.tree.leaves(want)])
+    return {"pipeline_schedule_errors": errors}
+
+
 def main(args: list[str]) -> None:
     if args == ["ep_skew"]:
-        print(json.dumps({**ep_skew(), **pallas_on_mesh()}))
+        print(json.dumps({**ep_skew(), **pallas_on_mesh(), **pipeline_schedules()}))
         return
     family = args[0].split(":")[0]
     if family in FAMILY_RUNS:
@@ -249,8 +310,8 @@ def main(args: list[str]) -> None:
         results = {}
         for text in args:
             mesh = text.removeprefix(f"{family}:")
-            sizes = {k: int(v) for k, v in (item.split("=") for item in mesh.split(","))}
-            loss, grads = family_loss_and_grads(family, sizes, jax.devices())
+            sizes, overrides = parse_mesh(mesh)
+            loss, grads = family_loss_and_grads(family, sizes, jax.devices(), overrides)
             results[mesh] = {"loss_error": abs(loss - want_loss) / abs(want_loss),
                              "grad_error": relative_error(grads, want_grads)}
         print(json.dumps(results))
@@ -260,8 +321,8 @@ def main(args: list[str]) -> None:
     for text in args:
         whole_step = text.startswith("step:")
         mesh = text.removeprefix("step:")
-        sizes = {k: int(v) for k, v in (item.split("=") for item in mesh.split(","))}
-        got = run_step(sizes, jax.devices(), whole_step)
+        sizes, overrides = parse_mesh(mesh)
+        got = run_step(sizes, jax.devices(), whole_step, overrides)
         results[mesh] = {
             "loss_error": abs(got["loss"] - reference["loss"]) / abs(reference["loss"]),
             "balance_error": abs(got["balance"] - reference["balance"]) / reference["balance"],

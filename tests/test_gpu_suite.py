@@ -3,15 +3,17 @@ every section, and its correctness checks really compare: two deliberately wrong
 implementations, added to the implementation tables, are caught where their bug shows and
 only there, while every real implementation passes.
 
-The dry run runs in a subprocess (the XLA flags and compilation cache of the tests'
-subprocesses, which compile about 3x faster; the wrong implementations are added to the tables
-there before the suite starts).
+The dry run runs in a subprocess (the XLA flags of the tests' subprocesses, which compile
+about 3x faster, and a compilation cache per version of the code; the wrong implementations are
+added to the tables there before the suite starts).
 """
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +39,8 @@ from pallas_kernels.flash_attention_blocks import load_table
 
 # One worker runs the whole module, so the dry run (a module fixture) runs once.
 pytestmark = pytest.mark.xdist_group("gpu_suite")
-SECTIONS = ["checks", "attention", "moe", "train", "decode", "attention_sweep", "v4_layers"]
+SECTIONS = ["checks", "legs", "train", "moe", "profile", "attention", "remat", "decode",
+            "attention_sweep", "v4_layers"]
 ATTENTION_ARRAYS = {"out", "dq", "dk", "dv"}
 MOE_ARRAYS = {"out", "dx", "dgate", "dup", "ddown"}
 
@@ -64,12 +67,24 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def source_digest() -> str:
+    """A digest of the packages' and benchmarks' sources."""
+    digest = hashlib.sha256()
+    for path in sorted(p for d in ("model", "train", "pallas_kernels", "benchmarks")
+                       for p in (REPO / d).rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
+    # A compilation cache of its own per version of the code: JAX keys cached programs without
+    # their metadata, and the profile section reads the op paths (named scopes) from it.
+    cache = Path(jax.config.jax_compilation_cache_dir) / "gpu_suite" / source_digest()
     env = {**os.environ, "XLA_FLAGS": SUBPROCESS_XLA_FLAGS, "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
-           "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+           "JAX_COMPILATION_CACHE_DIR": str(cache),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
     result = subprocess.run([sys.executable, "-c", RUN_WITH_WRONG_IMPLEMENTATIONS, "--dry-run",
                              "--out", str(out)], cwd=REPO, env=env, capture_output=True,
@@ -93,13 +108,17 @@ def test_dry_run_reports_every_section_and_fails_on_the_wrong_implementations(dr
     assert report["versions"]["jax"]
     assert list(report["sections"]) == SECTIONS
     statuses = {name: s["status"] for name, s in report["sections"].items()}
-    assert statuses == {"checks": "failed", "attention": "done", "moe": "done", "train": "done",
-                        "decode": "done", "attention_sweep": "skipped", "v4_layers": "done"}
+    skipped = {"attention_sweep", "remat"}  # needs sm90; the dry run's policy is the train's
+    assert statuses == {name: "failed" if name == "checks" else
+                        "skipped" if name in skipped else "done" for name in SECTIONS}
     assert "sm90" in report["sections"]["attention_sweep"]["note"]
-    for title in ("## Targets", "## Correctness", "## Attention", "## MoE", "## Train step",
-                  "## Decoding", "## Mosaic GPU flash-attention block sweep",
+    for title in ("## Targets", "## Correctness", "## Grouped matmuls per leg", "## Train step",
+                  "## Where the train step's time goes", "## Remat policies", "## Attention",
+                  "## MoE", "## Decoding", "## Mosaic GPU flash-attention block sweep",
                   "## DeepSeek-V4 attention layers"):
         assert title in markdown
+    table = json.loads(Path(report["sections"]["legs"]["table"]).read_text())
+    assert table["status"].startswith("measured on cpu") and len(table["rows"]) == 6
     assert all(t["met"] is None for t in report["targets"])  # a dry run meets no target
 
 
@@ -159,6 +178,7 @@ def test_timings_train_and_decode_record_figures_or_reasons(dry_run):
     train = sections["train"]
     assert train["tokens_per_s"] > 0 and train["timed_steps"] == 2
     assert train["mfu"] is None  # no bf16 peak for a CPU
+    assert train["step_scratch_gib"] > 0 and train["planner_total_gib"] > 0
     assert np.isfinite(train["loss_first"]) and np.isfinite(train["loss_last"])
     decode = sections["decode"]["records"]
     assert [(r["config"], r["batch"], r["draft"]) for r in decode] == [
@@ -166,6 +186,39 @@ def test_timings_train_and_decode_record_figures_or_reasons(dry_run):
     assert all(r["tokens_per_s"] > 0 and 0 <= r["chain_accuracy"] <= 1 for r in decode)
     (v4,) = sections["v4_layers"]["records"]
     assert (v4["kind"], v4["status"]) == ("W", "done") and v4["fwd_bwd_ms"] > 0
+
+
+@pytest.mark.slow
+def test_kernel_sweep_profile_and_remat_sections(dry_run):
+    """The per-leg sweep checks and times what runs here and skips the rest with a reason; the
+    profile attributes a real trace of two tiny steps; remat skips comparing a policy with
+    itself."""
+    _, report, _ = dry_run
+    legs = report["sections"]["legs"]
+    by = {(r["matmul"], r["leg"], r["backend"]): r for r in legs["records"]}
+    assert len(legs["records"]) == 10  # 2 matmuls x (3 fwd + 1 dx + 1 dw candidates)
+    for matmul, k_n in (("gate_up", (32, 32)), ("down", (16, 32))):
+        assert "Hopper" in by[(matmul, "fwd", "mosaic_gpu")]["note"]
+        triton = by[(matmul, "fwd", "triton")]
+        assert triton["status"] == "done" and "interpret mode" in triton["note"]
+        for leg in ("fwd", "dx", "dw"):
+            xla = by[(matmul, leg, "xla")]
+            assert xla["status"] == "done" and xla["error"] < 1e-2 and xla["tflops"] > 0
+        assert (by[(matmul, "fwd", "xla")]["k"], by[(matmul, "fwd", "xla")]["n"]) == k_n
+        assert (by[(matmul, "dx", "xla")]["k"], by[(matmul, "dx", "xla")]["n"]) == k_n[::-1]
+    assert {(r["leg"], r["k"], r["n"]) for r in legs["chosen"]} == {
+        ("fwd", 32, 32), ("dx", 32, 32), ("dw", 32, 32), ("fwd", 16, 32), ("dx", 32, 16),
+        ("dw", 16, 32)}
+    profile = report["sections"]["profile"]
+    assert "note" not in profile, profile["note"]
+    shares = {r["category"]: r["share"] for r in profile["records"]}
+    assert profile["steps"] == 2 and profile["events"] > 0 and abs(sum(shares.values()) - 1) < 1e-9
+    for category in ("attention", "expert matmuls", "dispatch", "router", "dense matmuls",
+                     "norms and elementwise", "optimizer"):
+        assert shares[category] > 0, category
+    # ops without a JAX path are XLA's own (copies, loop control): a small part here
+    assert profile["unnamed_ms_per_step"] < 0.25 * profile["op_ms_per_step"]
+    assert report["sections"]["remat"]["note"] == "the train section ran remat_policy=none"
 
 
 def test_bad_arguments_get_one_line_errors(capsys):
@@ -200,7 +253,8 @@ def test_train_section_falls_back_one_kernel_switch_at_a_time(monkeypatch):
         tried.append(pair)
         if pair[1] == "pallas":
             raise RuntimeError("Triton compilation failed")
-        return {"status": "done", "attention_impl": pair[0], "moe_impl": pair[1]}, "state", "data"
+        return ({"status": "done", "attention_impl": pair[0], "moe_impl": pair[1]},
+                gpu_train.Trained(run, "state", "data", "step"))
 
     monkeypatch.setattr(gpu_train, "measure_training", measure)
     record, trained = gpu_train.train_section(
@@ -209,7 +263,7 @@ def test_train_section_falls_back_one_kernel_switch_at_a_time(monkeypatch):
     assert (record["attention_impl"], record["moe_impl"]) == ("pallas", "ragged_dot")
     assert record["failed"] == [{"attention_impl": "pallas", "moe_impl": "pallas",
                                  "error": "RuntimeError: Triton compilation failed"}]
-    assert trained[1:] == ("state", "data")
+    assert trained[1:] == ("state", "data", "step")
     assert gpu_train.kernel_attempts("xla", "sorted") == [("xla", "sorted"), ("xla", "ragged_dot")]
 
 

@@ -294,9 +294,11 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
         losses.append(float(metrics["loss"]))
         clock.finished(timed_tokens)
         progress.update(first_step + len(losses), loss=losses[-1])
-        raise_if_diverged(metrics)
+        raise_if_diverged(metrics, first_step + len(losses))
 
-    def raise_if_diverged(metrics) -> None:
+    def raise_if_diverged(metrics, last: int) -> None:
+        """Stops the run when the steps up to `last` ended `train.max_consecutive_skips`
+        non-finite ones in a row."""
         if int(metrics["consecutive_skips"]) >= cfg.max_consecutive_skips:
             kept = (f"the checkpoint of step {intact} is intact (resuming repeats the same "
                     "steps: lower train.lr in a new --workdir, or raise "
@@ -304,7 +306,7 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                     "no checkpoint was saved: lower train.lr and re-run")
             raise TrainingError(
                 f"the run diverged: {cfg.max_consecutive_skips} consecutive steps had a "
-                f"non-finite loss or gradient (up to step {first_step + len(losses)}); stopped "
+                f"non-finite loss or gradient (up to step {last}); stopped "
                 f"without saving its state; {kept}")
 
     anticipatory = trainer.anticipatory  # DeepSeek-V4's switch, or None
@@ -374,7 +376,7 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                 # A state that ended the run's divergence is never saved: a re-run would find
                 # it at the last step and call the run finished. (Its loss is still read one
                 # step late, where a spike rolls back past this checkpoint.)
-                raise_if_diverged(pending[0])
+                raise_if_diverged(pending[0], step)
                 # Rows lag the steps (the writer waits for their values): a kill after this
                 # checkpoint must not lose rows a resume from it would not write again.
                 writer.flush()

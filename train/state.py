@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from model.lm import CausalLM, init_variables, split_variables
+from model.lm import CausalLM, abstract_variables, init_variables, split_variables
 from model.parallel.rules import param_axes
 from train.config import RunConfig
 from train.optim.optimizer import build_optimizer, param_labels
@@ -40,7 +40,7 @@ class Training(NamedTuple):
 
 def build_training(run: RunConfig) -> Training:
     model = CausalLM(run.model)
-    boxed = jax.eval_shape(lambda: init_variables(model, jax.random.key(0)))
+    boxed = abstract_variables(run.model)
     axes = param_axes(boxed)
     heads = run.trained_mtp_heads()
     variable_axes = {name: param_axes(tree) for name, tree in boxed.items()}
@@ -70,8 +70,11 @@ def state_from_variables(variables: dict, optimizer: optax.GradientTransformatio
 
 
 def abstract_state(training: Training, seed: int) -> TrainState:
-    """Shapes and dtypes of the state (what a checkpoint restores into), without computing it."""
-    return jax.eval_shape(lambda: create_state(training.model, training.optimizer, seed))
+    """Shapes and dtypes of the state (what a checkpoint restores into), without computing it
+    (the model's variable shapes are cached per config: `model.lm.abstract_variables`)."""
+    variables = abstract_variables(training.model.config)
+    return jax.eval_shape(lambda v: state_from_variables(nn.meta.unbox(v), training.optimizer,
+                                                        jax.random.key(seed)), variables)
 
 
 def tree_where(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
@@ -89,10 +92,11 @@ def apply_finite_update(state: TrainState, optimizer: optax.GradientTransformati
     goes with the update, None: unchanged. Returns (new state, the optimizer's updates,
     {"grad_norm": float32 [], "skipped": int32 [] 0 or 1}).
     """
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):  # profile attribution (benchmarks/gpu_profile.py)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
     balance = state.balance if balance is None else balance
     skipped = (~finite).astype(jnp.int32)
     new_state = state.replace(

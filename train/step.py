@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from model.lm import CausalLM, join_variables, learned_routing_mean, output_head_params
 from model.parallel.mesh import mesh_axis_size
-from model.parallel.pipeline import bubble_fraction, num_microbatches
+from model.parallel.pipeline import stage_plan
 from train.balance import has_router_bias, update_router_bias
 from train.config import RunConfig
 from train.losses import chunked_cross_entropy, shifted_targets
@@ -126,7 +126,7 @@ def make_train_step(training: Training, run: RunConfig
         metrics = {"loss": loss, **parts, **update_stats,
                    # share of the step's positions whose next token is a target (chat SFT:
                    # the assistant turns; plain text: all but document ends and padding)
-                   "trained_fraction": counts[0] / batch["tokens"].size,
+                   "trained_fraction": counts[0] / float(batch["tokens"].size),
                    "lr": learning_rate(applied_updates(state.opt_state)),  # this update's rate
                    "skipped_steps": new_state.skipped,
                    "consecutive_skips": new_state.consecutive_skips,
@@ -134,7 +134,7 @@ def make_train_step(training: Training, run: RunConfig
         stages = mesh_axis_size("pipeline")
         if stages > 1:
             metrics["pipeline/bubble_fraction"] = jnp.float32(
-                bubble_fraction(stages, num_microbatches(run.model, stages)))
+                stage_plan(run.model, stages).bubble)
         if "replay_mismatch" in moe_aux:  # anticipatory routing's replayed choice
             metrics["anticipatory_routing/mismatch"] = jnp.mean(
                 learned_routing_mean(run.model, moe_aux.pop("replay_mismatch")))

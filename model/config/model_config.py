@@ -34,7 +34,8 @@ from model.ops.tables import ATTENTION, MOE
 
 ROUTER_ACTIVATIONS = ("sigmoid", "softmax", "sqrt_softplus")  # sqrt_softplus: DeepSeek-V4
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots", "save_attention_out", "save_ffn_out")
+REMAT_POLICIES = ("none", "full", "dots", "dots_with_kernels", "save_attention_out",
+                  "save_ffn_out")
 EP_COLLECTIVES = ("auto", "ragged", "padded")
 INT32_MAX = 2**31 - 1
 # Far beyond any model (the largest have ~100 layers); bounds what per-layer lists a config
@@ -205,10 +206,12 @@ class ModelConfig(Config):
     # Parallel execution under a device mesh (model/parallel/expert_parallel.py,
     # model/parallel/pipeline.py): the collective that moves tokens to their experts' devices
     # (`ragged`: ragged_all_to_all, GPU/TPU; `padded`: all_to_all of worst-case-sized chunks, any
-    # backend; `auto`: padded on CPU, whose XLA lacks ragged_all_to_all), and GPipe micro-batches
-    # per pipelined forward (0 = twice the number of stages).
+    # backend; `auto`: padded on CPU, whose XLA lacks ragged_all_to_all), the micro-batches per
+    # pipelined forward (0 = twice the number of stages) and the virtual stages per device
+    # (1: GPipe; V > 1: the interleaved schedule).
     ep_collective: str = "auto"
     pipeline_microbatches: int = 0
+    pipeline_virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         check_int("num_layers", self.num_layers, 1)  # the per-layer lists below depend on it
@@ -292,6 +295,7 @@ class ModelConfig(Config):
         check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
         check_choice("ep_collective", self.ep_collective, EP_COLLECTIVES)
         check_int("pipeline_microbatches", self.pipeline_microbatches, 0)
+        check_int("pipeline_virtual_stages", self.pipeline_virtual_stages, 1)
         for name in ("qk_norm", "tie_embeddings", "scan_layers"):
             check_bool(name, getattr(self, name))
 

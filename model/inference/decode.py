@@ -29,7 +29,6 @@ tokens are proposed, never which are committed.
 from __future__ import annotations
 
 import copy
-import os
 import time
 from typing import NamedTuple, Sequence
 
@@ -40,11 +39,10 @@ from tqdm import tqdm
 
 from model.config import ModelConfig
 from model.config.model_config import INT32_MAX
-from model.inference.compressed_cache import CompressorCache
+from model.inference.cache_memory import free_memory
 from model.inference.kv_cache import KVCacheSpec
 from model.inference.sampling import Sampling, sample, sample_with_logprob, token_probs
 from model.inference.speculative import accept_drafts
-from model.layers.layer_plan import layer_kinds, plan_segments
 from model.lm import CausalLM
 
 
@@ -77,10 +75,11 @@ class Decoder:
     """Jitted prefill / decode / speculative steps for one model and cache size.
 
     `variables`: {"params": ..., "balance": ...} as `CausalLM.init` makes them (unboxed);
-    `max_len`: cache positions per row; `draft`: MTP drafts per step (0 = no speculation)."""
+    `max_len`: cache positions per row; `draft`: MTP drafts per step (0 = no speculation);
+    `kv_fp8`: keys and values cached in FP8 but their RoPE channels (`KVCacheSpec.fp8`)."""
 
     def __init__(self, config: ModelConfig, variables: dict, *, max_len: int, draft: int = 0,
-                 prefill_chunk: int = 256, kv_fp8: bool = False):  # KVCacheSpec.fp8
+                 prefill_chunk: int = 256, kv_fp8: bool = False):
         if not 0 <= draft <= config.mtp.num_heads:
             raise ValueError(f"draft: {draft} speculative tokens need as many MTP heads; the "
                              f"model has mtp.num_heads={config.mtp.num_heads}")
@@ -363,47 +362,3 @@ def _routes_per_row(prefill, steps, lengths, outputs) -> list[np.ndarray]:
            else np.zeros((layers, len(outputs), 0, k), np.int32))
     return [np.concatenate([prefill[:, b, :length], fed[:, b, :len(out) - 1]], axis=1)
             for b, (length, out) in enumerate(zip(lengths, outputs))]
-
-
-def free_memory() -> int:
-    """Bytes the first device can still allocate: its allocator's limit less what is in use
-    (GPU, TPU), or the host memory available to new allocations (CPU, whose arrays live
-    there: Linux's MemAvailable, which counts reclaimable caches, else the free pages)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def cache_bytes(config: ModelConfig, cache) -> dict[str, int]:
-    """Bytes of a decode cache (`Decoder.init_cache`) by kind: 'full' (F layers), 'swa' (the
-    sliding-window rings: S and W layers, the window branch of C / H layers, the MTP heads),
-    'compressed' (C / H layers' compressed entries and compressor tails), 'indexer' (the CSA
-    indexers' keys and tails); the last two are 0 without DeepSeek-V4 compressed layers."""
-    kinds = layer_kinds(config)
-    segments = plan_segments(kinds)
-    totals = {"full": 0, "swa": 0, "compressed": 0, "indexer": 0}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
-        names = [getattr(p, "key", getattr(p, "name", "")) for p in path]
-        if names[0] == "layers" and names[1].startswith("segment_"):
-            segment = segments[int(names[1].removeprefix("segment_"))]
-            kind = kinds[segment.start + int(names[2].removeprefix("block_"))]
-        elif names[0] == "layers":
-            kind = kinds[int(names[1].removeprefix("layer_"))]
-        else:
-            kind = None  # an MTP head
-        if "indexer" in names:
-            category = "indexer"
-        elif any(name in CompressorCache._fields for name in names):
-            category = "compressed"
-        else:
-            category = "full" if kind is not None and kind.attention_type == "F" else "swa"
-        totals[category] += leaf.size * leaf.dtype.itemsize
-    return totals

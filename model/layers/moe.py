@@ -37,9 +37,11 @@ EXPERT_WEIGHT_FORMATS = {"none": lambda weight: weight, "mxfp4": fake_mxfp4_weig
 def routed_experts(x, indices, combine_weights, weights: ExpertWeights, *, clamp: SwiGLUClamp,
                    impl: str, block_size: int):
     """x: [N, D]; indices/combine_weights: [N, k] -> (y [N, D], per-expert stats dict of [E])."""
-    copy_out, sums = MOE.resolve(impl)(x, indices, weights, clamp, block_size)
-    return (combine_copies(copy_out, combine_weights, x.dtype),
-            finalize_statistics(sums, weights.gate.shape[-1]))
+    with jax.named_scope("experts"):  # profile attribution (benchmarks/gpu_profile.py)
+        copy_out, sums = MOE.resolve(impl)(x, indices, weights, clamp, block_size)
+    with jax.named_scope("dispatch"):
+        y = combine_copies(copy_out, combine_weights, x.dtype)
+    return y, finalize_statistics(sums, weights.gate.shape[-1])
 
 
 
@@ -74,7 +76,8 @@ class MoE(nn.Module):
             "router", normal_init(cfg.init_std, ("embed", "expert")),
             (d_model, moe.num_experts), param_dtype,
         )
-        logits = tokens.astype(jnp.float32) @ router_kernel.astype(jnp.float32)
+        with jax.named_scope("router"):
+            logits = tokens.astype(jnp.float32) @ router_kernel.astype(jnp.float32)
         if self.is_hash:
             if token_ids is None:
                 raise ValueError("a hash-routed MoE layer needs the token ids")

@@ -16,11 +16,17 @@ from model.inference.kv_cache import KVCacheSpec
 from model.layers.block import DecoderBlock
 from model.layers.layer_plan import Segment, layer_kinds, plan_segments
 from model.parallel.mesh import mesh_axis_size
-from model.parallel.pipeline import num_microbatches, pipeline_forward, pipelined_segment
+from model.parallel.pipeline import pipeline_forward, pipelined_segment, stage_plan
+from pallas_kernels.saved_names import KERNEL_OUTPUTS
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the whole block
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # dots, plus the kernel outputs that `dots` would recompute: the routed experts' and the
+    # attention core's, named inside their custom VJPs (pallas_kernels/saved_names.py)
+    "dots_with_kernels": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*KERNEL_OUTPUTS)),
     "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
     "save_ffn_out": jax.checkpoint_policies.save_only_these_names("ffn_out"),
 }
@@ -119,16 +125,15 @@ class LayerStack(nn.Module):
         if stages > 1 and self.kv_cache is not None:
             raise ValueError("decoding with KV caches does not run under a pipeline mesh axis; "
                              "use mesh.pipeline=1 for inference")
-        if stages > 1 and (cfg.hyper_connections.hc_mult > 1 or cfg.moe.hash_layers
-                           or routed_experts is not None):
-            raise ValueError("pipeline stages carry one [B, T, D] stream and no token ids: "
-                             "mHC (hyper_connections.hc_mult > 1), hash-routed MoE layers "
-                             "(moe.hash_layers > 0) and replayed routing need mesh.pipeline=1")
+        if stages > 1 and routed_experts is not None:
+            raise ValueError("replayed routing (routed_experts) does not run through pipeline "
+                             "stages; use mesh.pipeline=1 with it")
         piped = pipelined_segment(cfg, stages) if stages > 1 else None
         for s, seg in enumerate(plan_segments(kinds)):
             unit = tuple(kinds[seg.start:seg.start + seg.period])
             if s == piped and not self.is_initializing():
-                x, auxes = self._pipelined(f"segment_{s}", unit, x, positions, segment_ids, stages)
+                x, auxes = self._pipelined(f"segment_{s}", unit, x,
+                                           (positions, segment_ids, token_ids), stages)
                 _scatter_aux(per_layer_aux, seg, auxes)
                 continue
             scanned = nn.scan(
@@ -146,15 +151,15 @@ class LayerStack(nn.Module):
             _scatter_aux(per_layer_aux, seg, auxes)
         return x, per_layer_aux
 
-    def _pipelined(self, name, unit, x, positions, segment_ids, stages):
+    def _pipelined(self, name, unit, x, rows, stages):
         """The scanned segment `name` run as pipeline stages (model/parallel/pipeline.py); its
-        variables are read from this scope and applied by an unbound copy of the scan body."""
+        variables are read from this scope and applied by an unbound copy of the scan body.
+        rows: (positions, segment_ids, token_ids), each [B, T] or None."""
         variables = {col: tree[name] for col, tree in nn.meta.unbox(self.variables).items()
                      if name in tree}
         group = BlockGroup(self.config, unit, parent=None)
-        return pipeline_forward(lambda v, h, p, g: group.apply(v, h, p, g), variables, x,
-                                positions, segment_ids, stages,
-                                num_microbatches(self.config, stages))
+        return pipeline_forward(lambda v, h, *r: group.apply(v, h, *r), variables, x, rows,
+                                stage_plan(self.config, stages))
 
 
 def _scatter_aux(per_layer_aux: list, seg: Segment, auxes: tuple) -> None:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from model.parallel.mesh import mesh_size
+from pallas_kernels.saved_names import name_attention
 
 _NEG = -1e30  # finite "minus infinity": keeps gradients NaN-free on fully masked entries
 _SCORES_PER_STEP = 1 << 18  # scores per `lax.map` step (1 MiB of float32), at least one block
@@ -38,6 +39,7 @@ def grouped_attention(q, k, v, mask, sink):
 
 def _forward(q, k, v, mask, sink):
     out, lse = _blockwise(_block_forward, q, k, v, mask, sink)
+    out, lse = name_attention(out, lse)  # for remat_policy=dots_with_kernels
     return out.astype(q.dtype), (q, k, v, mask, sink, out, lse)
 
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from model.ops.kv_compression import CompressedKV
+from pallas_kernels.target import target_backend
 
 _NEG = -1e30  # finite "-inf": a fully masked row yields zeros (sink only), gradients stay finite
 QUERY_CHUNK = 128  # default query rows per chunk (raised to the window when W is larger)
@@ -101,7 +102,7 @@ def _selected_in_row_blocks(q, window_keys, window_mask, entries, visible, sink,
     with k = 512, c = 128, H = 8 on XLA:CPU: 2.5x faster in blocks of 8-16). Accelerators take
     the whole chunk in one block: a loop of small steps there costs kernel launches, while
     the chunk's gather ([C, k, c], 64 MiB at C = 128, k = c = 512 in bfloat16) fits memory."""
-    rows = math.gcd(q.shape[1], SELECTED_ROWS.get(jax.default_backend(), q.shape[1]))
+    rows = math.gcd(q.shape[1], SELECTED_ROWS.get(target_backend(), q.shape[1]))
 
     def block(i):
         def part(x):

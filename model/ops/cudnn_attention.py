@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from model.ops.attention_cores import with_values_padded, xla_attention
 from pallas_kernels.gpu_arch import HOPPER, compute_capability
+from pallas_kernels.target import target_backend
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = {"before sm90": 128, "sm90+": 256}
@@ -38,7 +39,7 @@ def cudnn_fallback_reason(q, segment_ids, *, backend: str | None = None,
     """Why cuDNN's fused kernel cannot run attention on q [B, T, H, D] (and those segment ids)
     on `backend` (default: JAX's) with that compute capability (default: device 0's), or None
     when it can (the rules of the module docstring, in order)."""
-    backend = jax.default_backend() if backend is None else backend
+    backend = target_backend() if backend is None else backend
     if backend != "gpu":
         return f"no cuDNN on {backend}"
     if q.dtype not in CUDNN_DTYPES:
@@ -115,7 +116,7 @@ def cudnn_attention(q, k, v, *, window, segment_ids, sink):
                                                    segment_ids=segment_ids, sink=sink)
     reason = cudnn_fallback_reason(q, segment_ids)
     implementation = "cudnn" if reason is None else "xla"
-    if reason is not None and jax.default_backend() == "gpu":
+    if reason is not None and target_backend() == "gpu":
         _note_fallback(reason)
         return xla_attention(q, k, v, window=window, segment_ids=segment_ids, sink=sink)
     mask = None

@@ -28,8 +28,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from model.ops.swiglu import SwiGLUClamp, swiglu_activation
+from pallas_kernels.saved_names import EXPERT_GATE_UP
 
 MIN_CHUNK = 8  # the smallest chunk when max_chunk allows it (matmuls below ~8 rows waste time)
 
@@ -151,6 +153,7 @@ def grouped_swiglu(rows, gate, up, down, starts, counts, clamp: SwiGLUClamp, siz
 
 def _grouped_swiglu_fwd(rows, gate, up, down, starts, counts, clamp, sizes):
     out, h_sq, gate_up = _forward(rows, gate, up, down, starts, counts, clamp, sizes, True)
+    gate_up = checkpoint_name(gate_up, EXPERT_GATE_UP)
     return (out, h_sq), (rows, gate_up, gate, up, down, starts, counts)
 
 

@@ -18,6 +18,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.target import target_backend
+
 
 def linear(x: jax.Array, kernel: jax.Array, contract: int = 1) -> jax.Array:
     """x [..., *in] @ kernel [*in, *out] -> [..., *out], contracting the `contract` trailing
@@ -44,7 +46,7 @@ def _matmul_fwd(x, w):
 def _matmul_bwd(residuals, g):
     x, w = residuals
     dx = jax.lax.dot_general(g, w, (((1,), (1,)), ((), ())))  # g [N, M] · w [K, M] over M
-    if jax.default_backend() == "cpu":
+    if target_backend() == "cpu":
         dw = jnp.transpose(x) @ g  # [K, N] @ [N, M]: a standard product after a cheap copy
     else:
         dw = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())))

@@ -29,10 +29,12 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from model.ops.grouped_swiglu import chunk_sizes, grouped_swiglu
 from model.ops.permute import permute_rows
 from model.ops.swiglu import SwiGLUClamp, swiglu_activation
+from pallas_kernels.saved_names import EXPERT_GATE_UP, EXPERT_OUT
 
 
 class ExpertWeights(NamedTuple):
@@ -52,6 +54,7 @@ class SortedCopies(NamedTuple):
     group_sizes: jax.Array  # [E] int32 rows per expert
 
 
+@jax.named_scope("dispatch")
 def sort_copies(indices: jax.Array, num_experts: int) -> SortedCopies:
     """indices [N, k] -> the N*k routed copies stably sorted by expert id (the "permute")."""
     flat_expert = jnp.asarray(indices).reshape(-1)
@@ -78,6 +81,7 @@ def sorted_block_ffn(x, indices, weights: ExpertWeights, clamp: SwiGLUClamp, blo
 
     starts = jnp.cumsum(copies.group_sizes) - copies.group_sizes
     out, h_sq = grouped_swiglu(rows, *weights, starts, copies.group_sizes, clamp, sizes)
+    out = checkpoint_name(out, EXPERT_OUT)
     row_expert = jnp.concatenate([copies.row_expert, jnp.full((slack,), num_experts,
                                                                copies.row_expert.dtype)])
     sums = expert_statistic_sums(out, h_sq, row_expert, copies.group_sizes)
@@ -85,23 +89,45 @@ def sorted_block_ffn(x, indices, weights: ExpertWeights, clamp: SwiGLUClamp, blo
     return copy_out.reshape(num_tokens, top_k, -1), sums
 
 
-def ragged_dot_ffn(x, indices, weights: ExpertWeights, clamp: SwiGLUClamp, block_size):
-    del block_size
+class Dispatch(NamedTuple):
+    """Where each routed copy sits among the rows sorted by expert."""
+
+    copies: SortedCopies
+    copy_row: jax.Array  # [N*k] sorted row of copy (token * k + slot)
+
+
+@jax.named_scope("dispatch")
+def dispatch_rows(x: jax.Array, indices: jax.Array, num_experts: int) -> tuple[jax.Array, Dispatch]:
+    """x [N, D], indices [N, k] -> (rows [N*k, D] sorted by expert, the dispatch): row i is
+    token `order[i] // k`; the copies of "no expert" (id E) come last, past sum(group_sizes)."""
     num_tokens, top_k = indices.shape
     num_copies = num_tokens * top_k
-    copies = sort_copies(indices, weights.gate.shape[0])
+    copies = sort_copies(indices, num_experts)
     copy_row = jnp.zeros((num_copies,), jnp.int32).at[copies.order].set(
         jnp.arange(num_copies, dtype=jnp.int32))
     rows = permute_rows(x, copies.order // top_k, copy_row.reshape(num_tokens, top_k))
-    gate = jax.lax.ragged_dot(rows, weights.gate, copies.group_sizes)
-    up = jax.lax.ragged_dot(rows, weights.up, copies.group_sizes)
+    return rows, Dispatch(copies, copy_row)
+
+
+def return_rows(out: jax.Array, dispatch: Dispatch, top_k: int) -> jax.Array:
+    """out [N*k, D] in expert order -> [N, k, D] in token-copy order."""
+    copy_out = permute_rows(out, dispatch.copy_row, dispatch.copies.order[:, None])
+    return copy_out.reshape(-1, top_k, out.shape[-1])
+
+
+def ragged_dot_ffn(x, indices, weights: ExpertWeights, clamp: SwiGLUClamp, block_size):
+    del block_size
+    rows, dispatch = dispatch_rows(x, indices, weights.gate.shape[0])
+    copies = dispatch.copies
+    gate, up = (checkpoint_name(jax.lax.ragged_dot(rows, w, copies.group_sizes), EXPERT_GATE_UP)
+                for w in (weights.gate, weights.up))
     h = swiglu_activation(gate, up, clamp)
     out = jax.lax.ragged_dot(h, weights.down, copies.group_sizes)
     out = jnp.where((copies.row_expert < weights.gate.shape[0])[:, None], out, 0)
+    out = checkpoint_name(out, EXPERT_OUT)
     sums = expert_statistic_sums(out, jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1),
                                  copies.row_expert, copies.group_sizes)
-    copy_out = permute_rows(out, copy_row, copies.order[:, None])
-    return copy_out.reshape(num_tokens, top_k, -1), sums
+    return return_rows(out, dispatch, indices.shape[1]), sums
 
 
 def combine_copies(copy_out, combine_weights, dtype):
@@ -110,6 +136,7 @@ def combine_copies(copy_out, combine_weights, dtype):
     return y.astype(dtype)
 
 
+@jax.named_scope("monitors")
 def expert_statistic_sums(out, h_sq, row_expert, group_sizes) -> dict:
     """Per-expert sums behind the health signals (report 4.1.2-4.1.3), without gradient.
 

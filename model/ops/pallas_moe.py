@@ -1,102 +1,117 @@
-"""`moe_impl=pallas`: routed experts on the Pallas grouped matmuls (docs/architecture.md,
+"""`moe_impl=pallas`: routed experts on grouped-matmul kernels (docs/architecture.md,
 "Implementation tables").
 
-    permute          token copies -> rows sorted (stably) by expert, plus group sizes
-    gmm x3           gate / up projections, SwiGLU with the report's clamp (4.1.3), down
-    unpermute        rows back to [N, k, D] token-copy order
-    (combine)        `unpermute_combine` also applies the router weights -> [N, D]
+    dispatch        token copies -> rows sorted (stably) by expert, plus group sizes
+    expert_swiglu   gate/up as one grouped matmul, SwiGLU with the report's clamp (4.1.3),
+                    down; a hand-written VJP (model/ops/expert_swiglu.py)
+    return          rows back to [N, k, D] token-copy order
 
 `pallas_moe_ffn` has the `moe_impl` signature (`model.ops.tables`) and returns what `sorted` and
-`ragged_dot` return: per-copy outputs [N, k, D] and the per-expert statistics. The permutes are
-XLA gathers (their gradients are scatter-adds); only the expert matmuls are Pallas kernels: Mosaic
-on TPU, Triton on GPU (`pallas_kernels.grouped_matmul.resolve_kernel`; see the kernel modules for
-what lowers where and what was verified).
+`ragged_dot` return: per-copy outputs [N, k, D] and the per-expert statistic sums. The row
+permutations are XLA gathers in both directions (`model.ops.permute`); the expert matmuls run on
+the kernel family chosen per leg and matmul (`pallas_kernels.grouped_leg_table`: Mosaic GPU /
+Triton on NVIDIA GPUs, Mosaic on TPU and, interpreted, on CPU).
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
+from model.ops.expert_swiglu import ExpertPlan, expert_swiglu
 from model.ops.moe_dispatch import (
     ExpertWeights,
-    SortedCopies,
-    combine_copies,
+    dispatch_rows,
     expert_statistic_sums,
-    sort_copies,
+    return_rows,
 )
-from model.ops.swiglu import SwiGLUClamp, swiglu_activation
-from pallas_kernels import grouped_matmul_triton
+from model.ops.swiglu import SwiGLUClamp
+from pallas_kernels import grouped_leg_table, grouped_matmul, grouped_matmul_triton
 from pallas_kernels.grouped_common import Tiling, resolve_interpret
-from pallas_kernels.grouped_matmul import default_tiling, gmm, resolve_kernel
+from pallas_kernels.grouped_legs import LegChoice, LegPlan
+from pallas_kernels.saved_names import EXPERT_OUT
+
+TILED = {"triton": grouped_matmul_triton.default_tiling,
+         "mosaic_tpu": grouped_matmul.default_tiling}
 
 
-def permute(x: jax.Array, indices: jax.Array, num_experts: int) -> tuple[jax.Array, SortedCopies]:
-    """x [N, D], indices [N, k] -> (rows [N*k, D] grouped by expert, the sort).
-
-    Row i is token `order[i] // k`; rows of expert e are contiguous, `group_sizes[e]` of them,
-    in token order (stable sort), starting at `cumsum(group_sizes)[e] - group_sizes[e]`.
-    """
-    copies = sort_copies(indices, num_experts)
-    return x[copies.order // indices.shape[1]], copies
-
-
-def unpermute(rows: jax.Array, copies: SortedCopies, top_k: int) -> jax.Array:
-    """rows [N*k, D] in expert order -> [N, k, D] in token-copy order (a gather)."""
-    num_rows = rows.shape[0]
-    position = jnp.zeros((num_rows,), jnp.int32).at[copies.order].set(
-        jnp.arange(num_rows, dtype=jnp.int32))  # sorted position of each copy
-    return rows[position].reshape(num_rows // top_k, top_k, rows.shape[-1])
-
-
-def unpermute_combine(rows: jax.Array, copies: SortedCopies, combine_weights: jax.Array,
-                      out_dtype=None) -> jax.Array:
-    """rows [N*k, D] in expert order, combine_weights [N, k] -> sum_j w[n, j] * copy[n, j], [N, D].
-
-    Accumulated in float32 (like `model.layers.moe.routed_experts`).
-    """
-    per_copy = unpermute(rows, copies, combine_weights.shape[1])
-    return combine_copies(per_copy, combine_weights.astype(jnp.float32), out_dtype or rows.dtype)
-
-
-def moe_tiling(kernel: str, block_size: int, interpret: bool) -> Tiling:
-    """The grouped matmuls' tiles for `moe.block_size` rows: the kernel's default contract/cols
-    tiles, and block_size rows, rounded up where compiled kernels need it (Mosaic: a multiple of
-    8, the sublane count; Triton: a power of two >= 16, its tensor-shape rule)."""
-    if kernel == "triton":
-        tiles = grouped_matmul_triton.default_tiling(interpret)
+def moe_tiling(backend: str, block_size: int, interpret: bool) -> Tiling:
+    """Tiles of a Triton or Mosaic TPU grouped matmul for `moe.block_size` rows: the kernel's
+    default contract/cols tiles, and block_size rows, rounded up where compiled kernels need it
+    (Mosaic: a multiple of 8, the sublane count; Triton: a power of two >= 16, its tensor-shape
+    rule)."""
+    tiles = TILED[backend](interpret)
+    if interpret:
+        rows = block_size
+    elif backend == "triton":
         rows = max(grouped_matmul_triton.MIN_TILE, pl.next_power_of_2(block_size))
     else:
-        tiles = default_tiling(interpret)
         rows = -(-block_size // 8) * 8
-    return tiles._replace(rows=block_size if interpret else rows)
+    return tiles._replace(rows=rows)
+
+
+def _with_tiles(plan: LegPlan, block_size: int, interpret: bool) -> LegPlan:
+    """Fills the configs a plan leaves open for tiled kernels with `moe_tiling`; the dx leg
+    contracts the forward's output columns and produces its contracted ones (tiles swapped)."""
+
+    def fill(choice: LegChoice, leg: str) -> LegChoice:
+        if choice.config is not None or choice.backend not in TILED:
+            return choice
+        tiles = moe_tiling(choice.backend, block_size, interpret)
+        if leg == "dx":
+            tiles = Tiling(tiles.rows, tiles.cols, tiles.contract)
+        return choice._replace(config=tiles)
+
+    return LegPlan(*(fill(choice, leg) for choice, leg in zip(plan, plan._fields)))
+
+
+def expert_matmuls(d_model: int, hidden: int) -> dict[str, tuple[int, int]]:
+    """(k, n) of the forward of each expert matmul: [M, k] x [E, k, n]."""
+    return {"gate_up": (d_model, 2 * hidden), "down": (hidden, d_model)}
+
+
+def leg_widths(k: int, n: int) -> dict[str, tuple[int, int]]:
+    """(k, n) of each leg of a matmul [M, k] x [E, k, n] as the choice table keys them: the
+    leg's lhs columns and output columns (dx: [M, n] x the transposed weights -> [M, k])."""
+    return {"fwd": (k, n), "dx": (n, k), "dw": (k, n)}
+
+
+def _table_plan(k: int, n: int, dtype) -> LegPlan:
+    widths = leg_widths(k, n)
+    return LegPlan(*(grouped_leg_table.choose(leg, *widths[leg], dtype)
+                     for leg in LegPlan._fields))
+
+
+def expert_plan(legs: LegPlan | str | None, d_model: int, hidden: int, dtype, block_size: int,
+                interpret: bool) -> ExpertPlan:
+    """The kernels of both expert matmuls: `legs` for both (a backend name: that family on
+    every leg), or None for the table's choice per leg and shape."""
+    if isinstance(legs, str):
+        legs = LegPlan.uniform(legs)
+    if legs is None:
+        plan = ExpertPlan(*(_table_plan(k, n, dtype)
+                            for k, n in expert_matmuls(d_model, hidden).values()))
+    else:
+        plan = ExpertPlan(legs, legs)
+    return ExpertPlan(*(_with_tiles(p, block_size, interpret) for p in plan))
 
 
 def pallas_moe_ffn(x, indices, weights: ExpertWeights, clamp: SwiGLUClamp, block_size, *,
-                   tiling: Tiling | tuple[int, int, int] | None = None,
-                   interpret: bool | None = None, kernel: str | None = None):
+                   legs: LegPlan | str | None = None, interpret: bool | None = None):
     """x [N, D], indices [N, k] -> (per-copy expert outputs [N, k, D], per-expert statistic
     sums of [E]; see `model.ops.moe_dispatch`). Copies of "no expert" (id E) give zero rows.
 
-    block_size is the row tile of the grouped matmuls (`moe_tiling`); `tiling`, if given,
-    overrides all tiles (rows, contract, cols). `interpret=None`: interpret mode on CPU.
-    kernel: "mosaic" (TPU), "triton" (GPU) or None for the backend's.
+    legs: the kernels (`expert_plan`); block_size: the row tile of Triton / Mosaic TPU legs
+    without a config. interpret=None: interpret mode on CPU.
     """
-    num_experts = weights.gate.shape[0]
-    top_k = indices.shape[1]
-    kernel = resolve_kernel(kernel)
-    if tiling is None:
-        interpret = resolve_interpret(interpret)
-        tiling = moe_tiling(kernel, block_size, interpret)
-    rows, copies = permute(x, indices, num_experts)
-    sizes = copies.group_sizes
-
-    def grouped(lhs, rhs):
-        return gmm(lhs, rhs, sizes, tiling=tiling, interpret=interpret, kernel=kernel)
-
-    h = swiglu_activation(grouped(rows, weights.gate), grouped(rows, weights.up), clamp)
-    out = jnp.where((copies.row_expert < num_experts)[:, None], grouped(h, weights.down), 0)
-    h_sq = jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1)
-    sums = expert_statistic_sums(out, h_sq, copies.row_expert, sizes)
-    return unpermute(out, copies, top_k), sums
+    num_experts, d_model, hidden = weights.gate.shape
+    interpret = resolve_interpret(interpret)
+    plan = expert_plan(legs, d_model, hidden, x.dtype, block_size, interpret)
+    rows, dispatch = dispatch_rows(x, indices, num_experts)
+    gate_up = jnp.concatenate([weights.gate, weights.up], axis=-1)
+    sizes = dispatch.copies.group_sizes
+    out, h_sq = expert_swiglu(rows, gate_up, weights.down, sizes, clamp, plan, interpret)
+    out = checkpoint_name(out, EXPERT_OUT)
+    sums = expert_statistic_sums(out, h_sq, dispatch.copies.row_expert, sizes)
+    return return_rows(out, dispatch, indices.shape[1]), sums

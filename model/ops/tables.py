@@ -4,7 +4,9 @@
     core = ATTENTION.resolve("xla")   # the function, imported on first use
 
 Each entry names its function as "module:function" and is imported only when a model asks for
-it, so a CPU run never imports the Pallas kernels (nor their Triton/Mosaic lowering). Every
+it, so a CPU run never imports the Pallas kernels (nor their Triton/Mosaic lowering). An entry
+may instead map backends ("tpu", "gpu", "cpu"; "default" for the rest) to functions: the one
+for the backend being traced for (`pallas_kernels.target`) is taken. Every
 implementation of a switch has the same signature and semantics (docs/architecture.md,
 "Implementation tables"); the tests prove they agree.
 """
@@ -15,12 +17,13 @@ import importlib
 from typing import Callable
 
 from model.config.core import check_choice
+from pallas_kernels.target import target_backend
 
 
 class ImplementationTable:
-    """Switch values -> "module:function" entries, resolved lazily."""
+    """Switch values -> "module:function" entries (or {backend: entry}), resolved lazily."""
 
-    def __init__(self, switch: str, entries: dict[str, str]):
+    def __init__(self, switch: str, entries: dict[str, str | dict[str, str]]):
         self.switch = switch
         self.entries = dict(entries)
 
@@ -33,7 +36,10 @@ class ImplementationTable:
 
     def resolve(self, value: str) -> Callable:
         self.check(value)
-        module, _, function = self.entries[value].partition(":")
+        entry = self.entries[value]
+        if isinstance(entry, dict):
+            entry = entry.get(target_backend(), entry["default"])
+        module, _, function = entry.partition(":")
         return getattr(importlib.import_module(module), function)
 
 
@@ -42,7 +48,8 @@ class ImplementationTable:
 ATTENTION = ImplementationTable("attention_impl", {
     "xla": "model.ops.attention_cores:xla_attention",
     "cudnn": "model.ops.cudnn_attention:cudnn_attention",
-    "pallas": "pallas_kernels.attention:flash_attention_core",
+    "pallas": {"tpu": "pallas_kernels.splash_attention:splash_attention_core",
+               "default": "pallas_kernels.attention:flash_attention_core"},
 })
 
 # moe_impl: (x [N,D], indices [N,k], ExpertWeights, SwiGLUClamp, block_size)

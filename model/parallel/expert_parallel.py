@@ -26,6 +26,7 @@ from model.ops.moe_dispatch import ExpertWeights, combine_copies, finalize_stati
 from model.ops.swiglu import SwiGLUClamp
 from model.ops.tables import MOE
 from model.parallel.mesh import logical_spec, spec_axes
+from pallas_kernels.target import target_backend
 
 AXIS = "expert"
 
@@ -34,7 +35,7 @@ def resolve_collective(name: str) -> str:
     """`auto` -> `padded` on CPU (XLA:CPU has no ragged-all-to-all), `ragged` elsewhere."""
     if name != "auto":
         return name
-    return "padded" if jax.default_backend() == "cpu" else "ragged"
+    return "padded" if target_backend() == "cpu" else "ragged"
 
 
 def _exclusive_cumsum(sizes: jax.Array) -> jax.Array:

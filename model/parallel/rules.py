@@ -7,8 +7,11 @@ Decoupled layouts (report 3.2): attention and dense weights shard over `fsdp` (t
 axis) and `tensor` (heads, FFN hidden, vocabulary); routed experts shard over `expert`. Tokens
 shard over `data`, `fsdp` and `expert` together, so the expert axis is data parallelism for
 everything but the routed experts (`model.parallel.expert_parallel` moves tokens to their
-experts). The longest scanned layer segment shards its `layers` axis over `pipeline`
-(`model.parallel.pipeline`).
+experts). The pipelined layer segment (`model.parallel.pipeline`) shards its `layers` axis over
+`pipeline` when the stages hold contiguous, equal runs of its repeats; with virtual or uneven
+stages, which rearrange the repeats every step, `pipeline` goes to the largest other dimension
+it divides instead, so that rearranging is local and one all-to-all moves the result to the
+stages.
 
 A mesh axis that does not divide a dimension is left out of that dimension's spec (the array
 is then replicated along it), so small test models run on any mesh. The trainer builds the
@@ -28,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
 from model.parallel.mesh import spec_axes
-from model.parallel.pipeline import pipelined_segment
+from model.parallel.pipeline import pipelined_segment, stage_plan
 
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")  # outermost first
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -89,21 +92,40 @@ def path_keys(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
+def add_axis(spec: P, shape: tuple[int, ...], mesh, axis: str) -> P:
+    """`spec` with mesh `axis` added to the largest dimension it still divides (with the axes
+    already there); unchanged if `axis` is size 1, already used or fits nowhere."""
+    size = mesh.shape[axis]
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if size == 1 or any(axis in spec_axes(e) for e in entries):
+        return spec
+    for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        current = spec_axes(entries[dim])
+        if shape[dim] % (size * math.prod(mesh.shape[a] for a in current)) == 0:
+            entries[dim] = (*current, axis) if current else axis
+            return P(*entries)
+    return spec
+
+
 def param_specs(axes_tree: Any, shapes: Any, mesh: Mesh, cfg: ModelConfig) -> Any:
     """Tree of PartitionSpecs for the params (or any collection with logical axes).
 
     axes_tree: logical-axis tuples (`param_axes`); shapes: matching tree of arrays
-    or ShapeDtypeStructs. The pipelined segment's `layers` axis goes to `pipeline`.
+    or ShapeDtypeStructs. The pipelined segment's `layers` axis goes to `pipeline` (module
+    docstring: another dimension with virtual or uneven stages).
     """
     stages = mesh.shape["pipeline"]
     piped = pipelined_segment(cfg, stages) if stages > 1 else None
+    contiguous = piped is not None and stage_plan(cfg, stages).contiguous
 
     def spec(path, axes, leaf):
         keys = path_keys(path)
-        rules = LOGICAL_RULES
-        if piped is not None and keys[:2] == ("layers", f"segment_{piped}"):
+        if piped is None or keys[:2] != ("layers", f"segment_{piped}"):
+            return logical_to_spec(axes, leaf.shape, mesh)
+        if contiguous:
             rules = LOGICAL_RULES + (("layers", "pipeline"),)  # later entries win
-        return logical_to_spec(axes, leaf.shape, mesh, rules)
+            return logical_to_spec(axes, leaf.shape, mesh, rules)
+        return add_axis(logical_to_spec(axes, leaf.shape, mesh), leaf.shape, mesh, "pipeline")
 
     return jax.tree_util.tree_map_with_path(spec, axes_tree, shapes,
                                             is_leaf=lambda x: isinstance(x, tuple))

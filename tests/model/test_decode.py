@@ -13,7 +13,8 @@ from train_helpers import SMALL_MODEL, TINY
 
 from model.config import load_config
 from model.inference import decode
-from model.inference.decode import Decoder, cache_bytes
+from model.inference.cache_memory import cache_bytes
+from model.inference.decode import Decoder
 from model.inference.kv_cache import KVCacheSpec
 from model.inference.sampling import Sampling, token_probs
 from model.inference.speculative import accept_drafts

@@ -13,7 +13,8 @@ from routing_checks import check_recorded_routes, model_forward
 from train_helpers import SMALL_V4, TINY_V4
 
 from model.config import load_config
-from model.inference.decode import Decoder, cache_bytes
+from model.inference.cache_memory import cache_bytes
+from model.inference.decode import Decoder
 from model.inference.kv_cache import KVCacheSpec
 from model.lm import CausalLM, init_variables
 

@@ -16,7 +16,8 @@ from model.interop.step3p5 import config_from_hf, config_to_hf
 
 # ModelConfig fields a config.json does not carry (run-time choices).
 RUNTIME_FIELDS = ("param_dtype", "compute_dtype", "attention_impl", "moe_impl", "remat_policy",
-                  "scan_layers", "init_std", "ep_collective", "pipeline_microbatches")
+                  "scan_layers", "init_std", "ep_collective", "pipeline_microbatches",
+                  "pipeline_virtual_stages")
 
 
 def architecture(cfg) -> dict:

@@ -92,7 +92,8 @@ RUNTIME_KEYS = {"attention_dropout", "bos_token_id", "eos_token_id", "dtype", "i
 def architecture(cfg) -> dict:
     values = config_to_dict(cfg)
     for name in ("param_dtype", "compute_dtype", "attention_impl", "moe_impl", "remat_policy",
-                 "scan_layers", "init_std", "ep_collective", "pipeline_microbatches"):
+                 "scan_layers", "init_std", "ep_collective", "pipeline_microbatches",
+                 "pipeline_virtual_stages"):
         values.pop(name)
     values["moe"].pop("block_size")
     values["shared_kv_attention"].pop("query_chunk")

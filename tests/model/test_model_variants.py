@@ -157,7 +157,8 @@ def test_implementation_switches_agree(base, switch):
     assert_tree_close(grads, base.grads, what=f"{switch} grads")
 
 
-@pytest.mark.parametrize("policy", ["full", "dots", "save_attention_out", "save_ffn_out"])
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_with_kernels", "save_attention_out",
+                                    "save_ffn_out"])
 def test_remat_policies_give_the_same_loss_and_gradients(base, policy):
     cfg = small_cfg(f"remat_policy={policy}")
     (loss, out), grads = base.run(cfg)

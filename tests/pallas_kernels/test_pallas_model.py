@@ -1,7 +1,7 @@
 """A tiny model with the Pallas kernels (interpret mode) equals the XLA paths: loss and grads.
 
-`moe_impl=pallas` runs either kernel family: Mosaic (the CPU default) or Triton (the GPU
-default, chosen here by replacing the backend's choice).
+`moe_impl=pallas` runs either kernel family: Mosaic TPU (the CPU default) or Triton (a GPU's
+choice, made here by replacing the kernel table's rule).
 """
 
 import flax.linen as nn
@@ -13,12 +13,13 @@ from flax import traverse_util
 from train_helpers import FAST_COMPILE
 
 from model import CausalLM, load_config
-from model.ops import pallas_moe
+from pallas_kernels import grouped_leg_table
+from pallas_kernels.grouped_legs import LegChoice
 
 
-@pytest.mark.parametrize("moe_kernel", ["mosaic", "triton"])
+@pytest.mark.parametrize("moe_kernel", ["mosaic_tpu", "triton"])
 def test_tiny_model_pallas_impls_match_xla(monkeypatch, moe_kernel):
-    monkeypatch.setattr(pallas_moe, "resolve_kernel", lambda kernel: kernel or moe_kernel)
+    monkeypatch.setattr(grouped_leg_table, "rule", lambda *_: LegChoice(moe_kernel))
     overrides = ["num_layers=3", "layout=FSS", "num_dense_layers=1", "d_model=32", "head_dim=8",
                  "vocab_size=64", "window=5", "moe.num_experts=4", "moe.top_k=2",
                  "moe.expert_hidden=16", "moe.shared_hidden=16", "moe.num_ep_groups=1",

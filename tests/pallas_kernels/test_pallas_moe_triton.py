@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from moe_references import grouped_matmul_operands
+from moe_references import grouped_matmul_operands, numpy_grouped, rel_error
 
 from model.layers.moe import routed_experts
 from model.ops import pallas_moe
@@ -38,29 +38,6 @@ CASES = {
     "rows_past_groups": ([5, 7, 0], 30, 8, 16),  # rows 12..29 in no group
     "all_empty": ([0, 0, 0], 11, 16, 16),  # no routed row: zeros everywhere
 }
-
-
-def numpy_grouped(lhs, rhs, dout, sizes):
-    """(out, dlhs, drhs) in float64 by explicit loops over groups and their rows."""
-    lhs, rhs, dout = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (lhs, rhs, dout))
-    out = np.zeros((lhs.shape[0], rhs.shape[2]))
-    dlhs = np.zeros(lhs.shape)
-    drhs = np.zeros(rhs.shape)
-    start = 0
-    for g, size in enumerate(sizes):
-        for r in range(start, start + size):
-            for j in range(rhs.shape[2]):
-                out[r, j] = sum(lhs[r, c] * rhs[g, c, j] for c in range(lhs.shape[1]))
-            dlhs[r] = rhs[g] @ dout[r]
-            drhs[g] += np.outer(lhs[r], dout[r])
-        start += size
-    return out, dlhs, drhs
-
-
-def rel_error(actual, expected) -> float:
-    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    assert actual.shape == expected.shape
-    return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))
 
 
 def case_arrays(name, dtype):
@@ -160,7 +137,7 @@ def test_moe_ffn_on_triton_kernels_matches_sorted_dispatch():
     def loss(x, combine, w, impl):
         if impl == "pallas":
             out, _ = pallas_moe.pallas_moe_ffn(x, idx, w, SwiGLUClamp(limit), block,
-                                               kernel="triton")
+                                               legs="triton")
             y = jnp.einsum("nkd,nk->nd", out, combine)
         else:
             y, _ = routed_experts(x, idx, combine, w, clamp=SwiGLUClamp(limit), impl=impl,
@@ -183,7 +160,7 @@ def test_moe_tiling_rounds_rows_for_compiled_triton():
     assert pallas_moe.moe_tiling("triton", 100, interpret=False) == Tiling(128, 64, 128)
     assert pallas_moe.moe_tiling("triton", 4, interpret=False).rows == 16
     assert pallas_moe.moe_tiling("triton", 12, interpret=True).rows == 12
-    assert pallas_moe.moe_tiling("mosaic", 12, interpret=False).rows == 16
+    assert pallas_moe.moe_tiling("mosaic_tpu", 12, interpret=False).rows == 16
 
 
 # ---- lowering (no GPU here: lower for CUDA without compiling) ---------------------------------

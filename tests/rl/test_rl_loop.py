@@ -12,18 +12,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
+from rl_workdir_source import check_rl_workdir_is_a_model_source
 from train_helpers import REPO
 
 import rl.trainer as rl_trainer
 import rl.tasks as rl_tasks
-from model.generate import main as generate_main
-from model.hf import main as hf_main
 from model.inference.decode import Decoder
 from model.inference.sampling import Sampling
 from model.lm import CausalLM, init_variables
-from model.weights import load_model
 from rl.__main__ import main as rl_main
 from rl.config import load_rl_config, rl_config_from_dict
 from rl.loop import run_rl
@@ -32,7 +29,6 @@ from rl.objectives import kl as K
 from rl.objectives import losses
 from rl.rollout import collect_rollouts, layout_rows
 from rl.update import actor_loss, minibatches
-from train.eval import main as eval_main
 from train.config import load_run_config
 from train.telemetry.metrics import read_metrics
 
@@ -250,36 +246,7 @@ def test_loop_metrics_resume_and_cli_on_a_finished_run(tmp_path, capsys):
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "rl.algorithm" in error
     assert sorted(p.name for p in (straight.workdir / "checkpoints").iterdir()) == saved
-    check_rl_workdir_is_a_model_source(straight.workdir, tmp_path, capsys)
-
-
-def check_rl_workdir_is_a_model_source(workdir, tmp_path, capsys):
-    """The policy an RL run trained loads as a model (load_model, generate --workdir), exports
-    as a complete Hugging Face directory (its tokenizer beside it: generate --hf reads it and
-    answers the same), and train.eval says what the directory is."""
-    config, variables = load_model(workdir)
-    with ocp.PyTreeCheckpointer() as checkpointer:  # the raw tree orbax saved, no target
-        saved = checkpointer.restore(workdir / "checkpoints" / "2" / "state")
-    assert config == small_run().model
-    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(variables)[0],
-                                 jax.tree.leaves({"params": saved["actor"]["params"],
-                                                  "balance": saved["actor"]["balance"]})):
-        assert np.array_equal(np.asarray(got), np.asarray(want)), jax.tree_util.keystr(path)
-    assert hf_main(["export", str(workdir), "--out", str(tmp_path / "hf")]) == 0
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-    capsys.readouterr()
-    answers = []
-    for source in (["--workdir", str(workdir)], ["--hf", str(tmp_path / "hf")]):
-        assert generate_main([*source, "--prompt", "12+7=", "--max-new-tokens", "3",
-                              "--json"]) == 0
-        answers.append(json.loads(capsys.readouterr().out)["token_ids"])
-    assert answers[0] == answers[1] and len(answers[0]) >= 1
-    assert eval_main(["--workdir", str(workdir)]) == 2
-    assert capsys.readouterr().err == (
-        f"error: {workdir} is a workdir of `python -m rl`, not of `python -m train`; its "
-        "held-out accuracy is eval/accuracy in its metrics.jsonl (python -m rl.compare "
-        "compares RL runs)\n")
+    check_rl_workdir_is_a_model_source(straight.workdir, small_run().model, tmp_path, capsys)
 
 
 @pytest.mark.slow

@@ -175,3 +175,12 @@ def test_expert_param_norms_needs_moe_layers():
     cfg = load_config(TINY, overrides=["moe_layers=[]", "scan_layers=false"])
     with pytest.raises(ValueError, match="no MoE layers"):
         expert_param_norms({"layers": {"layer_0": {"mlp": {"kernel": jnp.ones((2, 2))}}}}, cfg)
+
+
+def test_tree_rms_traces_for_more_elements_than_int32_holds():
+    """Step 3.5 Flash's update has 196e9 elements; the count must not become an int32 (it did,
+    and its train step could not even be traced). Shapes only: nothing is allocated."""
+    leaves = [jax.ShapeDtypeStruct((2**16, 2**16), jnp.float32),
+              jax.ShapeDtypeStruct((3,), jnp.bfloat16)]
+    out = jax.eval_shape(tree_rms, leaves)
+    assert out.shape == () and out.dtype == jnp.float32

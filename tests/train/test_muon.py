@@ -316,3 +316,13 @@ def test_scale_by_muon_skips_masked_params():
     updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     assert np.all(np.asarray(updates["b"]) == 0)
     assert np.sqrt(np.mean(np.square(updates["w"]))) == pytest.approx(0.2, rel=5e-3)
+
+
+def test_large_stacks_are_orthogonalised_in_slices_without_a_mesh(monkeypatch):
+    """Slicing the stack (to bound the iteration's temporaries) changes nothing computed."""
+    x = jax.random.normal(jax.random.key(3), (7, 3, 8, 12), jnp.float32)
+    whole = muon.orthogonalize(x, dtype=jnp.float32)
+    monkeypatch.setattr(muon, "STACK_CHUNK_ELEMENTS", 2 * 3 * 8 * 12)  # slices of 2 matrices' stacks
+    sliced = jax.jit(lambda x: muon._orthogonalize_stack(x, dtype=jnp.float32))
+    assert "scan" in str(jax.make_jaxpr(sliced)(x))  # 3 slices of 2 and the last one
+    np.testing.assert_allclose(np.asarray(sliced(x)), np.asarray(whole), rtol=1e-5, atol=1e-6)

@@ -32,9 +32,12 @@ EXPECTED = {
     "pipeline=2,data=4": {
         "embedding": [None, None], "expert_gate": ["pipeline", None, None, None],
         "q_proj": ["pipeline", None, None, None], "dense_up": [None, None, None]},
-    "pipeline=2,expert=2,fsdp=2": {
-        "embedding": [None, "fsdp"], "expert_gate": ["pipeline", "expert", "fsdp", None],
-        "q_proj": ["pipeline", "fsdp", None, None], "dense_up": [None, "fsdp", None]},
+    # 2 virtual stages on 2 repeats: 4 chunks (2 empty) that the step arranges from the stored
+    # stack, so `pipeline` shards the largest other dimension it divides (with `fsdp` there)
+    "pipeline=2,expert=2,fsdp=2,virtual=2": {
+        "embedding": [None, "fsdp"],
+        "expert_gate": [None, "expert", ["fsdp", "pipeline"], None],
+        "q_proj": [None, ["fsdp", "pipeline"], None, None], "dense_up": [None, "fsdp", None]},
 }
 
 
@@ -43,7 +46,13 @@ def run_worker(*args: str) -> dict:
 
 
 def sizes_of(mesh: str) -> dict[str, int]:
+    """Mesh axis sizes, and `virtual` (model.pipeline_virtual_stages) when given."""
     return {k: int(v) for k, v in (item.split("=") for item in mesh.split(","))}
+
+
+def axes_of(entry) -> list[str]:
+    """Mesh axes of one spec entry: None, a name or a list of names."""
+    return [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
 
 
 def check_mesh_result(mesh: str, result: dict, whole_step: bool) -> None:
@@ -57,32 +66,34 @@ def check_mesh_result(mesh: str, result: dict, whole_step: bool) -> None:
         layout = result["layouts"][name]
         got = layout["spec"] + [None] * (len(layout["shape"]) - len(layout["spec"]))
         assert got == want, (mesh, name, got)
-        local = [dim // (sizes[axis] if axis else 1) for dim, axis in zip(layout["shape"], want)]
+        local = [dim // math.prod(sizes[a] for a in axes_of(axis))
+                 for dim, axis in zip(layout["shape"], want)]
         assert layout["local_shape"] == local, (mesh, name)
-    momentum_axes = {a for e in result["momentum_spec"] if e
-                     for a in ([e] if isinstance(e, str) else e)}
-    assert {a for a in EXPECTED[mesh]["expert_gate"] if a} <= momentum_axes
+    momentum_axes = {a for e in result["momentum_spec"] for a in axes_of(e)}
+    assert {a for e in EXPECTED[mesh]["expert_gate"] for a in axes_of(e)} <= momentum_axes
     assert ("data" in momentum_axes) == (sizes.get("data", 1) > 1)  # ZeRO-1
     if whole_step:
-        stages = sizes.get("pipeline", 1)
+        stages, virtual = sizes.get("pipeline", 1), sizes.get("virtual", 1)
         microbatches = 2 * stages
         assert result["bubble"] == pytest.approx(
-            (stages - 1) / (microbatches + stages - 1) if stages > 1 else 0.0)
+            (stages - 1) / (virtual * microbatches + stages - 1) if stages > 1 else 0.0)
 
 
 # The whole step (with the Muon update) runs on the meshes that exercise ZeRO-1 + expert +
-# tensor and pipeline + expert + fsdp; loss and gradients are compared on all five. One worker
+# tensor and interleaved pipeline stages + expert + fsdp; loss and gradients are compared on all
+# five (GPipe on pipeline=2,data=4). One worker
 # process, so the one-device reference compiles once (tracing and compiling dominate: ~10 s a
 # program).
 MESHES = ("data=8", "fsdp=4,expert=2", "step:data=2,expert=2,tensor=2", "pipeline=2,data=4",
-          "step:pipeline=2,expert=2,fsdp=2")
+          "step:pipeline=2,expert=2,fsdp=2,virtual=2")
 
 
 @pytest.mark.slow
 def test_deepseek_v4_model_on_a_mesh_matches_one_device():
-    """W/C/H attention, mHC streams and hash routing under data, fsdp, expert and tensor
-    sharding (pipeline stages are refused for mHC / hash layers: model/layers/stack.py)."""
-    results = run_worker("v4:fsdp=2,expert=2,tensor=2")
+    """W/C/H attention, mHC streams and hash routing under pipeline, fsdp and expert sharding:
+    the two hash-routed W layers are the pipelined segment, so every stage carries the 2 mHC
+    streams and the token ids its hash routing reads."""
+    results = run_worker("v4:pipeline=2,fsdp=2,expert=2")
     for mesh, result in results.items():
         assert result["loss_error"] < TOLERANCE, (mesh, result)
         # mHC's head biases and gates get sums over every token of largely cancelling terms:
@@ -95,12 +106,14 @@ def test_deepseek_v4_model_on_a_mesh_matches_one_device():
 def test_mimo_model_on_a_mesh_matches_one_device():
     """Per-type KV heads (1 full / 2 SWA: the full layers' single KV head cannot split over
     tensor=2, the rules leave it whole), values narrower than keys, sinks on the SWA layers and
-    the MTP block, no shared expert; the 4 SWA layers' scanned segment in two pipeline stages,
-    experts and heads sharded. One mesh per worker: a second mesh in the same process
-    (fsdp=2,expert=2,tensor=2 then pipeline=2,expert=2,fsdp=2, each passing alone) hit XLA:CPU's
-    40 s collective rendezvous timeout on a loaded 2-core machine."""
-    results = run_worker("mimo:pipeline=2,expert=2,tensor=2")
-    assert list(results) == ["pipeline=2,expert=2,tensor=2"]
+    the MTP block, no shared expert; the 4 SWA layers' scanned segment in two pipeline stages
+    with two virtual stages each (the interleaved schedule: 4 chunks of one layer, each
+    micro-batch passing both devices twice), experts and heads sharded. One mesh per worker: a
+    second mesh in the same process (fsdp=2,expert=2,tensor=2 then pipeline=2,expert=2,fsdp=2,
+    each passing alone) hit XLA:CPU's 40 s collective rendezvous timeout on a loaded 2-core
+    machine."""
+    results = run_worker("mimo:pipeline=2,expert=2,tensor=2,virtual=2")
+    assert list(results) == ["pipeline=2,expert=2,tensor=2,virtual=2"]
     for mesh, result in results.items():
         assert result["loss_error"] < TOLERANCE, (mesh, result)
         assert result["grad_error"] < TOLERANCE, (mesh, result)
@@ -115,7 +128,7 @@ def test_train_step_on_a_mesh_matches_one_device():
 
 
 @pytest.mark.slow
-def test_expert_parallel_dispatch_with_skewed_routing_drops_nothing_and_pallas_shards():
+def test_expert_parallel_dispatch_with_skewed_routing_drops_nothing_pallas_and_schedules():
     result = run_worker("ep_skew")
     assert result["busiest_device_share"] > 0.75  # the skew is real: one device gets most
     assert result["copies_computed"] == result["copies_routed"]
@@ -126,6 +139,11 @@ def test_expert_parallel_dispatch_with_skewed_routing_drops_nothing_and_pallas_s
     # Pallas kernels (interpret mode) run per shard under the mesh
     assert result["attention_error"] < TOLERANCE
     assert result["moe_error"] < TOLERANCE
+    # the pipeline schedule against the repeats applied in order: uneven GPipe (R=3 on 2
+    # stages), interleaved with every chunk real (R=4, V=2) and with an empty one (R=3, V=2)
+    errors = result["pipeline_schedule_errors"]
+    assert list(errors) == ["R=3,V=1", "R=4,V=2", "R=3,V=2"]
+    assert all(error < TOLERANCE for error in errors.values()), errors
 
 
 # ---- in-process: rules and mesh arithmetic (no devices needed) ---------------------------------

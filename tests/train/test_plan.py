@@ -74,6 +74,22 @@ def test_step35_preset_counts_and_expert_sharding(capsys):
     assert saved == routed * 7 // 8 + router * 7 // 8
     assert one["per_device_bytes"]["params"] == count * 4
 
+    # The report's PP8 x EP8 (3.2): the [S F S S] x 10 segment in 8 uneven stages (2, 2, 1 x 6
+    # repeats); its expert matrices split 64 ways (the `layers` axis does not divide by 8, so
+    # `pipeline` takes the 4096-wide one), the 2 clamped MoE layers after it 8 ways.
+    pp8 = plan(capsys, "--config", STEP35, "--mesh", "data=64,expert=8,pipeline=8")
+    pipe = pp8["pipeline"]
+    assert (pipe["segment_period"], pipe["segment_repeats"]) == (4, 10)
+    assert pipe["chunk_repeats"] == [2, 2, 1, 1, 1, 1, 1, 1] and pipe["idle_slots"] == 6
+    per_layer = routed // 42
+    assert pp8["params_by_group_bytes"]["moe_routed"] == per_layer * 40 // 64 + per_layer * 2 // 8
+    gpipe, interleaved = pipe["schedules"]  # 16 micro-batches; 2 virtual stages: 16 chunks
+    assert gpipe["bubble_fraction"] == pytest.approx(7 / 23)
+    assert interleaved["virtual_stages"] == 2
+    assert interleaved["bubble_fraction"] == pytest.approx(7 / 39)
+    assert interleaved["slots_per_device"] == gpipe["slots_per_device"] == 2
+    assert pp8["activation_parts_bytes"]["pipeline_stage_params"] > 0
+
 
 def test_mimo_v2_flash_counts_and_expert_sharding(capsys):
     """MiMo-V2-Flash from its report's numbers: 9 full layers (4 KV heads) and 39 SWA layers (8
@@ -142,6 +158,13 @@ def test_activation_estimate_responds_to_batch_and_remat(capsys):
     by_policy = {p: plan(capsys, "--config", TINY, "--mesh", "data=1", f"model.remat_policy={p}")
                  ["per_device_bytes"]["activations"] for p in ("none", "dots", "full")}
     assert by_policy["full"] < by_policy["dots"] < by_policy["none"]
+    # dots_with_kernels adds, per token and layer (float32, no tensor split), the attention
+    # core's output and log-sum-exp (H * (4 * 32 + 4): 3 full layers of 4 heads, 6 SWA layers
+    # of 6) and the 8 MoE layers' routed gate/up and outputs (4 * top_k 4 * (2 * 64 + 128))
+    kernels = plan(capsys, "--config", TINY, "--mesh", "data=1",
+                   "model.remat_policy=dots_with_kernels")["per_device_bytes"]["activations"]
+    per_token = (3 * 4 + 6 * 6) * (4 * 32 + 4) + 8 * 4 * 4 * (2 * 64 + 128)
+    assert kernels - by_policy["dots"] == 8 * 256 * per_token
     parts = base["activation_parts_bytes"]
     assert sum(parts.values()) == base["per_device_bytes"]["activations"]
     assert parts["logits_chunk"] == 2 * 1024 * 4096 * 4  # logits + gradient, float32
@@ -150,14 +173,33 @@ def test_activation_estimate_responds_to_batch_and_remat(capsys):
     assert base["per_device_bytes"]["total"] == total
 
 
-def test_pipeline_reports_bubble(capsys):
+def test_pipeline_reports_bubble_of_gpipe_and_interleaved(capsys):
     out = plan(capsys, "--config", TINY, "--mesh", "pipeline=2,data=1", *PIPELINABLE)
     stages, micro = 2, 4  # pipeline_microbatches 0 -> 2 x stages
-    assert out["pipeline"]["stages"] == stages and out["pipeline"]["microbatches"] == micro
-    assert out["pipeline"]["bubble_fraction"] == pytest.approx((stages - 1) / (micro + stages - 1))
-    assert out["pipeline"]["layers_per_stage"] == 4
+    pipe = out["pipeline"]
+    assert pipe["stages"] == stages and pipe["microbatches"] == micro
+    assert pipe["bubble_fraction"] == pytest.approx((stages - 1) / (micro + stages - 1))
+    assert pipe["layers_per_stage"] == 4 and pipe["chunk_repeats"] == [4, 4]
+    # 8 repeats: 4 virtual stages keep GPipe's 4 slots per device (8 chunks of 1), 8 would not
+    assert [(r["virtual_stages"], r["slots_per_device"]) for r in pipe["schedules"]] == [
+        (1, 4), (4, 4)]
+    assert pipe["schedules"][1]["bubble_fraction"] == pytest.approx(1 / (4 * micro + 1))
+    assert "pipeline_stage_params" not in out["activation_parts_bytes"]  # a reshape, no copy
     assert main(["--config", TINY, "--mesh", "pipeline=2,data=1", *PIPELINABLE]) == 0
     assert "bubble 20.0%" in capsys.readouterr().out
+
+    virtual = plan(capsys, "--config", TINY, "--mesh", "pipeline=2,data=1", *PIPELINABLE,
+                   "model.pipeline_virtual_stages=2")["pipeline"]
+    assert virtual["schedule"] == "interleaved" and virtual["chunk_repeats"] == [2] * 4
+    assert virtual["bubble_fraction"] == pytest.approx(1 / (2 * micro + 1))
+    assert [r["virtual_stages"] for r in virtual["schedules"] if r["configured"]] == [2]
+
+
+def test_uneven_stages_pad_the_short_chunks(capsys):
+    # 3 repeats (F+SSSF*2 splits its 8 SSSF layers into S x 3 runs) over 2 stages: 2 + 1
+    pipe = plan(capsys, "--config", TINY, "--mesh", "pipeline=2,data=1")["pipeline"]
+    assert pipe["segment_repeats"] == 3 and pipe["chunk_repeats"] == [2, 1]
+    assert pipe["idle_slots"] == 1 and pipe["layers_per_stage"] == 2
 
 
 def test_pipeline_shards_the_pipelined_segment(capsys):
@@ -266,8 +308,9 @@ def test_v4_plans_and_mhc_streams_cost_memory(capsys):
     (["--config", TINY, "--mesh", "data=2", "--devices", "3"], "mesh"),
     (["--config", TINY, "--mesh", "data=-1"], "--devices"),
     (["--config", TINY, "--mesh", "data"], "axis=size"),
-    (["--config", TINY, "--mesh", "pipeline=2,data=1"], "mesh.pipeline=2"),
-    (["--config", TINY_V4, "--mesh", "pipeline=2,data=1"], "mHC"),
+    (["--config", TINY, "--mesh", "pipeline=4,data=1"], "mesh.pipeline=4"),
+    (["--config", TINY, "--mesh", "pipeline=2,data=1", "model.pipeline_virtual_stages=2",
+      "model.pipeline_microbatches=1"], "model.pipeline_microbatches"),
     (["--config", TINY, "--mesh", "data=1", "train.bogus=1"], "train.bogus"),
 ])
 def test_errors_are_one_line_exit_2(capsys, argv, needle):

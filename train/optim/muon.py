@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
+from pallas_kernels.target import target_backend
+
 # Polar Express degree-5 coefficients (a, b, c) of p(x) = a x + b x^3 + c x^5, one per iteration,
 # from Algorithm 1 of Amsel, Persson, Musco, Gower, "The Polar Express: Optimal Matrix Sign
 # Methods and Their Application to the Muon Algorithm" (arXiv 2505.16932; reference code
@@ -61,7 +63,7 @@ ITERATION_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 def resolve_iteration_dtype(name: str, backend: str | None = None) -> jnp.dtype:
     """The iteration dtype `name` (one of ITERATION_DTYPES) stands for on `backend` (default:
-    `jax.default_backend()`, read once, where the optimizer is built).
+    the backend traced for, `pallas_kernels.target`, read once, where the optimizer is built).
 
     'auto' is float16, the report's choice (4.1.1), where matmuls run natively in float16
     (GPU tensor cores), and float32 on every other backend: XLA:CPU has no half-precision
@@ -72,7 +74,7 @@ def resolve_iteration_dtype(name: str, backend: str | None = None) -> jnp.dtype:
     if name not in ITERATION_DTYPES:
         raise ValueError(f"iteration_dtype: expected one of {ITERATION_DTYPES}, got {name!r}")
     if name == "auto":
-        native_float16 = (backend or jax.default_backend()) in ("gpu", "cuda", "rocm")
+        native_float16 = (backend or target_backend()) in ("gpu", "cuda", "rocm")
         name = "float16" if native_float16 else "float32"
     return jnp.dtype(name)
 
@@ -297,6 +299,25 @@ def whole_matrices(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
 
 
+# Elements of the stacked matrices one step of `_orthogonalize_stack` iterates on at once
+# without a mesh: 2^27 (256 MiB in float16) bounds the iteration's temporaries, which for all of
+# a ~1B MoE's expert matrices at once ([36, 32, 512, 1536]: 12 layers x gate/up/down) were
+# several GiB each; a step still holds 85 such matrices, plenty for one device.
+STACK_CHUNK_ELEMENTS = 1 << 27
+
+
+def _orthogonalize_stack(x: jax.Array, **kwargs) -> jax.Array:
+    """`orthogonalize` of a [B, ..., m, n] stack. Without a mesh, in sequential slices of the
+    leading axis of about STACK_CHUNK_ELEMENTS elements (`lax.map`); under a mesh the stack is
+    spread over the devices instead (`whole_matrices`), and a loop over its sharded axis would
+    gather it."""
+    per_item = math.prod(x.shape[1:])
+    chunk = max(1, STACK_CHUNK_ELEMENTS // per_item)
+    if not jax.sharding.get_abstract_mesh().empty or chunk >= x.shape[0]:
+        return orthogonalize(whole_matrices(x), **kwargs)
+    return jax.lax.map(lambda part: orthogonalize(part, **kwargs), x, batch_size=chunk)
+
+
 def _orthogonalize_grouped(batches: list[jax.Array], **kwargs) -> list[jax.Array]:
     """`orthogonalize` of each [B, ..., m, n] batch. Batches whose matrices have the same shape
     (up to a transpose) and the same inner batch axes share one call, concatenated along their
@@ -310,7 +331,7 @@ def _orthogonalize_grouped(batches: list[jax.Array], **kwargs) -> list[jax.Array
         groups.setdefault(wide.shape[1:], []).append((i, wide))
     out: list[jax.Array | None] = [None] * len(batches)
     for items in groups.values():
-        stacked = orthogonalize(whole_matrices(jnp.concatenate([x for _, x in items])), **kwargs)
+        stacked = _orthogonalize_stack(jnp.concatenate([x for _, x in items]), **kwargs)
         sections = list(itertools.accumulate(x.shape[0] for _, x in items))[:-1]
         for (i, _), piece in zip(items, jnp.split(stacked, sections)):
             transposed = batches[i].shape[-2] > batches[i].shape[-1]

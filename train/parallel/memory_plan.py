@@ -63,20 +63,26 @@ mHC with n = hc_mult > 1 streams adds per layer (two sublayers; MTP blocks have 
 and the layer input I below is the streams, n*c*D (else I = c*D).
 What a layer keeps for the backward pass depends on model.remat_policy:
   none -> M + O;  dots -> I + M (the layer input and the projection outputs);
+  dots_with_kernels -> I + M + K, K = c*H*Dv/t + 4*H/t (attention core output, float32
+  log-sum-exp; F / S layers) + c*k*(2*He/t + D) (routed gate/up pre-activations, outputs);
   save_attention_out / save_ffn_out -> I + c*D;  full -> I (the layer input only).
 Activations = N * sum over the device's layers of that
             + max over layers of 2*N*(M + O)          (the layer being differentiated: its
               + rows * chunk                           recomputed forward and its cotangents)
-            + N * c*D * (2, +2 with a pipeline)       (embeddings, final hidden, pipeline I/O;
+            + N * (2*c*D + 2*I with a pipeline)       (embeddings, final hidden, pipeline I/O;
               + N * n*D*(c + 4) with mHC               final streams, HyperHead's normed copy)
             + N * per trained MTP head (6*c*D + M + O of its dense SWA block, never rematted)
             + 2 * min(loss_chunk_size, micro_batch*T) * V/t * 4   (one float32 logits chunk
                                                                    and its gradient)
-With mesh.pipeline = S > 1 the pipelined segment (model/parallel/pipeline.py) contributes only its
-layers / S per device, but every stage runs all m + S - 1 ticks of the GPipe schedule (bubble
-ticks included), so its saved activations are scaled by (m + S - 1) / m (m = pipeline
-micro-batches) and its working set by 1 / m. Routing is assumed balanced (each device holds
-about top_k * N expert rows); EP all-to-all buffers are not counted.
+With mesh.pipeline = S > 1 the pipelined segment (model/parallel/pipeline.py: R repeats in
+S x V chunks of k = ceil(R / (S V)) slots, V virtual stages) runs on each device as k V slots,
+each for one micro-batch per tick over the V m + S - 1 ticks of the schedule (bubble ticks
+included; m = pipeline micro-batches): a segment layer's saved activations are scaled by
+k (V m + S - 1) / (m R) and its working set by 1 / m; the pipeline's queue and stage buffer add
+two layer inputs per token. Unless the stages hold contiguous runs of repeats (V = 1 and S
+divides R), the step also holds a stage-layout copy of the segment's params and its gradient
+(row `pipeline stage params`; train/parallel/pipeline_plan.py). Routing is assumed balanced
+(each device holds about top_k * N expert rows); EP all-to-all buffers are not counted.
 
 Calibration (one CPU device, float32, batch 8 x 256, jax 0.10; `compiled.memory_analysis()`
 temporaries of the jitted train step, which also hold the gradients): configs/tiny.yaml 439
@@ -100,10 +106,11 @@ from jax.sharding import PartitionSpec as P
 from model.config import SHARED_KV_KINDS, ModelConfig
 from model.layers.layer_plan import LayerKind, layer_kinds, plan_segments
 from model.parallel.mesh import spec_axes
-from model.parallel.pipeline import bubble_fraction, num_microbatches, pipelined_segment
+from model.parallel.pipeline import pipelined_segment, stage_plan
 from model.parallel.rules import abstract_mesh
 from model.summary import param_group
 from train.config import RunConfig
+from train.parallel import pipeline_plan
 from train.parallel.sharding import check_batch_fits, data_parallel_size, state_specs
 from train.parallel.v4_activations import (
     DTYPE_BYTES,
@@ -153,23 +160,29 @@ def _tree_bytes(tree: Any, specs: Any, sizes: dict[str, int]) -> int:
 
 
 def state_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
-    """Per-device bytes of params / optimizer state / other state, params per group, and the
-    global parameter count."""
+    """Per-device bytes of params / optimizer state / other state, params per group and per
+    scanned layer segment, and the global parameter count."""
     training, state = _training_and_state(run)
     specs = state_specs(state, training.variable_axes, abstract_mesh(sizes), run)
     groups: dict[str, int] = {}
+    segments: dict[int, int] = {}  # scanned segment index -> its params' bytes
     flat_params = flatten_dict(state.params)
     flat_specs = flatten_dict(specs.params, is_leaf=lambda _, x: isinstance(x, P))
     for path, leaf in flat_params.items():
-        group = param_group(tuple(str(k) for k in path))
-        groups[group] = groups.get(group, 0) + sharded_bytes(leaf.shape, leaf.dtype,
-                                                             flat_specs[path], sizes)
+        keys = tuple(str(k) for k in path)
+        size = sharded_bytes(leaf.shape, leaf.dtype, flat_specs[path], sizes)
+        group = param_group(keys)
+        groups[group] = groups.get(group, 0) + size
+        if keys[0] == "layers" and keys[1].startswith("segment_"):
+            index = int(keys[1].removeprefix("segment_"))
+            segments[index] = segments.get(index, 0) + size
     other = sum(_tree_bytes(getattr(state, name), getattr(specs, name), sizes)
                 for name in ("balance", "step", "rng", "skipped", "consecutive_skips"))
     return {
         "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
         "params": sum(groups.values()),
         "params_by_group": dict(sorted(groups.items())),
+        "segments": segments,
         "optimizer": _tree_bytes(state.opt_state, specs.opt_state, sizes),
         "other": other,
     }
@@ -234,14 +247,33 @@ def chunk_working_bytes(cfg: ModelConfig, kind: LayerKind, seq_len: int, tensor:
     return 0.0
 
 
+def kernel_output_bytes(cfg: ModelConfig, kind: LayerKind, tensor: int) -> float:
+    """Bytes per token of the named kernel outputs of a layer (pallas_kernels/saved_names.py)
+    that `dots_with_kernels` keeps beyond `dots`: the attention core's output and float32
+    log-sum-exp (F / S layers) and the routed experts' gate/up pre-activations and outputs."""
+    c = DTYPE_BYTES[cfg.compute_dtype]
+    saved = 0.0
+    if kind.attention_type not in SHARED_KV_KINDS:
+        geo = cfg.attention_geometry(kind.attention_type)
+        heads = tensor_split(geo.num_heads, tensor)
+        saved += heads * (c * geo.v_head_dim + 4)
+    if kind.is_moe:
+        moe = cfg.moe
+        saved += c * moe.top_k * (2 * tensor_split(moe.expert_hidden, tensor) + cfg.d_model)
+    return saved
+
+
 def saved_per_layer(policy: str, matmul: float, other: float, input_bytes: float,
-                    d_bytes: float) -> float:
+                    d_bytes: float, kernel_bytes: float) -> float:
     """Bytes per token a layer keeps for the backward pass under remat `policy`; `input_bytes`
-    of the layer input (c*D, or c*n*D for n mHC streams), `d_bytes` of a sublayer output."""
+    of the layer input (c*D, or c*n*D for n mHC streams), `d_bytes` of a sublayer output,
+    `kernel_bytes` of its named kernel outputs (`kernel_output_bytes`)."""
     if policy == "none":
         return matmul + other
     if policy == "dots":
         return input_bytes + matmul
+    if policy == "dots_with_kernels":
+        return input_bytes + matmul + kernel_bytes
     if policy in ("save_attention_out", "save_ffn_out"):
         return input_bytes + d_bytes
     return input_bytes  # full
@@ -262,25 +294,29 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
 
     kinds = layer_kinds(cfg)
     piped_layers: set[int] = set()
-    microbatches = 1
     if stages > 1:
-        segment = plan_segments(kinds)[pipelined_segment(cfg, stages)]
-        piped_layers = set(segment.layers)
-        microbatches = num_microbatches(cfg, stages)
+        piped_layers = set(plan_segments(kinds)[pipelined_segment(cfg, stages)].layers)
+        plan = stage_plan(cfg, stages)
+        # a device runs k slots of the segment per tick on one micro-batch, for V M + S - 1
+        # ticks: per layer of the segment, k (V M + S - 1) / (M R) of the batch's tokens
+        piped_share = plan.slots * (plan.virtual * plan.microbatches + stages - 1) / (
+            plan.microbatches * plan.repeats)
     saved = working = 0.0
     for i, kind in enumerate(kinds):
         matmul, other = layer_bytes(cfg, kind, seq_len, tensor)
-        keep = saved_per_layer(cfg.remat_policy, matmul, other, input_bytes, d_bytes)
+        keep = saved_per_layer(cfg.remat_policy, matmul, other, input_bytes, d_bytes,
+                               kernel_output_bytes(cfg, kind, tensor))
         differentiated = (2 * tokens * (matmul + other)
                           + rows * chunk_working_bytes(cfg, kind, seq_len, tensor))
-        if i in piped_layers:  # 1/S of the layers, all m + S - 1 ticks, one micro-batch at a time
-            saved += tokens * keep * (microbatches + stages - 1) / microbatches / stages
-            working = max(working, differentiated / microbatches)
+        if i in piped_layers:  # one micro-batch at a time
+            saved += tokens * keep * piped_share
+            working = max(working, differentiated / plan.microbatches)
         else:
             saved += tokens * keep
             working = max(working, differentiated)
-    # embeddings and final hidden; mHC: the final streams, their float32 normed copy (HyperHead)
-    extras = tokens * d_bytes * (2 + (2 if stages > 1 else 0))
+    # embeddings and final hidden, the pipeline's queue and stage buffer; mHC: the final
+    # streams, their float32 normed copy (HyperHead)
+    extras = tokens * (2 * d_bytes + (2 * input_bytes if stages > 1 else 0))
     if streams > 1:
         extras += tokens * streams * cfg.d_model * (c + 4)
     mtp_kind = LayerKind(cfg.mtp.attention_type, False, 0.0, 0.0, False)
@@ -306,20 +342,10 @@ def plan_memory(run: RunConfig, sizes: dict[str, int], device_memory_gib: float 
     stages = sizes["pipeline"]
     pipeline = None
     if stages > 1:
-        if run.model.hyper_connections.hc_mult > 1 or run.model.moe.hash_layers:
-            raise PlanError(f"mesh.pipeline={stages}: pipeline stages carry one [B, T, D] stream "
-                            "and no token ids, so mHC (hyper_connections.hc_mult > 1) and "
-                            "hash-routed MoE layers (moe.hash_layers > 0) need mesh.pipeline=1")
         try:
-            index = pipelined_segment(run.model, stages)
+            pipeline = pipeline_plan.describe(run, stages)
         except ValueError as err:
             raise PlanError(str(err)) from None
-        segment = plan_segments(layer_kinds(run.model))[index]
-        m = num_microbatches(run.model, stages)
-        pipeline = {"stages": stages, "segment": index, "segment_period": segment.period,
-                    "segment_repeats": segment.repeats,
-                    "layers_per_stage": segment.period * segment.repeats // stages,
-                    "microbatches": m, "bubble_fraction": bubble_fraction(stages, m)}
     try:
         check_batch_fits(run, mesh)
     except ValueError as err:
@@ -330,6 +356,15 @@ def plan_memory(run: RunConfig, sizes: dict[str, int], device_memory_gib: float 
     gradient_copies = 2 if accumulation > 1 else 1
     gradients = gradient_copies * state["params"]
     activations = activation_bytes(run, sizes)
+    if pipeline:
+        segment_bytes = state["segments"][pipeline["segment"]]
+        copy = pipeline_plan.stage_copy_bytes(stage_plan(run.model, stages), segment_bytes)
+        if copy:
+            activations["parts"]["pipeline_stage_params"] = copy
+            activations["total"] += copy
+        fixed = state["params"] + state["optimizer"] + gradients + state["other"]
+        pipeline["schedules"] = pipeline_plan.schedules(run, sizes, segment_bytes, fixed,
+                                                        activation_bytes)
     per_device = {"params": state["params"], "optimizer_state": state["optimizer"],
                   "gradients": gradients, "other_state": state["other"],
                   "activations": activations["total"]}

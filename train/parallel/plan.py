@@ -13,6 +13,7 @@ Exit codes: 0 (a plan was printed; over budget is a WARNING on stderr unless --s
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import sys
@@ -92,11 +93,7 @@ def render(plan: dict, config: str) -> str:
     ]
     pipe = plan["pipeline"]
     if pipe:
-        lines.append(
-            f"pipeline:  {pipe['stages']} stages over segment {pipe['segment']} "
-            f"({pipe['segment_period']} layers x {pipe['segment_repeats']}, "
-            f"{pipe['layers_per_stage']} layers per stage), {pipe['microbatches']} micro-batches, "
-            f"bubble {100 * pipe['bubble_fraction']:.1f}%")
+        lines.append(render_pipeline(pipe))
     pd = plan["per_device_bytes"]
     grads = "gradients" + (" (sum + micro-batch)" if plan["gradient_copies"] > 1 else "")
     rows = [["params", format_bytes(pd["params"])],
@@ -112,6 +109,29 @@ def render(plan: dict, config: str) -> str:
     verdict = "within budget" if plan["within_budget"] else "OVER BUDGET"
     lines.append(f"{verdict}: {100 * plan['utilisation']:.1f}% of the device budget")
     return "\n".join(lines)
+
+
+def render_pipeline(pipe: dict) -> str:
+    chunks = pipe["chunk_repeats"]
+    sizes = ", ".join(f"{count} of {size}" for size, count in
+                      sorted(collections.Counter(chunks).items(), reverse=True))
+    split = (f"{len(chunks)} chunks of {chunks[0]} repeat{'s' * (chunks[0] > 1)}"
+             if len(set(chunks)) == 1 else
+             f"uneven: {len(chunks)} chunks, {sizes} repeats; {pipe['idle_slots']} of "
+             f"{len(chunks) * pipe['slots_per_chunk']} slots idle")
+    head = (f"pipeline:  {pipe['stages']} stages x {pipe['virtual_stages']} virtual over segment "
+            f"{pipe['segment']} ({pipe['segment_period']} layers x {pipe['segment_repeats']}; "
+            f"{split}), {pipe['microbatches']} micro-batches, {pipe['schedule']}, "
+            f"bubble {100 * pipe['bubble_fraction']:.1f}%")
+    rows = [[f"{row['schedule']}{' *' if row['configured'] else ''}",
+             str(row["virtual_stages"]), str(row["slots_per_device"]),
+             f"{100 * row['bubble_fraction']:.1f}%", format_bytes(row["activations"]),
+             format_bytes(row["total"])] for row in pipe["schedules"]]
+    table = format_table(["schedule (* configured)", "virtual", "repeat slots/device",
+                          "bubble", "activations", "total/device"], rows)
+    return (f"{head}\n{table}\n(interleaved bubble = interleaved 1F1B's; both run as JAX's "
+            "autodiff of the forward ticks, with GPipe-like activations; "
+            "model.pipeline_virtual_stages=V picks V)")
 
 
 # ---- command line ----------------------------------------------------------------------------

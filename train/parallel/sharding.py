@@ -21,9 +21,8 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
-from model.parallel.mesh import spec_axes
-from model.parallel.pipeline import num_microbatches
-from model.parallel.rules import BATCH_AXES, MESH_AXES, param_specs, path_keys
+from model.parallel.pipeline import num_microbatches, stage_plan
+from model.parallel.rules import BATCH_AXES, MESH_AXES, add_axis, param_specs, path_keys
 from train.config import MeshConfig, RunConfig
 
 
@@ -43,16 +42,7 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
 def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
     """`spec` with `data` added to the largest dimension it still divides (ZeRO-1: each data
     replica keeps 1/data of the optimizer state). Unchanged if `data` is used or fits nowhere."""
-    data = mesh.shape["data"]
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    if data == 1 or any("data" in spec_axes(e) for e in entries):
-        return spec
-    for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
-        current = spec_axes(entries[dim])
-        if shape[dim] % (data * math.prod(mesh.shape[a] for a in current)) == 0:
-            entries[dim] = (*current, "data") if current else "data"
-            return P(*entries)
-    return spec
+    return add_axis(spec, shape, mesh, "data")
 
 
 def opt_state_specs(opt_state: Any, params: Any, specs: Any, mesh: Mesh, zero1: bool) -> Any:
@@ -106,7 +96,7 @@ def data_parallel_size(mesh: Mesh) -> int:
 
 def check_batch_fits(run: RunConfig, mesh: Mesh) -> None:
     """Every micro-batch must split evenly over the data-parallel devices and into the
-    pipeline's micro-batches."""
+    pipeline's micro-batches, and the pipeline's stage plan must fit the layers."""
     ways = data_parallel_size(mesh)
     micro = run.train.micro_batch()
     if micro % ways:
@@ -114,6 +104,7 @@ def check_batch_fits(run: RunConfig, mesh: Mesh) -> None:
                          f"{ways} data-parallel devices (mesh data x fsdp x expert)")
     stages = mesh.shape["pipeline"]
     if stages > 1:
+        stage_plan(run.model, stages)  # the layer plan and virtual stages fit the stages
         pieces = num_microbatches(run.model, stages)
         if micro % pieces or (micro // pieces) % ways:
             raise ValueError(

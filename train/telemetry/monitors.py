@@ -54,7 +54,8 @@ def tree_rms(tree) -> jax.Array:
     if not leaves:
         return jnp.zeros((), jnp.float32)
     total = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
-    return jnp.sqrt(total / sum(x.size for x in leaves))
+    # a Python float: the element count of a large model (196e9) overflows JAX's int32
+    return jnp.sqrt(total / float(sum(x.size for x in leaves)))
 
 
 def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
