@@ -90,8 +90,10 @@ def count_params(cfg: ModelConfig) -> dict:
         group, size = param_group(path), math.prod(shape)
         breakdown[group]["total"] += size
         # Each routed-expert leaf has an [E] expert axis, so its size is a multiple of E.
-        routed = group == "moe_routed" or (group == "mtp" and param_group(path[1:]) == "moe_routed")
-        breakdown[group]["active"] += size * cfg.moe.top_k // cfg.moe.num_experts if routed else size
+        # (an MTP head's routed experts too: `mtp.block: layer`)
+        routed = "moe_routed" in (group, param_group(path[1:]) if group == "mtp" else None)
+        breakdown[group]["active"] += (size * cfg.moe.top_k // cfg.moe.num_experts
+                                       if routed else size)
 
     def summed(kind: str, skip: Sequence[str]) -> int:
         return sum(v[kind] for g, v in breakdown.items() if g not in skip)

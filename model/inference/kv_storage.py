@@ -58,7 +58,3 @@ class RowFormat:
 
     def empty(self, shape: tuple[int, ...], dtype):
         return self.encode(jnp.zeros(shape, dtype))
-
-    def round_trip(self, x: jax.Array) -> jax.Array:
-        """x as the cache gives it back."""
-        return self.decode(self.encode(x), x.dtype)

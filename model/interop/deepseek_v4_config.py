@@ -258,6 +258,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 def _check_exportable(cfg: ModelConfig) -> None:
     attn, moe = cfg.shared_kv_attention, cfg.moe
+    mtp = (cfg.mtp.block, cfg.mtp.attention_type, cfg.mtp.share_output_head)
     problems = (
         ("layout", any(kind not in _HF_LAYER_TYPES for kind in cfg.layout),
          f"{cfg.layout!r} has Step 3.5 GQA layers (F/S); DeepSeek-V4 has W/C/H only"),
@@ -279,8 +280,7 @@ def _check_exportable(cfg: ModelConfig) -> None:
          "DeepSeek-V4 has one clamp > 0 (swiglu_limit) for every routed and shared expert"),
         ("hyper_connections.hc_mult", cfg.hyper_connections.hc_mult < 2,
          "transformers always builds mHC, stepjax only for hc_mult >= 2"),
-        ("mtp.block", cfg.mtp.num_heads > 0 and (
-            cfg.mtp.block, cfg.mtp.attention_type, cfg.mtp.share_output_head) != ("layer", "W", True),
+        ("mtp.block", cfg.mtp.num_heads > 0 and mtp != ("layer", "W", True),
          "DeepSeek-V4's MTP layers are full decoder layers on sliding-window attention sharing "
          "the output head (mtp.block=layer, mtp.attention_type=W, mtp.share_output_head=true); "
          "export without them with --drop-mtp"),

@@ -29,7 +29,6 @@ E2M1_MAX, E4M3_MAX = 6.0, 448.0
 MX_BLOCK = 32  # values per MXFP4 scale
 FP8_TILE = 128  # rows and columns per FP8 scale of `fp4_to_fp8`
 FP8_HEADROOM = 6  # 6 * 2^6 = 384 <= 448 < 6 * 2^7
-LOSSLESS_SPAN = 14  # largest sub-block exponent spread of a tile that `fp4_to_fp8` keeps exact
 
 
 def _blocked(x: jax.Array, block: int) -> jax.Array:
@@ -82,26 +81,27 @@ def mx_dequantize(values: jax.Array, exponent: jax.Array, block: int) -> jax.Arr
 def fp4_to_fp8(values: jax.Array, exponent: jax.Array) -> tuple[jax.Array, jax.Array]:
     """MXFP4 weights (values [..., rows, n], exponents [..., rows, ceil(n / 32)]) -> (E4M3
     values [..., rows, n], tile exponents [..., ceil(rows / 128), ceil(n / 128)]): one scale per
-    128 x 128 tile, exact while a tile's sub-block exponents span at most `LOSSLESS_SPAN`."""
-    rows, n = values.shape[-2:]
+    128 x 128 tile, exact while a tile's sub-block exponents span at most 14."""
     per_tile = FP8_TILE // MX_BLOCK
     # sub-blocks of zeros carry the floor exponent: they never set the tile's maximum unless
     # the whole tile is zero
     tiles = _blocked(jnp.swapaxes(_blocked(exponent, per_tile).max(-1), -1, -2), FP8_TILE)
     tile_exponent = jnp.swapaxes(tiles.max(-1), -1, -2) - FP8_HEADROOM
-    per_value = jnp.repeat(jnp.repeat(tile_exponent, FP8_TILE, -2)[..., :rows, :], FP8_TILE,
-                           -1)[..., :n]
     fp4 = mx_dequantize(values, exponent, MX_BLOCK)
-    fp8 = jnp.clip(_scaled(fp4, per_value), -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-    return fp8, tile_exponent
+    fp8 = jnp.clip(_scaled(fp4, _per_value(tile_exponent, values.shape)), -E4M3_MAX, E4M3_MAX)
+    return fp8.astype(jnp.float8_e4m3fn), tile_exponent
 
 
 def fp8_tiles_dequantize(values: jax.Array, tile_exponent: jax.Array) -> jax.Array:
     """`fp4_to_fp8`'s output back to float32 [..., rows, n]."""
-    rows, n = values.shape[-2:]
-    per_value = jnp.repeat(jnp.repeat(tile_exponent, FP8_TILE, -2)[..., :rows, :], FP8_TILE,
-                           -1)[..., :n]
-    return values.astype(jnp.float32) * pow2(per_value)
+    return values.astype(jnp.float32) * pow2(_per_value(tile_exponent, values.shape))
+
+
+def _per_value(tile_exponent: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Tile exponents [..., ceil(rows / 128), ceil(n / 128)] -> one per value [..., rows, n]."""
+    rows, n = shape[-2:]
+    return jnp.repeat(jnp.repeat(tile_exponent, FP8_TILE, -2)[..., :rows, :], FP8_TILE,
+                      -1)[..., :n]
 
 
 def fp8_blocks(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:

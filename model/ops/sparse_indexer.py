@@ -158,8 +158,9 @@ def select_entries(
 
     queries: [B, T, H, c]; head_weights: [B, T, H]; keys: [B, S, c]; query_positions: [B, T];
     entry_end_positions: [B, S]; segment ids: [B, T] / [B, S] or None (one document per row);
-    score_dtype: the index scores' precision (`index_scores`). Returns a Selection of [B, T, top_k] arrays. Slots with no visible entry left (early queries,
-    short documents) are invalid. The scores of valid slots carry gradients into the indexer.
+    score_dtype: the index scores' precision (`index_scores`). Returns a Selection of
+    [B, T, top_k] arrays. Slots with no visible entry left (early queries, short documents) are
+    invalid. The scores of valid slots carry gradients into the indexer.
     """
     batch, length = query_positions.shape
     num_chunks = -(-length // chunk_size)
