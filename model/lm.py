@@ -149,8 +149,9 @@ class CausalLM(nn.Module):
             logits = self.project(hidden)
             mtp_logits = tuple(self.project(h, head=i + 1) for i, h in enumerate(mtp_hidden))
         aux = collect_aux(self.config, per_layer_aux)
-        if any(mtp_aux):  # `layer` MTP blocks: their MoE's statistics, [heads, ...] each
-            aux["mtp_moe"] = {k: jnp.stack([a[k] for a in mtp_aux]) for k in sorted(mtp_aux[0])}
+        if mtp_aux and self.config.mtp.block == "layer":  # their MoE's statistics, [heads, ...]
+            keys = sorted(mtp_aux[0].keys() - ATTENTION_AUX)
+            aux["mtp_moe"] = {k: jnp.stack([a[k] for a in mtp_aux]) for k in keys}
         return LMOutput(logits=logits, mtp_logits=mtp_logits or (), aux=aux, hidden=hidden,
                         mtp_hidden=tuple(mtp_hidden))
 

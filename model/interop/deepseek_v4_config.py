@@ -303,7 +303,10 @@ def with_stored_mtp(config: ModelConfig, hf: Mapping[str, Any], names) -> ModelC
     if not stored:
         return config
     heads = hf.get("num_nextn_predict_layers") or 0
-    if stored != list(range(heads)):
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 0:
+        raise CheckpointFormatError(f"num_nextn_predict_layers: expected a count >= 0, got "
+                                    f"{heads!r}")
+    if len(stored) != heads or stored[-1] != heads - 1:  # (sorted, distinct: 0..heads-1)
         raise CheckpointFormatError(f"num_nextn_predict_layers: {heads}, but the files hold MTP "
                                     f"layers {stored} (mtp.{{i}}.* tensors)")
     ratios = (hf.get("compress_ratios") or [])[config.num_layers:]

@@ -40,7 +40,8 @@ def _blocked(x: jax.Array, block: int) -> jax.Array:
 
 
 def _unblocked(x: jax.Array, n: int) -> jax.Array:
-    return x.reshape(*x.shape[:-2], -1)[..., :n]
+    """[..., m, block] -> [..., n] (n <= m * block; explicit sizes: rows may be empty)."""
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])[..., :n]
 
 
 def pow2_exponent(ratio: jax.Array) -> jax.Array:

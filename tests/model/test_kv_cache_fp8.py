@@ -41,6 +41,8 @@ def test_rows_round_trip_as_the_reference(kept):
     assert stored.values.dtype == jnp.float8_e4m3fn and stored.kept.shape[-1] == kept[1] - kept[0]
     assert stored.exponents.shape[-1] == -(-(96 - kept[1] + kept[0]) // 64)
     np.testing.assert_array_equal(fmt.decode(stored, jnp.float32), fp8_reference(x, kept))
+    # a cache with no rows (a compressed layer whose rate exceeds max_len)
+    assert fmt.decode(fmt.empty((2, 0, 96), jnp.float32), jnp.float32).shape == (2, 0, 96)
 
 
 def test_gqa_decoding_reads_keys_and_values_as_stored():
