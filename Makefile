@@ -32,7 +32,7 @@ rl: $(STAMP)
 # RL algorithms side by side on one SFT warm start (docs/post_training.md): one run
 # per algorithm in COMPARE_DIR/<algorithm>, then `python -m rl.compare` (table, JSON, plot).
 # Re-running resumes unfinished runs; ARGS go to every `python -m rl`.
-RL_ALGORITHMS ?= mis_po ppo grpo dapo dr_grpo
+RL_ALGORITHMS ?= mis_po ppo grpo dapo dr_grpo kimi_k25
 COMPARE_DIR ?= runs/rl_compare
 rl-compare: $(STAMP)
 	$(PY) -m train --config configs/sft_arith.yaml --workdir $(SFT_DIR)
@@ -99,6 +99,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.layout_flops
 	$(PY) -m benchmarks.long_context
 	$(PY) -m benchmarks.data_pipeline
+	$(PY) -m benchmarks.data_shards
 	$(PY) -m benchmarks.train_step
 	$(PY) -m train --config configs/tiny.yaml --workdir $(DECODE_DIR) train.steps=480 \
 		"train.mtp_offset_weights=[1.0, 1.0, 1.0]"

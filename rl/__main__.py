@@ -1,7 +1,8 @@
 """python -m rl --config configs/rl_arith.yaml --workdir DIR [--init-from DIR_or_HF] [key=value ...]
 
 Reinforcement learning with verifiable rewards (report 5.2): MIS-PO by default, or PPO, GRPO
-(DAPO-style), GSPO, DAPO and Dr. GRPO with `rl.algorithm=...`; on-policy distillation from a
+(DeepSeekMath's), GSPO, DAPO, Dr. GRPO and Kimi K2.5's objective with `rl.algorithm=...`, each
+as its paper writes it (rl/config.py); on-policy distillation from a
 teacher per task (`task.tasks.<name>.teacher.checkpoint`, rl/distill/) under any of them or
 MiMo's MOPD (`rl.algorithm=mopd`). `--init-from` takes the starting policy: a
 `python -m train` workdir (e.g. the SFT warm start of configs/sft_arith.yaml), a `python -m rl`

@@ -12,21 +12,22 @@ and 12 critic minibatches, Muon with weight decay 0.1, actor lr 2e-6 after 20 wa
 critic lr 5e-6 after 50, gamma = lambda = 1, unbiased KL 0.001 (importance-weighted k3).
 
 Baselines are presets of switches that work with every algorithm: a switch left unset (null)
-takes the algorithm's value, an explicit one wins (`rl.algorithm=dapo rl.dynamic_sampling=false`
-is DAPO without dynamic sampling).
+takes the algorithm's value (`PRESETS`), an explicit one wins (`rl.algorithm=dapo
+rl.dynamic_sampling=false` is DAPO without dynamic sampling).
 
-| switch (unset: the algorithm's) | dapo | dr_grpo | mopd | the others |
-|---|---|---|---|---|
-| `group_std`: group advantages / the group's std | true | false | true | true |
-| `loss_aggregation` (rl.objectives.losses) | token_mean | token_sum | sequence_mean | token_mean |
-| `dynamic_sampling` (rl.dynamic_sampling) | true | false | false | false |
-| `overlong_buffer`: L_cache tokens (rl.objectives.overlong) | max_new_tokens // 5 | 0 | 0 | 0 |
+| algorithm | group_std | loss_aggregation | dynamic_sampling | overlong_buffer | kl_coef, kl_estimator |
+|---|---|---|---|---|---|
+| grpo | true | sequence_mean | false | 0 | 0.04, k3 |
+| dapo | true | token_mean | true | max_new_tokens // 5 | 0 |
+| dr_grpo | false | token_sum | false | 0 | 0 |
+| kimi_k25 | false | token_mean | false | 0 | 0 |
+| mopd | true | sequence_mean | false | 0 | 0 |
+| mis_po, ppo, gspo | true | token_mean | false | 0 | 0.001, k3_importance |
 
-`dapo` (Yu et al. 2025) is `grpo`'s loss (clip-higher `grpo_clip`, token-level mean) on
-group-normalised rewards plus dynamic sampling and overlong reward shaping (its L_cache = 4096
-of L_max = 20480, a fifth); `dr_grpo` (Liu et al. 2025) is PPO's clipped surrogate (`ppo_clip`,
-symmetric 0.2 as in GRPO) on unnormalised group advantages (reward - group mean) with the
-token-sum loss. Both papers train without a KL term: add `rl.kl_coef=0` to match them.
+(`overlong_buffer`: DAPO's L_cache tokens; the KL is aggregated like the loss.) Each preset is
+its paper's objective (equations in rl/objectives/losses.py): `grpo` DeepSeekMath's (symmetric
+`grpo_clip`), `dapo` (clip-higher `dapo_clip`), `dr_grpo` (`ppo_clip`), `kimi_k25` (K2.5 eq. 1,
+`kimi_bounds`, `kimi_tau`). Variants are one override away (`rl.grpo_clip=[0.2,0.28]`).
 
 `rl.toggle` (Kimi K2.5's token-budget RL, rl/objectives/toggle.py and rl/budget.py) works with
 every algorithm: `rl.toggle.enabled=true`.
@@ -63,15 +64,25 @@ from model.config import (
 )
 from rl.distill.config import DistillConfig, task_teachers
 from rl.objectives.kl import KL_ESTIMATORS
-from rl.objectives.losses import AGGREGATIONS
+from rl.objectives.losses import AGGREGATIONS, KIMI_BOUNDS, KIMI_TAU
 from rl.task_config import TaskMixConfig, task_config_from_dict
 from rl.task_mix import allocate_prompts
 from train.config import LoopConfig, MeshConfig, check_override_sections
 from train.optim.config import OptimizerConfig
 
-ALGORITHMS = ("mis_po", "ppo", "grpo", "gspo", "dapo", "dr_grpo", "mopd")
+ALGORITHMS = ("mis_po", "ppo", "grpo", "gspo", "dapo", "dr_grpo", "kimi_k25", "mopd")
 # Always group advantages, no critic (MOPD: eq. 9's A_ORM are GRPO's advantages).
-GROUP_ALGORITHMS = ("grpo", "dapo", "dr_grpo", "mopd")
+GROUP_ALGORITHMS = ("grpo", "dapo", "dr_grpo", "kimi_k25", "mopd")
+# Each switch's value per algorithm when the switch is unset (null); "*": every other algorithm.
+PRESETS = {
+    "group_std": {"dr_grpo": False, "kimi_k25": False, "*": True},
+    "loss_aggregation": {"grpo": "sequence_mean", "dr_grpo": "token_sum",
+                         "mopd": "sequence_mean", "*": "token_mean"},
+    "dynamic_sampling": {"dapo": True, "*": False},
+    "kl_coef": {"grpo": 0.04, "dapo": 0.0, "dr_grpo": 0.0, "kimi_k25": 0.0, "mopd": 0.0,
+                "*": 0.001},
+    "kl_estimator": {"grpo": "k3", "*": "k3_importance"},
+}
 ADVANTAGES = ("gae", "group")
 INFERENCE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -130,7 +141,7 @@ class RLConfig(LoopConfig):
 
     section = "rl"
 
-    algorithm: str = "mis_po"  # mis_po | ppo | grpo | gspo | dapo | dr_grpo | mopd
+    algorithm: str = "mis_po"  # mis_po | ppo | grpo | gspo | dapo | dr_grpo | kimi_k25 | mopd
     iterations: int = 100
     prompts_per_iteration: int = 256  # P (report 5.2.3, reasoning tasks)
     samples_per_prompt: int = 16  # N
@@ -142,7 +153,7 @@ class RLConfig(LoopConfig):
     actor: OptimizerConfig = OptimizerConfig(lr=2e-6, warmup_steps=20)
     critic: OptimizerConfig = OptimizerConfig(lr=5e-6, warmup_steps=50)
     # gae: critic + GAE (report 5.2.1-5.2.3); group: each reward minus its prompt group's mean,
-    # over the group's std (GRPO's estimator, no critic). grpo, dapo, dr_grpo always use group.
+    # over the group's std (GRPO's estimator, no critic). GROUP_ALGORITHMS always use group.
     advantages: str = "gae"
     # The switches below: null = the algorithm's preset (module docstring).
     group_std: bool | None = None  # divide group advantages by the group's std
@@ -154,11 +165,14 @@ class RLConfig(LoopConfig):
     lam: float = 1.0
     token_bounds: tuple = (0.5, 2.0)  # MIS-PO token filter on pi_old / pi_infer (eq. 2)
     traj_bounds: tuple = (0.996, 1.001)  # ... on its geometric mean over a trajectory
-    ppo_clip: tuple = (0.2, 0.2)  # (eps_low, eps_high) of PPO
-    grpo_clip: tuple = (0.2, 0.28)  # DAPO clip-higher
+    ppo_clip: tuple = (0.2, 0.2)  # (eps_low, eps_high) of PPO and Dr. GRPO
+    grpo_clip: tuple = (0.2, 0.2)  # DeepSeekMath's GRPO: PPO's symmetric clip
+    dapo_clip: tuple = (0.2, 0.28)  # DAPO clip-higher
     gspo_clip: float = 1e-4  # report App. D
-    kl_coef: float = 0.001  # unbiased KL to the initial policy; 0 = no reference model
-    kl_estimator: str = "k3_importance"  # | k3 (rl.objectives.kl)
+    kimi_bounds: tuple = KIMI_BOUNDS  # Kimi K2.5 eq. 1: [alpha, beta] on pi_theta / pi_infer
+    kimi_tau: float = KIMI_TAU  # ... and tau of its (log ratio)^2 penalty
+    kl_coef: float | None = None  # KL to the initial policy; 0 = no reference model
+    kl_estimator: str | None = None  # k3_importance | k3 (rl.objectives.kl)
     # Seed 003: keep only the top fraction of response tokens by entropy in the actor loss
     # (0.2 there); 1.0 = every token.
     entropy_top_frac: float = 1.0
@@ -179,7 +193,8 @@ class RLConfig(LoopConfig):
     # Off-policy machinery (module docstring). routing_replay: the training forwards route as
     # the rollout did; max_staleness: k, train on batches drawn k iterations earlier; tis:
     # weight tokens by min(pi_old / pi_infer, tis_cap) (null: on iff max_staleness > 0 and the
-    # algorithm is not mopd, whose eq. 8 weight already is a truncated ratio to pi_infer).
+    # algorithm is neither mopd, whose eq. 8 weight already is a truncated ratio to pi_infer,
+    # nor kimi_k25, whose eq. 1 ratio already is to pi_infer).
     routing_replay: bool = False
     max_staleness: int = 0
     tis: bool | None = None
@@ -196,21 +211,34 @@ class RLConfig(LoopConfig):
 
     # The switches as this algorithm resolves them (module docstring).
 
+    def preset(self, name: str):
+        """Switch `name`'s value: its own if set, else this algorithm's (`PRESETS`)."""
+        value = getattr(self, name)
+        if value is not None:
+            return value
+        table = PRESETS[name]
+        return table.get(self.algorithm, table["*"])
+
     @property
     def divides_by_group_std(self) -> bool:
-        return self.algorithm != "dr_grpo" if self.group_std is None else self.group_std
+        return self.preset("group_std")
 
     @property
     def aggregation(self) -> str:
-        if self.loss_aggregation is not None:
-            return self.loss_aggregation
-        # MOPD eq. 7: (1/|y|) sum_t within a response, then the mean over responses.
-        return {"dr_grpo": "token_sum", "mopd": "sequence_mean"}.get(self.algorithm,
-                                                                     "token_mean")
+        return self.preset("loss_aggregation")
 
     @property
     def samples_dynamically(self) -> bool:
-        return self.algorithm == "dapo" if self.dynamic_sampling is None else self.dynamic_sampling
+        return self.preset("dynamic_sampling")
+
+    @property
+    def kl_weight(self) -> float:
+        """The KL term's coefficient; 0: no reference policy is kept."""
+        return self.preset("kl_coef")
+
+    @property
+    def kl_method(self) -> str:
+        return self.preset("kl_estimator")
 
     @property
     def overlong_buffer_tokens(self) -> int:
@@ -222,7 +250,7 @@ class RLConfig(LoopConfig):
     def uses_tis(self) -> bool:
         if self.tis is not None:
             return self.tis
-        return self.max_staleness > 0 and self.algorithm != "mopd"
+        return self.max_staleness > 0 and self.algorithm not in ("mopd", "kimi_k25")
 
     @property
     def budget_samples(self) -> int:
@@ -242,20 +270,20 @@ class RLConfig(LoopConfig):
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
         check_fraction("gamma", self.gamma)
         check_fraction("lam", self.lam)
-        for name in ("token_bounds", "traj_bounds", "ppo_clip", "grpo_clip"):
+        for name in ("token_bounds", "traj_bounds", "ppo_clip", "grpo_clip", "dapo_clip",
+                     "kimi_bounds"):
             _check_pair(name, getattr(self, name))
-        for name in ("token_bounds", "traj_bounds"):
+        for name in ("token_bounds", "traj_bounds", "kimi_bounds"):
             low, high = getattr(self, name)
             if not 0 < low <= 1 <= high:
                 raise ConfigError(name, f"need 0 < low <= 1 <= high, got [{low}, {high}]")
-        for name in ("ppo_clip", "grpo_clip"):
+        for name in ("ppo_clip", "grpo_clip", "dapo_clip"):
             low, high = getattr(self, name)
             if not (0 <= low < 1 and high >= 0):
                 raise ConfigError(name, f"need 0 <= eps_low < 1 and eps_high >= 0, "
                                   f"got [{low}, {high}]")
         check_positive("gspo_clip", self.gspo_clip)
-        check_nonnegative("kl_coef", self.kl_coef)
-        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_nonnegative("kimi_tau", self.kimi_tau)
         check_positive("entropy_top_frac", self.entropy_top_frac)
         check_fraction("entropy_top_frac", self.entropy_top_frac)
         check_bool("truncation_bootstrap", self.truncation_bootstrap)
@@ -291,6 +319,10 @@ class RLConfig(LoopConfig):
         for name in ("group_std", "dynamic_sampling"):
             if getattr(self, name) is not None:
                 check_bool(name, getattr(self, name))
+        if self.kl_coef is not None:
+            check_nonnegative("kl_coef", self.kl_coef)
+        if self.kl_estimator is not None:
+            check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         if self.loss_aggregation is not None:
             check_choice("loss_aggregation", self.loss_aggregation, AGGREGATIONS)
         check_int("max_draws", self.max_draws, 1)

@@ -173,7 +173,7 @@ class RLTrainer:
             critic_vars = critic_variables_from_policy(variables, critic_init)
             critic = state_from_variables(critic_vars, self.critic_optimizer,
                                           jax.random.key(rl.seed + 1))
-        common = dict(actor=actor, critic=critic, reference=variables["params"] if rl.kl_coef
+        common = dict(actor=actor, critic=critic, reference=variables["params"] if rl.kl_weight
                       else {}, iteration=jnp.zeros((), jnp.int32))
         if not rl.max_staleness:
             return RLState(**common)
@@ -271,7 +271,7 @@ class RLTrainer:
         # with routing replay the KL measures how the weights moved, not routing noise
         old = self._score(_variables(state.actor), tokens, segments, routes)
         ref_logp = (self._score({**_variables(state.actor), "params": state.reference}, tokens,
-                                segments, routes)["logp"] if rl.kl_coef else old["logp"])
+                                segments, routes)["logp"] if rl.kl_weight else old["logp"])
         advantages, returns, values = self._advantages(state, rollouts, scored)
         distilled, distill_metrics = {}, {}
         if self.distillation is not None:  # the teacher term (rl/distill/)
@@ -306,7 +306,8 @@ class RLTrainer:
             "entropy": float(losses.masked_mean(old["entropy"], mask)),
             "routing_confidence": float(per_rollout_confidence.mean()),
             "routing_confidence_hist": np.asarray(per_rollout_confidence),  # TensorBoard only
-            "kl": float(kl_estimate(rl.kl_estimator, old["logp"], old["logp"], ref_logp, mask)),
+            **({"kl": float(kl_estimate(rl.kl_method, old["logp"], old["logp"], ref_logp,
+                                        mask))} if rl.kl_weight else {}),  # needs a reference
             **{k: float(v) for k, v in {**filters, **off_policy}.items()}, **sampling,
             **update_metrics, **distill_metrics,
             "advantage_rms": float(jnp.sqrt(losses.masked_mean(advantages ** 2, mask))),

@@ -3,9 +3,9 @@ one epoch over each iteration's rollouts, 4 actor and 12 critic minibatches).
 
 A minibatch is a dict of [b, T] arrays: `tokens`, `segment_ids`, `mask`, and for the actor
 `old_logp`, `infer_logp`, `advantages`, `ref_logp`, `select` (with the full-vocabulary
-distillation signal also `teacher_hidden` [b, T, D] and `teacher_id` [b], rl/distill/; with
-Rollout Routing Replay `routed_experts` [b, L_moe, T, k], rl/routing_replay.py); for the
-critic `returns`.
+distillation signal also `teacher_hidden` [b, T, D], `teacher_id` [b] and `teacher_weight` [b],
+rl/distill/; with Rollout Routing Replay `routed_experts` [b, L_moe, T, k], rl/routing_replay.py);
+for the critic `returns`.
 Updates with a non-finite loss or gradient are skipped, as in pre-training (train/step.py).
 """
 
@@ -24,21 +24,22 @@ from rl.config import RLConfig
 from rl.distill.full_vocab import teacher_log_probs_fn
 from rl.models import ValueModel, shift_right, token_logprobs
 from rl.objectives import losses
-from rl.objectives.kl import kl_estimate
+from rl.objectives.kl import kl_terms
 from rl.routing_replay import replay_metrics
 from train.state import TrainState, apply_finite_update
 
 
 # The clipped-surrogate algorithms and the (eps_low, eps_high) field each one reads.
 CLIP_FIELDS = {"ppo": "ppo_clip", "dr_grpo": "ppo_clip", "grpo": "grpo_clip",
-               "dapo": "grpo_clip"}
+               "dapo": "dapo_clip"}
 
 
 def actor_loss(rl: RLConfig, logp, mb, reverse_kl=None) -> tuple[jax.Array, dict]:
     """The configured algorithm's loss (`rl.objectives.losses`), aggregated as
-    `rl.loss_aggregation` resolves, plus `rl.kl_coef` times the `rl.kl_estimator` KL, plus
-    (full-vocabulary distillation) `rl.distill.teacher_coef` times `reverse_kl` [b, T] on the
-    rows with a teacher, aggregated like the loss."""
+    `rl.loss_aggregation` resolves, plus `rl.kl_coef` times the `rl.kl_estimator` KL terms, plus
+    (full-vocabulary distillation) `rl.distill.teacher_coef` times each row's teacher weight
+    (`mb["teacher_weight"]` [b], 0 without a teacher) times `reverse_kl` [b, T]; both
+    aggregated like the loss (as GRPO's KL sits inside its per-sequence mean)."""
     common = {"mask": mb["mask"], "select": mb["select"], "aggregation": rl.aggregation,
               "max_length": rl.max_new_tokens}
     if rl.algorithm == "mopd":
@@ -48,6 +49,9 @@ def actor_loss(rl: RLConfig, logp, mb, reverse_kl=None) -> tuple[jax.Array, dict
         loss, stats = losses.mis_po_loss(logp, mb["old_logp"], mb["infer_logp"],
                                          mb["advantages"], token_bounds=rl.token_bounds,
                                          traj_bounds=rl.traj_bounds, **common)
+    elif rl.algorithm == "kimi_k25":
+        loss, stats = losses.kimi_k25_loss(logp, mb["infer_logp"], mb["advantages"],
+                                           bounds=rl.kimi_bounds, tau=rl.kimi_tau, **common)
     elif rl.algorithm == "gspo":
         loss, stats = losses.gspo_loss(logp, mb["old_logp"], mb["infer_logp"], mb["advantages"],
                                        clip=rl.gspo_clip, token_bounds=rl.token_bounds,
@@ -56,15 +60,17 @@ def actor_loss(rl: RLConfig, logp, mb, reverse_kl=None) -> tuple[jax.Array, dict
         clip_low, clip_high = getattr(rl, CLIP_FIELDS[rl.algorithm])
         loss, stats = losses.ppo_clip_loss(logp, mb["old_logp"], mb["advantages"],
                                            clip_low=clip_low, clip_high=clip_high, **common)
-    kl = kl_estimate(rl.kl_estimator, logp, mb["old_logp"], mb["ref_logp"], mb["mask"])
-    if rl.kl_coef:
-        loss = loss + rl.kl_coef * kl
+    kl = kl_terms(rl.kl_method, logp, mb["old_logp"], mb["ref_logp"], mb["mask"])
+    if rl.kl_weight:
+        loss = loss + rl.kl_weight * losses.aggregate(kl, mb["mask"], rl.aggregation,
+                                                      rl.max_new_tokens)
     if reverse_kl is not None:
-        rows = (mb["teacher_id"] >= 0).astype(jnp.float32)[:, None] * mb["mask"]
+        weights = mb["teacher_weight"][:, None] * mb["mask"]
         loss = loss + rl.distill.teacher_coef * losses.aggregate(
-            reverse_kl * rows, mb["mask"], rl.aggregation, rl.max_new_tokens)
+            reverse_kl * weights, mb["mask"], rl.aggregation, rl.max_new_tokens)
+        rows = (mb["teacher_id"] >= 0).astype(jnp.float32)[:, None] * mb["mask"]
         stats = {**stats, "teacher_kl": losses.masked_mean(reverse_kl, rows)}
-    return loss, {**stats, "kl": kl}
+    return loss, {**stats, "kl": losses.masked_mean(kl, mb["mask"])}
 
 
 def _apply_update(state: TrainState, optimizer, loss, grads) -> tuple[TrainState, dict]:

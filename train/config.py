@@ -27,13 +27,13 @@ from model.config import (
     check_choice,
     check_int,
     check_nonnegative,
-    check_open_fraction,
     config_to_dict,
     model_values,
     read_yaml,
 )
 from model.parallel.rules import MESH_AXES
 from train.anticipatory_routing import AnticipatoryRoutingConfig
+from train.data.config import DataConfig
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
 from train.preset_fit import fit_warmup
 
@@ -42,45 +42,6 @@ SCHEDULES = ("cosine", "constant", "stages")
 # tokens, or `auto`: the assistant turns when the data holds chats. Plain text trains on all.
 LOSS_MASKS = ("auto", "assistant", "all")
 STAGE_SHAPES = ("cosine", "linear", "constant")
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig(Config):
-    """Where tokens come from (train/data).
-
-    `source`: `stdlib` (the running Python's standard-library `.py` files: real text on every
-    machine, no download), `arith` / `arith_multistep` (procedural arithmetic problems,
-    train/data/arithmetic.py, train/data/multistep.py) or a comma-separated list of them and of
-    `.txt`/`.jsonl` paths or globs (a `.jsonl` of `messages` records is chat data, rendered with
-    the tokenizer's chat template: train/data/chat.py).
-    `tokenizer`: `default` (byte-level BPE trained once on the stdlib corpus and shipped),
-    `arith_chars` (one token per character of the arithmetic task) or the path of a Hugging
-    Face `tokenizer.json`.
-    """
-
-    section = "train.data"
-
-    source: str = "stdlib"
-    tokenizer: str = "default"
-    heldout_fraction: float = 0.05  # share of documents (by path hash) kept for evaluation
-    meta_tokens: bool = True  # report A.3: prepend "<|meta|>type=... lang=... source=...\n"
-    # Report A.3 / Fig. 3 marker 4: after this many training tokens the metadata positions
-    # leave the loss (eq. 8); 0 = masked from the start, -1 = never masked.
-    meta_loss_mask_after_tokens: int = -1
-    shuffle: bool = True
-    num_workers: int = 0  # grain worker processes (0 = in-process)
-
-    def validate(self) -> None:
-        if not isinstance(self.source, str) or not self.source.strip():
-            raise ConfigError("source", "must be 'stdlib' or paths/globs of .txt/.jsonl files")
-        if not isinstance(self.tokenizer, str) or not self.tokenizer:
-            raise ConfigError("tokenizer", "must be 'default', 'arith_chars' or a "
-                              "tokenizer.json path")
-        check_open_fraction("heldout_fraction", self.heldout_fraction)
-        check_bool("meta_tokens", self.meta_tokens)
-        check_int("meta_loss_mask_after_tokens", self.meta_loss_mask_after_tokens, -1)
-        check_bool("shuffle", self.shuffle)
-        check_int("num_workers", self.num_workers, 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,9 +25,8 @@ from model.tokenizers.text import load_tokenizer
 from train.anticipatory_routing import AnticipatoryRouting
 from train.checkpoint import check_training_checkpoint
 from train.config import RunConfig, resume_changes
-from train.data.corpus import load_documents
-from train.data.chat import chat_example, trains_assistant_only
-from train.data.pipeline import check_splits, make_dataset
+from train.data.pipeline import make_dataset
+from train.data.sources import check_data, open_data
 from train.eval import evaluate, limited, make_eval_step
 from train.interrupts import stop_requests
 from train.parallel.distributed import (
@@ -109,20 +108,17 @@ class Trainer:
         if run.train.anticipatory_routing.enabled:
             check_anticipatory_routing(run)
         self.tokenizer = load_tokenizer(run.train.data.tokenizer)
-        # Read once: the train stream and every held-out evaluation split this list. Checked
-        # here, before any model work, so a bad split or changed data fails in seconds.
-        self.documents = load_documents(run.train.data.source)
-        check_splits(run.train.data, self.documents, heldout=run.train.eval_every > 0,
-                     shard_count=jax.process_count())
-        # Chat data (train/data/chat.py) needs a chat template and a train.loss_mask that fits.
-        trains_assistant_only(run.train.loss_mask, self.documents)
-        chats = [d for d in self.documents if d.chat is not None]
-        chat = chat_tokenizer_for(self.tokenizer) if chats else None
-        if chats:  # a template that cannot render this data fails now, not in the data thread
-            chat_example(chat, chats[0], assistant_only=False)
+        # Opened once (raw documents read, or prepared manifests and shard sizes checked): the
+        # train stream and every held-out evaluation read it. Checked here, before any model
+        # work, so bad or changed data fails in seconds.
+        self.data_source = open_data(run.train.data, self.tokenizer)
+        check_data(self.data_source, run.train.data, self.tokenizer, loss_mask=run.train.loss_mask,
+                   heldout=run.train.eval_every > 0, shard_count=jax.process_count())
+        chat = chat_tokenizer_for(self.tokenizer) if self.data_source.renders_chats else None
         note = check_and_record(self.workdir, self.tokenizer, run.train.data, chat,
                                 resuming=self.resume_step is not None,
-                                allow_data_change=allow_data_change, write=is_lead())
+                                allow_data_change=allow_data_change, write=is_lead(),
+                                fingerprint=self.data_source.fingerprint)
         if note and is_lead():
             print(note, file=sys.stderr)
         vocab = self.tokenizer.get_vocab_size()
@@ -144,7 +140,7 @@ class Trainer:
             run.train.data, self.tokenizer, seq_len=run.train.seq_len,
             batch_size=run.train.micro_batch() // jax.process_count(), split="train",
             seed=run.train.seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
-            documents=self.documents, loss_mask=run.train.loss_mask)
+            data=self.data_source, loss_mask=run.train.loss_mask)
 
     def initial_state(self, start_from: dict | None = None) -> TrainState:
         """A fresh state, created directly in its shardings, or the latest checkpoint restored
@@ -207,6 +203,13 @@ class Trainer:
                  for k, v in local.items()}
         return batch, local["tokens"].size * jax.process_count()
 
+    def mixture_shares(self) -> dict[str, float]:
+        """A mixture's realised share of this process's training rows, by source (metrics
+        `data/mix/<source>`; rows hold equal tokens, so these are token shares)."""
+        if not self.run.train.data.mixture:
+            return {}
+        return {f"data/mix/{k}": v for k, v in self.data.mixture_shares().items()}
+
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """Held-out loss and perplexity over the first `train.eval_batches` batches of the
         held-out split (the same batches every time)."""
@@ -215,7 +218,7 @@ class Trainer:
             self._eval_step = make_eval_step(self.training.model, cfg.loss_chunk_size)
         data = make_dataset(cfg.data, self.tokenizer, seq_len=cfg.seq_len,
                             batch_size=cfg.micro_batch(), split="heldout", seed=cfg.seed,
-                            documents=self.documents, loss_mask=cfg.loss_mask)
+                            data=self.data_source, loss_mask=cfg.loss_mask)
         # Every process reads the same held-out rows; each device evaluates its share of them.
         rows = NamedSharding(self.mesh, P(*batch_spec(self.mesh)[1:]))
         shard = lambda batch: {k: jax.make_array_from_callback(  # noqa: E731
@@ -357,7 +360,7 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
             evaluate_now = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
             if step % cfg.log_every == 0 or step == cfg.steps or evaluate_now:
                 rate = clock.tokens_per_sec()
-                record = {**metrics, "tokens_seen": tokens_seen}
+                record = {**metrics, "tokens_seen": tokens_seen, **trainer.mixture_shares()}
                 if rate is not None:  # None until a step after the compiling one has finished
                     record.update(tokens_per_sec=rate, mfu=rate * flops_per_token / peak)
                     progress.update(first_step + len(losses), tokens_per_sec=rate)

@@ -9,8 +9,6 @@ and gets one.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 from model.interop.workdir_record import (
@@ -21,7 +19,8 @@ from model.interop.workdir_record import (
 )
 from model.tokenizers.chat import ChatTokenizer
 from model.tokenizers.text import TextTokenizer
-from train.config import DataConfig
+from train.data.config import DataConfig
+from train.data.chat import templates_sha256
 from train.data.fingerprint import data_changes, data_fingerprint
 
 ALLOW_FLAG = "--allow-data-change"
@@ -30,18 +29,24 @@ CHAT_TEMPLATE = "chat template"  # the fingerprint's entry for the templates ren
 
 def check_and_record(workdir: Path, tokenizer: TextTokenizer, data: DataConfig,
                      chat: ChatTokenizer | None = None, *, resuming: bool,
-                     allow_data_change: bool, write: bool) -> str | None:
+                     allow_data_change: bool, write: bool,
+                     fingerprint: dict | None = None) -> str | None:
     """Raises ValueError (one line) if a resumed run's tokenizer or data differ from the
     record; writes the record (`write`: this process writes the workdir) unless it is
-    unchanged. `chat`: the chat tokenizer rendering the run's chat data, whose templates are
-    part of the data (another template is other text). Returns a one-line note for the user,
+    unchanged. `chat`: the chat tokenizer rendering the run's raw chat data, whose templates
+    are part of the data (another template is other text; a prepared directory's fingerprint
+    covers the template it was rendered with). `fingerprint`: the data's, if already taken
+    when the data was opened (train/data/sources.py). Returns a one-line note for the user,
     or None."""
-    fingerprint = data_fingerprint(data.source)
+    if fingerprint is None:
+        fingerprint = {k: v for source in (data.mixture or [data.source])
+                       for k, v in data_fingerprint(source).items()}
+    fingerprint = dict(fingerprint)
     if chat is not None:
-        fingerprint[CHAT_TEMPLATE] = {"sha256": hashlib.sha256(
-            json.dumps(chat.templates, sort_keys=True).encode()).hexdigest()}
+        fingerprint[CHAT_TEMPLATE] = {"sha256": templates_sha256(chat)}
+    source = {"mixture": dict(data.mixture)} if data.mixture else {"source": data.source}
     current = {"tokenizer": tokenizer_identity(tokenizer),
-               "data": {"source": data.source, "fingerprint": fingerprint}}
+               "data": {**source, "fingerprint": fingerprint}}
     recorded = read_record(workdir) if resuming else None
     note = None
     if resuming and recorded is None:

@@ -17,7 +17,7 @@ from typing import Sequence
 from model.config import check_open_fraction
 from model.config.cli import ArgumentParser
 from model.tokenizers.text import DEFAULT_PATH, SPECIAL_TOKENS, load_tokenizer, train_bpe
-from train.config import DataConfig
+from train.data.config import DataConfig
 from train.data.corpus import load_documents
 from train.data.documents import split_documents
 

@@ -11,6 +11,9 @@ wide, and the weights of the signal (`DistillConfig`, the `rl.distill` section).
 
 A task's teacher is its own `teacher:` if it names a checkpoint, else `rl.distill.teacher` (one
 teacher for every task: plain OPD), else none: that task's rows get only the outcome term.
+Each teacher's `weight` is DeepSeek-V4's w_i (eq. 29, sum_i w_i KL(pi_theta || pi_E_i)): its
+rows' teacher term is multiplied by it, with either signal; V4 gives no values ("usually
+determined by relative importance"), 1 is the default.
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ class TeacherConfig(Config):
 
     checkpoint: str = ""  # "" = no teacher here
     tokenizer: str = ""  # "" = the checkpoint's own (tokenizer.json or the workdir's)
+    weight: float = 1.0  # w_i of V4's eq. 29: scales this teacher's term on its rows
 
     def validate(self) -> None:
         for name in ("checkpoint", "tokenizer"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(name, f"must be a path (a string), got {getattr(self, name)!r}")
+        check_nonnegative("weight", self.weight)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +52,12 @@ class DistillConfig(Config):
     """`rl.distill`: how teacher log-probs enter the student's update (rl/distill/signal.py).
 
     signal `token`: the advantage of response token t is
-        teacher_coef * (log pi_teacher(y_t) - log pi_old(y_t)) + outcome_coef * A_outcome,t
-    (MiMo MOPD eqs. 8-9 with teacher_coef = 1 and outcome_coef = alpha), for every algorithm.
-    signal `full_vocab`: the advantage is outcome_coef * A_outcome and the actor loss adds
-    teacher_coef * KL(pi_theta || pi_teacher) over the whole vocabulary at every response
-    position (DeepSeek-V4's OPD, eq. 29). `ratio_bounds` are MOPD's [eps_low, eps_high] on
+        teacher_coef * w_i * (log pi_teacher(y_t) - log pi_old(y_t)) + outcome_coef * A_outcome,t
+    (MiMo MOPD eqs. 8-9 with teacher_coef = w_i = 1 and outcome_coef = alpha), for every
+    algorithm; w_i is the row's teacher's `weight`. signal `full_vocab`: the advantage is
+    outcome_coef * A_outcome and the actor loss adds teacher_coef * w_i * KL(pi_theta ||
+    pi_teacher) over the whole vocabulary at every response position (DeepSeek-V4's OPD,
+    eq. 29). `ratio_bounds` are MOPD's [eps_low, eps_high] on
     w_t = pi_theta / mu_theta (eq. 8), used by `rl.algorithm=mopd` only."""
 
     section = "rl.distill"

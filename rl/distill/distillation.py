@@ -30,8 +30,10 @@ class Distillation:
 
     def __init__(self, run: RLRunConfig, tokenizer: TextTokenizer, mesh: Mesh):
         self.rl, self.mesh = run.rl, mesh
-        self.teachers = load_teachers(task_teachers(run.rl.distill, run.task.tasks), tokenizer,
-                                      run.model.vocab_size, mesh)
+        assigned = task_teachers(run.rl.distill, run.task.tasks)
+        self.teachers = load_teachers(assigned, tokenizer, run.model.vocab_size, mesh)
+        # w_i of V4's eq. 29, per task: tasks sharing a checkpoint may weigh it differently.
+        self.task_weights = {task: teacher.weight for task, (teacher, _) in assigned.items()}
         self.full_vocab = run.rl.distill.signal == "full_vocab"
         # What the actor step needs for the full-vocabulary KL: each teacher's architecture and
         # output head, in the order of `TeacherScores.teacher_id`.
@@ -50,20 +52,22 @@ class Distillation:
     def apply(self, drawn: Draw, old_logp, outcome_advantages
               ) -> tuple[np.ndarray, dict, dict[str, float]]:
         """The iteration's rows scored by their teachers -> (advantages [B, T] with the teacher
-        term, extra minibatch arrays (full_vocab: `teacher_hidden`, `teacher_id`), metrics).
+        term, extra minibatch arrays (full_vocab: `teacher_hidden`, `teacher_id`,
+        `teacher_weight`), metrics).
         `old_logp` [B, T]: pi_old, the student before this iteration's update."""
         rollouts, distill = drawn.rollouts, self.rl.distill
         old_logp = np.asarray(old_logp)
         scores = score_rows(self.teachers, drawn.tasks, rollouts.tokens, rollouts.segment_ids,
                             self.rl.temperature, self.mesh, with_hidden=self.full_vocab)
+        weights = np.float32([self.task_weights.get(task, 0.0) for task in drawn.tasks])
         advantages = distill_advantages(scores.logp, old_logp, outcome_advantages,
-                                        rollouts.mask, scores.rows, distill.teacher_coef,
+                                        rollouts.mask, weights, distill.teacher_coef,
                                         distill.outcome_coef, distill.signal)
         names = [task for teacher in self.teachers for task in teacher.tasks]
         metrics = teacher_metrics(scores.logp, old_logp, rollouts.mask, drawn.tasks, names)
         if self.rl.algorithm == "mopd":  # w_t at pi_theta = pi_old: the first minibatch's
             metrics["distill/w_kept_frac"] = kept_weight_fraction(
                 old_logp, rollouts.infer_logp, rollouts.mask, distill.ratio_bounds)
-        extra = ({"teacher_hidden": scores.hidden, "teacher_id": scores.teacher_id}
-                 if self.full_vocab else {})
+        extra = ({"teacher_hidden": scores.hidden, "teacher_id": scores.teacher_id,
+                  "teacher_weight": weights} if self.full_vocab else {})
         return advantages, extra, metrics

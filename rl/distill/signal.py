@@ -17,18 +17,20 @@ from typing import Sequence
 import numpy as np
 
 
-def distill_advantages(teacher_logp, old_logp, outcome_advantages, mask, teacher_rows,
+def distill_advantages(teacher_logp, old_logp, outcome_advantages, mask, teacher_weights,
                        teacher_coef: float, outcome_coef: float, signal: str = "token"):
     """-> advantages [B, T] (numpy float32) on the response tokens:
-    teacher_coef * (log pi_teacher - log pi_old) on the rows with a teacher (`teacher_rows`
-    bool [B]) plus outcome_coef * `outcome_advantages` (eq. 9) on every row. With the
+    teacher_coef * w * (log pi_teacher - log pi_old), w = each row's teacher weight
+    (`teacher_weights` [B], V4's w_i; 0 on rows without a teacher), plus outcome_coef *
+    `outcome_advantages` (eq. 9) on every row. With the
     `full_vocab` signal the teacher term is the loss's KL instead (rl/distill/full_vocab.py) and
     only the outcome term remains here."""
     mask = np.asarray(mask, np.float32)
     out = outcome_coef * np.asarray(outcome_advantages, np.float32) * mask
     if signal == "token":
         log_ratio = np.asarray(teacher_logp, np.float32) - np.asarray(old_logp, np.float32)
-        out = out + teacher_coef * log_ratio * mask * np.asarray(teacher_rows, np.float32)[:, None]
+        weights = np.asarray(teacher_weights, np.float32)[:, None]
+        out = out + teacher_coef * log_ratio * mask * weights
     return out.astype(np.float32)
 
 

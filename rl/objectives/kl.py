@@ -23,7 +23,9 @@ direction. The ratio is not clipped: within one epoch pi_theta stays close to pi
 pi_old here is the training path's recomputation of the sampling policy; its remaining gap to
 pi_infer (the engine that really sampled) is the training-inference mismatch MIS-PO's filters
 handle (report 5.2.1), not this estimator. Every input is [B, T]; `mask` is 1 on response
-tokens; the estimate is the mean over response tokens.
+tokens. `kl_terms` gives the per-token terms, which the actor loss aggregates like its policy
+term (GRPO's KL sits inside its per-sequence mean); `kl_estimate` is their mean over response
+tokens (the `kl` metric).
 """
 
 from __future__ import annotations
@@ -38,31 +40,33 @@ def _masked_mean(x, mask):
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def _k3_terms(logp, ref_logp, mask):
-    """r - log r - 1 with r = pi_ref / pi_theta; >= 0 per token, 0 off the mask."""
+def k3_terms(logp, ref_logp, mask):
+    """Plain k3 (Schulman's estimator) per token, r - log r - 1 with r = pi_ref / pi_theta:
+    >= 0, 0 off the mask; unbiased only on tokens sampled from pi_theta itself."""
     log_r = jnp.where(mask > 0, ref_logp - logp, 0.0)
     return jnp.exp(log_r) - log_r - 1.0
 
 
-def k3(logp, ref_logp, mask):
-    """Plain k3 (Schulman's estimator): unbiased only on tokens sampled from pi_theta itself."""
-    mask = mask.astype(jnp.float32)
-    return _masked_mean(_k3_terms(logp, ref_logp, mask), mask)
-
-
-def k3_importance(logp, old_logp, ref_logp, mask):
+def k3_importance_terms(logp, old_logp, ref_logp, mask):
     """(pi_theta / pi_old) * k3 per token: unbiased on tokens sampled from pi_old, gradient
     through both pi_theta factors (see the module docstring)."""
     mask = mask.astype(jnp.float32)
     log_ratio = logp - jax.lax.stop_gradient(old_logp)
     ratio = jnp.exp(jnp.where(mask > 0, log_ratio, 0.0))
-    return _masked_mean(ratio * _k3_terms(logp, ref_logp, mask), mask)
+    return ratio * k3_terms(logp, ref_logp, mask)
+
+
+def kl_terms(estimator: str, logp, old_logp, ref_logp, mask):
+    """The `rl.kl_estimator` named estimator's per-token terms [B, T], 0 off the mask.
+    `old_logp` is unused by `k3`."""
+    if estimator == "k3_importance":
+        return k3_importance_terms(logp, old_logp, ref_logp, mask)
+    if estimator == "k3":
+        return k3_terms(logp, ref_logp, mask)
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
 
 
 def kl_estimate(estimator: str, logp, old_logp, ref_logp, mask):
-    """The `rl.kl_estimator` named estimate -> scalar. `old_logp` is unused by `k3`."""
-    if estimator == "k3_importance":
-        return k3_importance(logp, old_logp, ref_logp, mask)
-    if estimator == "k3":
-        return k3(logp, ref_logp, mask)
-    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+    """The mean of `kl_terms` over the response tokens -> scalar."""
+    mask = mask.astype(jnp.float32)
+    return _masked_mean(kl_terms(estimator, logp, old_logp, ref_logp, mask), mask)

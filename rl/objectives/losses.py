@@ -8,13 +8,25 @@ inference path that sampled it (pi_vllm in the report), `advantages` (treated as
 further tokens from the gradient, e.g. all but the high-entropy ones; like every filter here it
 leaves the denominator unchanged. Each loss returns (scalar loss, stats dict of scalars).
 
-| loss | per-token term |
-|---|---|
-| `mis_po_loss` (eq. 2) | I(x_t) I(rho(tau)) * -logp * A |
-| `ppo_clip_loss` | -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = pi/pi_old |
-| `grpo_loss` (DAPO) | PPO-clip with clip-higher (0.2, 0.28) on group-normalised rewards |
-| `gspo_loss` (App. D, eq. 16) | MIS masks * -min(r_tau A, clip(r_tau, 1-eps, 1+eps) A) |
-| `mopd_loss` (MiMo MOPD, eqs. 7-8) | -w_t A logp, w_t = sg[pi/pi_infer] inside [eps_low, eps_high], else 0 |
+| loss | per-token term | used by |
+|---|---|---|
+| `mis_po_loss` (eq. 2) | I(x_t) I(rho(tau)) * -logp * A | mis_po |
+| `ppo_clip_loss` | -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = pi/pi_old | ppo, grpo, dapo, dr_grpo |
+| `gspo_loss` (App. D, eq. 16) | MIS masks * -min(r_tau A, clip(r_tau, 1-eps, 1+eps) A) | gspo |
+| `kimi_k25_loss` (K2.5 eq. 1) | -Clip(r, alpha, beta) A + tau (log r)^2, r = pi/pi_infer | kimi_k25 |
+| `mopd_loss` (MiMo MOPD, eqs. 7-8) | -w_t A logp, w_t = sg[pi/pi_infer] inside [eps_low, eps_high], else 0 | mopd |
+
+The baselines' objectives, as their papers write them (o_i: response i of a group of G, r_it
+its token ratio, A_i its advantage; rl/config.py sets each algorithm's switches):
+- GRPO (DeepSeekMath, eqs. 3-4): J = (1/G) sum_i (1/|o_i|) sum_t { min(r_it A_i, clip(r_it,
+  1-eps, 1+eps) A_i) - beta D_it }, D_it = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1 (k3),
+  A_i = (R_i - mean R) / std R, eps = 0.2, beta = 0.04: `ppo_clip_loss` with `sequence_mean`
+  plus beta times the `k3` terms (rl.objectives.kl) aggregated the same way.
+- DAPO (its eq. 8): J = (1 / sum_i |o_i|) sum_i sum_t min(r_it A_i, clip(r_it, 1-eps_low,
+  1+eps_high) A_i), eps_low = 0.2, eps_high = 0.28, no KL: `ppo_clip_loss` with `token_mean`.
+- Dr. GRPO: J = (1/G) sum_i sum_t min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) / L_max with
+  A_i = R_i - mean R (no std, no 1/|o_i|), no KL: `ppo_clip_loss` with `token_sum`.
+Every loss is -J.
 
 Every loss sums its per-token terms and divides them by the `aggregation`'s denominator
 (`rl.loss_aggregation`; n_i = response i's tokens, G = responses, L_max = `max_length`):
@@ -39,6 +51,9 @@ import jax.numpy as jnp
 TOKEN_BOUNDS = (0.5, 2.0)  # report 5.2.3: rho_min, rho_max of the token-level filter
 TRAJ_BOUNDS = (0.996, 1.001)  # ... of the trajectory-level (geometric mean) filter
 AGGREGATIONS = ("token_mean", "sequence_mean", "token_sum")
+# Kimi K2.5 eq. 1's alpha, beta and tau: the source gives none, these are ours (`kimi_k25_loss`).
+KIMI_BOUNDS = (0.5, 2.0)
+KIMI_TAU = 0.1
 
 
 def masked_mean(x, weights):
@@ -129,15 +144,6 @@ def group_advantages(rewards, group_size: int, eps: float = 1e-6, scale: bool = 
     return centred.reshape(rewards.shape)
 
 
-def grpo_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28, select=None,
-              aggregation="token_mean", max_length=None):
-    """GRPO as DAPO runs it: clip-higher (0.2, 0.28) and token-level normalisation (every token
-    of the batch weighs the same, whatever its response's length); `advantages` from
-    `group_advantages`, broadcast over each response's tokens."""
-    return ppo_clip_loss(logp, old_logp, advantages, mask, clip_low, clip_high, select,
-                         aggregation, max_length)
-
-
 def gspo_loss(logp, old_logp, infer_logp, advantages, mask, clip=1e-4,
               token_bounds=TOKEN_BOUNDS, traj_bounds=TRAJ_BOUNDS, select=None,
               aggregation="token_mean", max_length=None):
@@ -156,6 +162,41 @@ def gspo_loss(logp, old_logp, infer_logp, advantages, mask, clip=1e-4,
     loss = aggregate(-weights * surrogate, mask, aggregation, max_length)
     clipped_away = (ratio * advantages != surrogate).astype(jnp.float32)
     return loss, {**stats, "clip_frac": masked_mean(clipped_away, mask)}
+
+
+def kimi_k25_loss(logp, infer_logp, advantages, mask, bounds=KIMI_BOUNDS, tau=KIMI_TAU,
+                  select=None, aggregation="token_mean", max_length=None):
+    """Kimi K2.5's policy objective (its 4.5, eq. 1), negated:
+
+        L = -(1/N) sum_j sum_i [ Clip(r_ji, alpha, beta) (R_j - mean_K R) - tau (log r_ji)^2 ]
+
+    with N the tokens generated (`token_mean`) and `advantages` = R_j - mean_K R (group
+    advantages without the std). Clip acts as a gradient mask, independent of the advantage's
+    sign (unlike PPO's min): inside the closed [alpha, beta] (`bounds`) a token's policy gradient
+    is r A grad log pi, outside it is zero (the term keeps the clipped value). The penalty acts on
+    every token, inside the bounds or not, so a token the mask froze is still pulled back.
+
+    r = pi_theta / pi_old where pi_old is the policy that sampled the responses, as the
+    inference path recorded it (`infer_logp`): the report adds the mask against the off-policy
+    drift that the training-inference mismatch amplifies, which a ratio to the training path's
+    recomputation would not see (it is exactly 1 on an iteration's first minibatch).
+    `alpha, beta, tau > 0` are hyperparameters the source leaves open; the defaults are ours:
+    [0.5, 2] are the bounds of MIS-PO's token filter (report 5.2.3), the same kind of
+    train-inference ratio mask; tau = 0.1 makes the penalty's pull 2 tau |log r| at those bounds
+    (0.14) a fraction of the push of a typical advantage (|R - mean R| = 0.5 for a group half
+    right), so inside the mask the policy gradient leads and the penalty is a soft trust region.
+    `select` (e.g. the high-entropy mask) removes tokens from the policy-gradient term only: the
+    penalty, like a KL term, stays on every token."""
+    mask = mask.astype(jnp.float32)
+    log_ratio = jnp.where(mask > 0, logp - jax.lax.stop_gradient(infer_logp), 0.0)
+    ratio = jnp.exp(log_ratio)
+    inside = (ratio >= bounds[0]) & (ratio <= bounds[1])
+    clipped = jnp.where(inside, ratio, jax.lax.stop_gradient(jnp.clip(ratio, *bounds)))
+    advantages = jax.lax.stop_gradient(advantages)
+    terms = -clipped * advantages * _select(select, mask) + tau * log_ratio ** 2
+    loss = aggregate(terms * mask, mask, aggregation, max_length)
+    return loss, {"ratio_kept_frac": masked_mean(inside.astype(jnp.float32), mask),
+                  "log_ratio_sq_mean": masked_mean(jax.lax.stop_gradient(log_ratio) ** 2, mask)}
 
 
 def mopd_loss(logp, infer_logp, advantages, mask, ratio_bounds, select=None,

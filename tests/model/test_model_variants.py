@@ -59,10 +59,11 @@ def test_output_shapes_and_aux(base):
     experts = cfg.moe.num_experts
     assert set(moe) == {"expert_load", "expert_prob", "balance_loss", "routing_confidence",
                         "expert_tokens", "expert_act_rms", "expert_out_norm_mean",
-                        "expert_out_norm_max", "sequence_balance_loss"}
+                        "expert_out_norm_max", "sequence_balance_loss", "routed_experts"}
     for key in moe:
         expected = {"balance_loss": (NUM_MOE_LAYERS,), "sequence_balance_loss": (NUM_MOE_LAYERS,),
-                    "routing_confidence": (NUM_MOE_LAYERS, BATCH, LENGTH)}.get(
+                    "routing_confidence": (NUM_MOE_LAYERS, BATCH, LENGTH),
+                    "routed_experts": (NUM_MOE_LAYERS, BATCH, LENGTH, cfg.moe.top_k)}.get(
                         key, (NUM_MOE_LAYERS, experts))
         assert moe[key].shape == expected, key
     assert aux["balance_loss"].shape == ()

@@ -1,7 +1,7 @@
 """Clipped policy-gradient losses and group advantages (rl/objectives/losses.py) against
 hand-derived literals (derivations in comments), never against the code under test:
-`ppo_clip_loss` / `grpo_loss` (clipped surrogate for both advantage signs, clip_frac, zero
-gradient through the clipped branch, DAPO clip-higher, token-level normalisation),
+`ppo_clip_loss` (clipped surrogate for both advantage signs, clip_frac, zero gradient through
+the clipped branch, DAPO's clip-higher, token-level normalisation),
 `group_advantages` and `gspo_loss` (sequence-level ratio and clip, MIS masks).
 """
 
@@ -16,7 +16,6 @@ from rl.objectives import losses as L
 # Jitted once per module (one compile per shape instead of one per eager op: ~5x faster on CPU).
 _BOUNDS = ("token_bounds", "traj_bounds")
 ppo_clip_loss = jax.jit(L.ppo_clip_loss, static_argnames=("clip_low", "clip_high"))
-grpo_loss = jax.jit(L.grpo_loss, static_argnames=("clip_low", "clip_high"))
 gspo_loss = jax.jit(L.gspo_loss, static_argnames=("clip", *_BOUNDS))
 group_advantages = jax.jit(L.group_advantages, static_argnames=("group_size", "eps", "scale"))
 
@@ -27,7 +26,9 @@ def _loss_only(fn):
 
 # d loss / d (logp, old_logp, advantages)
 ppo_clip_grads = jax.jit(jax.grad(_loss_only(L.ppo_clip_loss), argnums=(0, 1, 2)))
-grpo_grads = jax.jit(jax.grad(_loss_only(L.grpo_loss), argnums=(0, 1, 2)))
+# ... with DAPO's clip-higher (0.2, 0.28)
+dapo_grads = jax.jit(jax.grad(_loss_only(lambda *a: L.ppo_clip_loss(*a, clip_high=0.28)),
+                              argnums=(0, 1, 2)))
 
 MASK = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], np.float64)  # row 1: two padding positions
 
@@ -37,7 +38,7 @@ def f32(x):
 
 
 # --------------------------------------------------------------------------------------------
-# PPO-clip and GRPO (DAPO)
+# PPO-clip, DAPO's clip-higher
 
 # Row 0: five tokens covering both advantage signs inside / outside the clip range (0.2, 0.2).
 # Row 1: three on-policy tokens with A = 2 and two padding positions with a wild ratio.
@@ -75,17 +76,17 @@ def test_ppo_clip_gradient_zero_through_active_clipped_branch():
     assert np.all(np.asarray(g_old) == 0.0) and np.all(np.asarray(g_adv) == 0.0)
 
 
-def test_grpo_clip_higher_keeps_ratio_1_25_and_clips_1_3():
+def test_dapo_clip_higher_keeps_ratio_1_25_and_clips_1_3():
     # Positive advantage: upper clip at 1 + 0.28 = 1.28.
     old = np.zeros((1, 2)) - 1.0
     logp = old + np.log([[1.25, 1.3]])
     mask = np.ones((1, 2))
     adv = np.ones((1, 2))
-    loss, stats = grpo_loss(f32(logp), f32(old), f32(adv), f32(mask))
+    loss, stats = ppo_clip_loss(f32(logp), f32(old), f32(adv), f32(mask), clip_high=0.28)
     # 1.25 unclipped, 1.3 -> 1.28: loss = -(1.25 + 1.28) / 2 = -1.265; 1 of 2 clipped.
     np.testing.assert_allclose(loss, -1.265, rtol=1e-6)
     np.testing.assert_allclose(stats["clip_frac"], 0.5, rtol=1e-6)
-    grad = np.asarray(grpo_grads(f32(logp), f32(old), f32(adv), f32(mask))[0])
+    grad = np.asarray(dapo_grads(f32(logp), f32(old), f32(adv), f32(mask))[0])
     np.testing.assert_allclose(grad[0, 0], -1.25 / 2, rtol=1e-6)
     assert grad[0, 1] == 0.0
     # The same 1.25 with the symmetric PPO range (0.2, 0.2) is clipped to 1.2.
@@ -93,15 +94,15 @@ def test_grpo_clip_higher_keeps_ratio_1_25_and_clips_1_3():
     np.testing.assert_allclose(loss_ppo, -(1.2 + 1.2) / 2, rtol=1e-6)
 
 
-def test_grpo_token_level_normalisation_weighs_every_token_equally():
+def test_dapo_token_level_normalisation_weighs_every_token_equally():
     # Responses of lengths 1 (A = +1) and 3 (A = -1), on-policy (r = 1).
     mask = np.array([[1, 0, 0, 0, 0], [1, 1, 1, 0, 0]], np.float64)
     adv = np.array([[1.0] * 5, [-1.0] * 5])
     logp = np.full((2, 5), -0.7)
-    loss, _ = grpo_loss(f32(logp), f32(logp), f32(adv), f32(mask))
+    loss, _ = ppo_clip_loss(f32(logp), f32(logp), f32(adv), f32(mask), clip_high=0.28)
     # token level: -(1*1 + 3*(-1)) / 4 = 0.5 (a per-sequence mean would give -(1 - 1)/2 = 0)
     np.testing.assert_allclose(loss, 0.5, rtol=1e-6)
-    grad = grpo_grads(f32(logp), f32(logp), f32(adv), f32(mask))[0]
+    grad = dapo_grads(f32(logp), f32(logp), f32(adv), f32(mask))[0]
     # every response token gets -A / 4 whatever its response's length (exact: 4 = 2^2, r = 1)
     expected = (-adv * mask / 4.0).astype(np.float32)
     assert np.all(np.asarray(grad) == expected)

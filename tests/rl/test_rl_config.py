@@ -25,6 +25,10 @@ RL_ARITH = Path(__file__).resolve().parents[2] / "configs" / "rl_arith.yaml"
     (lambda: OptimizerConfig(lr=0), "lr: must be a positive number, got 0"),
     (lambda: RLConfig(kl_estimator="k2"), "rl.kl_estimator: got 'k2', allowed values are "
                                           "['k3_importance', 'k3']"),
+    (lambda: RLConfig(kl_coef=-0.1), "rl.kl_coef: must be a number >= 0, got -0.1"),
+    (lambda: RLConfig(kimi_bounds=(1.2, 2.0)), "rl.kimi_bounds: need 0 < low <= 1 <= high"),
+    (lambda: RLConfig(kimi_tau=-1), "rl.kimi_tau: must be a number >= 0, got -1"),
+    (lambda: RLConfig(dapo_clip=(0.2,)), "rl.dapo_clip: expected two numbers"),
     (lambda: RLConfig(algorithm="drgrpo"), "rl.algorithm: got 'drgrpo'"),
     (lambda: RLConfig(loss_aggregation="sum"), "rl.loss_aggregation: got 'sum', allowed values "
                                                "are ['token_mean', 'sequence_mean', 'token_sum']"),
@@ -97,32 +101,43 @@ def test_warmups_as_long_as_the_run_or_of_an_unused_critic_are_accepted():
 
 
 def test_algorithm_presets_set_the_switches_left_unset():
-    """dapo: dynamic sampling and an overlong buffer of a fifth of the budget; dr_grpo: no std
-    division and the token-sum loss; others: all off. An explicit switch wins."""
+    """grpo: DeepSeekMath's per-sequence mean and k3 KL at 0.04; dapo: dynamic sampling, an
+    overlong buffer of a fifth of the budget, no KL; dr_grpo: no std division, the token-sum
+    loss, no KL; kimi_k25: no std division, token mean, no KL; others: the report's KL 0.001,
+    importance-weighted. An explicit switch wins."""
     resolved = lambda rl: (rl.divides_by_group_std, rl.aggregation,  # noqa: E731
-                           rl.samples_dynamically, rl.overlong_buffer_tokens, rl.uses_critic)
-    assert resolved(RLConfig()) == (True, "token_mean", False, 0, True)
-    assert resolved(RLConfig(algorithm="grpo")) == (True, "token_mean", False, 0, False)
+                           rl.samples_dynamically, rl.overlong_buffer_tokens, rl.uses_critic,
+                           rl.kl_weight, rl.kl_method)
+    assert resolved(RLConfig()) == (True, "token_mean", False, 0, True, 0.001, "k3_importance")
+    assert resolved(RLConfig(algorithm="grpo")) == (
+        True, "sequence_mean", False, 0, False, 0.04, "k3")
     assert resolved(RLConfig(algorithm="dapo", max_new_tokens=20)) == (
-        True, "token_mean", True, 4, False)
+        True, "token_mean", True, 4, False, 0.0, "k3_importance")
     assert RLConfig(algorithm="dapo", max_new_tokens=3).overlong_buffer_tokens == 1
-    assert resolved(RLConfig(algorithm="dr_grpo")) == (False, "token_sum", False, 0, False)
+    assert resolved(RLConfig(algorithm="dr_grpo")) == (
+        False, "token_sum", False, 0, False, 0.0, "k3_importance")
+    assert resolved(RLConfig(algorithm="kimi_k25")) == (
+        False, "token_mean", False, 0, False, 0.0, "k3_importance")
     assert resolved(RLConfig(algorithm="dapo", dynamic_sampling=False, overlong_buffer=0,
-                             loss_aggregation="sequence_mean", group_std=False)) == (
-        False, "sequence_mean", False, 0, False)
+                             loss_aggregation="sequence_mean", group_std=False, kl_coef=0.5,
+                             kl_estimator="k3")) == (
+        False, "sequence_mean", False, 0, False, 0.5, "k3")
     assert resolved(RLConfig(advantages="group", dynamic_sampling=True, overlong_buffer=2,
-                             loss_aggregation="token_sum")) == (
-        True, "token_sum", True, 2, False)
-    assert RLConfig().kl_estimator == "k3_importance"
+                             loss_aggregation="token_sum", kl_coef=0)) == (
+        True, "token_sum", True, 2, False, 0, "k3_importance")
+    rl = RLConfig()
+    assert (rl.ppo_clip, rl.grpo_clip, rl.dapo_clip) == ((0.2, 0.2), (0.2, 0.2), (0.2, 0.28))
+    assert (rl.kimi_bounds, rl.kimi_tau) == ((0.5, 2.0), 0.1)
 
 
 def test_switches_load_from_overrides_and_null_restores_the_preset():
     run = load_rl_config(RL_ARITH, ["rl.algorithm=dapo", "rl.dynamic_sampling=false",
-                                    "rl.kl_estimator=k3"])
+                                    "rl.kl_estimator=k3", "rl.kl_coef=0.01"])
     assert (run.rl.samples_dynamically, run.rl.overlong_buffer_tokens) == (False, 1)
-    assert run.rl.kl_estimator == "k3"
-    run = load_rl_config(RL_ARITH, ["rl.algorithm=dapo", "rl.dynamic_sampling=null"])
-    assert run.rl.samples_dynamically
+    assert (run.rl.kl_method, run.rl.kl_weight) == ("k3", 0.01)
+    run = load_rl_config(RL_ARITH, ["rl.algorithm=dapo", "rl.dynamic_sampling=null",
+                                    "rl.kl_coef=null"])
+    assert run.rl.samples_dynamically and run.rl.kl_weight == 0
 
 
 def test_rl_defaults_differ_from_training_where_the_report_says_so():

@@ -7,7 +7,7 @@
   the straight run;
 - an RL workdir as a policy (`model.weights.load_model`: its actor, as the trainer restores it)
   and as the run-wide teacher of PPO with the full-vocabulary KL;
-- MIS-PO with the token signal.
+- MIS-PO with the token signal, its teacher's weight w_i scaling the teacher term.
 """
 
 import flax.linen as nn
@@ -16,24 +16,28 @@ import numpy as np
 import pytest
 from test_rl_loop import small_run
 
+import rl.distill.distillation as distillation
 from model.interop.model_dir import save_model_dir
 from model.lm import CausalLM, init_variables
 from model.parallel.rules import use_mesh
 from model.weights import load_model
 from rl.config import rl_config_from_dict
+from rl.distill.signal import distill_advantages
 from rl.loop import run_rl
 from rl.trainer import RLTrainer
 from train.telemetry.metrics import read_metrics
 
 
-def distill_run(teachers, **rl_overrides):
-    """`small_run` with tasks add and sub (teachers: {task: checkpoint}, "" for none)."""
+def distill_run(teachers, weights=None, **rl_overrides):
+    """`small_run` with tasks add and sub (teachers: {task: checkpoint}, "" for none; weights:
+    {task: its teacher's weight}, 1 for the others)."""
     run = small_run().to_dict()
     run["rl"].update(rl_overrides)
     run["task"] = {"tasks": {
         name: {"kind": "arithmetic", "ops": ops, "max_operand": 9,
                "teacher": {"checkpoint": str(teachers.get(name, "")),
-                           "tokenizer": "arith_chars" if teachers.get(name) else ""}}
+                           "tokenizer": "arith_chars" if teachers.get(name) else "",
+                           "weight": (weights or {}).get(name, 1.0)}}
         for name, ops in (("add", "+"), ("sub", "-"))}}
     return rl_config_from_dict(run)
 
@@ -107,10 +111,26 @@ def test_an_rl_workdir_is_a_policy_and_a_full_vocab_teacher_of_ppo(tmp_path, tea
 
 
 @pytest.mark.slow
-def test_mis_po_takes_the_teacher_term_in_its_advantages(tmp_path, teachers):
-    run = distill_run({"add": teachers["add"]}, algorithm="mis_po", iterations=1,
+def test_mis_po_takes_the_weighted_teacher_term_in_its_advantages(tmp_path, teachers,
+                                                                   monkeypatch):
+    """The add task's teacher with weight w = 2.5 (V4's w_i), no outcome term: the advantages
+    the update gets are 2.5 (log pi_teacher - log pi_old) on add rows and 0 on sub rows."""
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append((args, distill_advantages(*args, **kwargs)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(distillation, "distill_advantages", recording)
+    run = distill_run({"add": teachers["add"]}, {"add": 2.5}, algorithm="mis_po", iterations=1,
                       advantages="group", distill={"outcome_coef": 0.0})
     [record] = iteration_records(run_rl(run, tmp_path / "mis_po").workdir)
     assert record["advantage_rms"] > 1e-3 and record["actor/grad_norm"] > 0
     assert "distill/kl/add" in record and "distill/kl/sub" not in record  # sub: no teacher
     assert record["distill/kl"] == record["distill/kl/add"]
+    [((teacher_logp, old_logp, _, mask, weights, *_), advantages)] = seen
+    add = weights > 0
+    assert add.any() and not add.all() and set(weights.tolist()) == {0.0, 2.5}
+    np.testing.assert_allclose(advantages[add], (2.5 * (teacher_logp - old_logp) * mask)[add],
+                               rtol=1e-5, atol=1e-6)
+    assert not advantages[~add].any()

@@ -2,11 +2,12 @@
 `mopd_loss` in rl/objectives/losses.py, the `rl.distill` config) against float64 loops written
 here on hand-made log-probs, never against the code under test:
 
-- the token-level advantage teacher_coef * (log pi_teacher - log pi_old) + alpha * A_outcome,
-  the teacher term only on rows with a teacher, and the full_vocab signal's outcome-only one;
+- the token-level advantage teacher_coef * w_i * (log pi_teacher - log pi_old) + alpha *
+  A_outcome with each row's teacher weight w_i (V4 eq. 29), the teacher term only on rows with
+  a teacher, and the full_vocab signal's outcome-only one;
 - MOPD (MiMo eqs. 7-8): the truncated weight w_t (closed bounds, dropped outside), the
   sequence-mean aggregation, the gradient (w_t under a stop-gradient), `actor_loss` dispatch
-  with the full-vocabulary KL term; the kept-weight fraction and the per-task KL metrics;
+  with the full-vocabulary KL term weighted by its row's teacher weight; the kept-weight fraction and the per-task KL metrics;
 - the full-vocabulary reverse KL with a larger teacher vocabulary against numpy;
 - config errors name the field.
 """
@@ -34,30 +35,32 @@ TEACHER = np.array([[0.0, -0.5, -1.5, -1.0], [0.0, -2.0, -0.75, 0.0]])
 OUTCOME = np.array([[0.0, 1.0, 1.0, 1.0], [0.0, -1.0, -1.0, 0.0]])
 
 
-def reference_advantages(teacher, old, outcome, mask, rows, teacher_coef, outcome_coef):
+def reference_advantages(teacher, old, outcome, mask, weights, teacher_coef, outcome_coef):
     out = np.zeros(mask.shape)
     for b in range(mask.shape[0]):
         for t in range(mask.shape[1]):
             if mask[b, t]:
                 out[b, t] = outcome_coef * outcome[b, t]
-                if rows[b]:
-                    out[b, t] += teacher_coef * (teacher[b, t] - old[b, t])
+                if weights[b]:
+                    out[b, t] += teacher_coef * weights[b] * (teacher[b, t] - old[b, t])
     return out
 
 
-@pytest.mark.parametrize("rows", [[True, True], [True, False]])
-def test_token_advantage_is_the_teacher_log_ratio_plus_alpha_outcome(rows):
-    got = distill_advantages(TEACHER, OLD, OUTCOME, MASK, np.array(rows), 0.5, 2.0)
-    want = reference_advantages(TEACHER, OLD, OUTCOME, MASK, rows, 0.5, 2.0)
+@pytest.mark.parametrize("weights", [[1.0, 1.0], [1.0, 0.0], [3.0, 0.5]])
+def test_token_advantage_is_the_weighted_teacher_log_ratio_plus_alpha_outcome(weights):
+    """weights: each row's teacher weight w_i (0: no teacher)."""
+    got = distill_advantages(TEACHER, OLD, OUTCOME, MASK, np.array(weights), 0.5, 2.0)
+    want = reference_advantages(TEACHER, OLD, OUTCOME, MASK, weights, 0.5, 2.0)
     np.testing.assert_allclose(got, want, atol=1e-6)
-    # by hand, row 0 token 1: 0.5 * (-0.5 - -1.0) + 2 * 1 = 2.25
-    assert got[0, 1] == pytest.approx(2.25)
-    # a row without a teacher keeps only alpha * A (row 1 token 2: 2 * -1)
-    assert got[1, 2] == pytest.approx(-2.0 if not rows[1] else 0.5 * 2.25 - 2.0)
+    # by hand, row 0 token 1: 0.5 * w * (-0.5 - -1.0) + 2 * 1 = 0.25 w + 2
+    assert got[0, 1] == pytest.approx(0.25 * weights[0] + 2)
+    # row 1 token 2: 0.5 * w * (-0.75 - -3.0) + 2 * -1 = 1.125 w - 2 (a row without a teacher
+    # keeps only alpha * A)
+    assert got[1, 2] == pytest.approx(1.125 * weights[1] - 2.0)
 
 
 def test_full_vocab_signal_leaves_only_the_outcome_term_in_the_advantage():
-    got = distill_advantages(TEACHER, OLD, OUTCOME, MASK, np.array([True, True]), 0.5, 2.0,
+    got = distill_advantages(TEACHER, OLD, OUTCOME, MASK, np.array([1.0, 2.0]), 0.5, 2.0,
                              signal="full_vocab")
     np.testing.assert_allclose(got, 2.0 * OUTCOME * MASK)
 
@@ -126,13 +129,15 @@ def test_actor_loss_runs_mopd_with_its_bounds_and_adds_the_full_vocab_kl():
     kl = np.array([[9.0, 0.5, 0.25, 1.0], [9.0, 2.0, 4.0, 9.0]])  # 9: off the mask
     mb = {"infer_logp": f32(infer), "advantages": f32(ADV), "mask": f32(MASK),
           "select": f32(MASK), "old_logp": f32(LOGP), "ref_logp": f32(LOGP),
-          "teacher_id": jnp.asarray([1, -1], jnp.int32)}
+          "teacher_id": jnp.asarray([1, -1], jnp.int32),
+          "teacher_weight": jnp.asarray([3.0, 0.0], jnp.float32)}
     loss, stats = actor_loss(rl, f32(LOGP), mb)
     want, _ = reference_mopd(LOGP, infer, ADV, MASK, BOUNDS)
     assert float(loss) == pytest.approx(want, rel=1e-5)
     with_kl, stats = actor_loss(rl, f32(LOGP), mb, f32(kl))
-    # only row 0 has a teacher; sequence mean over both responses: (0.5+0.25+1)/3 / 2
-    assert float(with_kl) == pytest.approx(want + 0.25 * (1.75 / 3) / 2, rel=1e-5)
+    # only row 0 has a teacher, of weight w = 3; sequence mean over both responses:
+    # 0.25 * 3 * (0.5+0.25+1)/3 / 2
+    assert float(with_kl) == pytest.approx(want + 0.25 * 3 * (1.75 / 3) / 2, rel=1e-5)
     assert float(stats["teacher_kl"]) == pytest.approx(1.75 / 3, rel=1e-6)
 
 
@@ -185,6 +190,9 @@ def test_reverse_kl_over_the_student_vocabulary_matches_numpy():
     (lambda: task_config_from_dict({"tasks": {"add": {"kind": "arithmetic",
                                                       "teacher": {"checkpoint": 3}}}}),
      "task.tasks.add.teacher.checkpoint: must be a path (a string), got 3"),
+    (lambda: task_config_from_dict({"tasks": {"add": {"kind": "arithmetic",
+                                                      "teacher": {"weight": -1}}}}),
+     "task.tasks.add.teacher.weight: must be a number >= 0, got -1"),
     (lambda: rl_config_from_dict({"rl": {"algorithm": "mopd"}, "task": {"max_operand": 9}}),
      "rl.distill.teacher.checkpoint: rl.algorithm=mopd needs a teacher"),
 ])

@@ -17,7 +17,7 @@ from rl.objectives import kl as K
 from rl.objectives import losses as L
 
 # Jitted once per module (one compile per shape instead of one per eager op: ~5x faster on CPU).
-k3 = jax.jit(K.k3)
+k3 = jax.jit(lambda logp, ref, mask: K.kl_estimate("k3", logp, logp, ref, mask))
 high_entropy_mask = jax.jit(L.high_entropy_mask, static_argnames=("top_frac",))
 gae = jax.jit(A.gae)  # gamma, lam traced: one compile for every (gamma, lam)
 bootstrapped_rewards = jax.jit(A.bootstrapped_rewards)

@@ -184,7 +184,8 @@ def check_iteration_metrics(r: dict, rows: int, max_new_tokens: int, vocab: int)
         assert 0 <= r[key] <= 1, (key, r)
     assert r["token_keep_frac"] <= r["token_filter_frac"], r  # kept tokens passed both filters
     assert 0 <= r["entropy"] <= np.log(vocab) + 1e-4, r
-    assert 0 < r["routing_confidence"] <= 1 + 1e-6 and r["kl"] >= 0, r
+    # `kl` only with a KL term (a reference policy kept)
+    assert 0 < r["routing_confidence"] <= 1 + 1e-6 and r.get("kl", 0.0) >= 0, r
     assert r["actor/grad_norm"] >= 0 and r["advantage_rms"] >= 0, r
 
 
@@ -300,8 +301,12 @@ def test_dynamic_sampling_and_overlong_shaping_in_the_loop(tmp_path, monkeypatch
     assert record["actor/grad_norm"] > 0 and np.isfinite(record["actor/loss"]), record
 
 
-@pytest.mark.parametrize("algorithm", ["mis_po", "ppo", "grpo", "gspo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("algorithm", ["mis_po", "ppo", "grpo", "gspo", "dapo", "dr_grpo",
+                                       "kimi_k25"])
 def test_actor_loss_dispatches_to_the_algorithm_and_adds_kl(algorithm):
+    """Each algorithm's loss with its preset clip and aggregation, plus an explicit KL term
+    aggregated like the loss (tests/rl/test_rl_paper_objectives.py checks the defaults against
+    the papers' equations)."""
     rng = np.random.default_rng(0)
     shape = (3, 5)
     mb = {k: jnp.asarray(rng.normal(scale=0.1, size=shape) - 1.0, jnp.float32)
@@ -310,39 +315,41 @@ def test_actor_loss_dispatches_to_the_algorithm_and_adds_kl(algorithm):
     mb["mask"] = jnp.asarray(rng.integers(0, 2, shape), jnp.float32)
     mb["select"] = mb["mask"]
     logp = mb["old_logp"] + 0.05
-    run = small_run(algorithm=algorithm, kl_coef=0.5).rl
-    loss, stats = actor_loss(run, logp, mb)
+    aggregation = {"grpo": "sequence_mean", "dr_grpo": "token_sum"}.get(algorithm, "token_mean")
+    common = {"aggregation": aggregation, "max_length": 3}  # max_new_tokens = 3
     expected = {
         "mis_po": lambda: losses.mis_po_loss(logp, mb["old_logp"], mb["infer_logp"],
-                                             mb["advantages"], mb["mask"])[0],
+                                             mb["advantages"], mb["mask"], **common)[0],
         "ppo": lambda: losses.ppo_clip_loss(logp, mb["old_logp"], mb["advantages"],
-                                            mb["mask"], 0.2, 0.2)[0],
+                                            mb["mask"], 0.2, 0.2, **common)[0],
+        # DeepSeekMath: symmetric clip, per-sequence mean
         "grpo": lambda: losses.ppo_clip_loss(logp, mb["old_logp"], mb["advantages"],
-                                             mb["mask"], 0.2, 0.28)[0],
+                                             mb["mask"], 0.2, 0.2, **common)[0],
         "gspo": lambda: losses.gspo_loss(logp, mb["old_logp"], mb["infer_logp"],
-                                         mb["advantages"], mb["mask"], 1e-4)[0],
+                                         mb["advantages"], mb["mask"], 1e-4, **common)[0],
         "dapo": lambda: losses.ppo_clip_loss(logp, mb["old_logp"], mb["advantages"],
-                                             mb["mask"], 0.2, 0.28)[0],
+                                             mb["mask"], 0.2, 0.28, **common)[0],
         # Dr. GRPO: symmetric clip, token sum over L_max (max_new_tokens = 3) x responses
         "dr_grpo": lambda: losses.ppo_clip_loss(logp, mb["old_logp"], mb["advantages"],
-                                                mb["mask"], 0.2, 0.2, aggregation="token_sum",
-                                                max_length=3)[0],
+                                                mb["mask"], 0.2, 0.2, **common)[0],
+        "kimi_k25": lambda: losses.kimi_k25_loss(logp, mb["infer_logp"], mb["advantages"],
+                                                 mb["mask"], (0.5, 2.0), 0.1, **common)[0],
     }[algorithm]()
-    kl = K.k3_importance(logp, mb["old_logp"], mb["ref_logp"], mb["mask"])
-    np.testing.assert_allclose(loss, expected + 0.5 * kl, rtol=1e-6)
-    assert float(stats["kl"]) == pytest.approx(float(kl))
-    plain = small_run(algorithm=algorithm, kl_coef=0.5, kl_estimator="k3").rl
-    loss, stats = actor_loss(plain, logp, mb)
-    kl = K.k3(logp, mb["ref_logp"], mb["mask"])
-    np.testing.assert_allclose(loss, expected + 0.5 * kl, rtol=1e-6)
-    assert float(stats["kl"]) == pytest.approx(float(kl))
+    for estimator in ("k3_importance", "k3"):
+        run = small_run(algorithm=algorithm, kl_coef=0.5, kl_estimator=estimator).rl
+        loss, stats = actor_loss(run, logp, mb)
+        terms = K.kl_terms(estimator, logp, mb["old_logp"], mb["ref_logp"], mb["mask"])
+        kl = losses.aggregate(terms, mb["mask"], **common)
+        np.testing.assert_allclose(loss, expected + 0.5 * kl, rtol=1e-6)
+        assert float(stats["kl"]) == pytest.approx(float(K.kl_estimate(
+            estimator, logp, mb["old_logp"], mb["ref_logp"], mb["mask"])))
 
 
 def test_shipped_rl_config_loads_with_report_defaults():
     run = load_rl_config(REPO / "configs" / "rl_arith.yaml")
     assert run.model is None and run.rl.algorithm == "mis_po"
     assert run.rl.token_bounds == (0.5, 2.0) and run.rl.traj_bounds == (0.996, 1.001)
-    assert run.rl.temperature == 1.0 and run.rl.top_p == 1.0 and run.rl.kl_coef == 0.001
+    assert run.rl.temperature == 1.0 and run.rl.top_p == 1.0 and run.rl.kl_weight == 0.001
     assert (run.rl.actor_minibatches, run.rl.critic_minibatches) == (4, 12)
     with pytest.raises(ValueError, match="rl.token_bounds"):
         load_rl_config(REPO / "configs" / "rl_arith.yaml", ["rl.token_bounds=[1.5, 2.0]"])

@@ -106,6 +106,8 @@ def test_off_policy_switches_are_checked_and_resolved(tmp_path):
     assert not small_run().rl.uses_tis and small_run(max_staleness=1).rl.uses_tis
     mopd = dataclasses.replace(small_run(max_staleness=1).rl, algorithm="mopd")
     assert not mopd.uses_tis  # its eq. 8 weight already is a truncated ratio to pi_infer
+    kimi = dataclasses.replace(small_run(max_staleness=1).rl, algorithm="kimi_k25")
+    assert not kimi.uses_tis  # its eq. 1 ratio already is to pi_infer
     assert small_run(tis=True).rl.uses_tis
     dense = small_run(routing_replay=True)
     dense = dense.with_model(dense.model.replace(num_dense_layers=dense.model.num_layers))

@@ -24,7 +24,8 @@ from train.data.chat_arith import chat_arith_records, jsonl_text
 from train.data.chat_arith import main as chat_arith_main
 from train.data.corpus import load_documents
 from train.data.documents import Document
-from train.data.pipeline import DocumentEncoder, make_dataset
+from train.data.encoder import DocumentEncoder
+from train.data.pipeline import make_dataset
 from train.run_record import check_and_record
 
 EOT = "<|endoftext|>"

@@ -11,6 +11,7 @@ import json.decoder
 from pathlib import Path
 
 import grain
+from grain.experimental import WindowShuffleIterDataset
 import jax
 import numpy as np
 import pytest
@@ -29,7 +30,9 @@ from train.data import pipeline as data_module
 from train.data.corpus import load_documents, meta_string, stdlib_documents
 from train.data.documents import Document, heldout_score, split_documents
 from train.data.packing import FEATURES, pack, unpack
-from train.data.pipeline import DocumentEncoder, make_dataset, split_shard
+from train.data.encoder import DocumentEncoder
+from train.data.pipeline import host_records, make_dataset
+from train.data.shuffle import WindowShuffle
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = Path(json.decoder.__file__).read_text()  # real Python source for small documents
@@ -257,6 +260,29 @@ def test_train_stream_is_deterministic_and_resumes(tok, corpus, monkeypatch):
         make_dataset(cfg, tok, seq_len=32, batch_size=4, split="train", seed=7).set_state(state)
 
 
+def test_row_shuffle_permutes_windows_and_resumes_from_its_and_grains_states():
+    rows = grain.MapDataset.range(50).to_iter_dataset()
+    shuffled = lambda: WindowShuffle(rows, window_size=8, seed=3)  # noqa: E731
+    ours = list(shuffled())
+    assert ours != list(range(50)) and ours == list(shuffled())
+    for start in range(0, 50, 8):  # every window: a permutation of its own rows
+        assert sorted(ours[start:start + 8]) == list(range(start, min(start + 8, 50)))
+    for k in (0, 5, 8, 13, 49, 50):
+        it = iter(shuffled())
+        list(itertools.islice(it, k))
+        resumed = iter(shuffled())
+        resumed.set_state(json.loads(json.dumps(it.get_state())))
+        assert list(resumed) == ours[k:]
+    # A state of grain's WindowShuffleIterDataset (checkpoints written with it): the rest of its
+    # window exactly as grain goes on, then our windows.
+    theirs = iter(WindowShuffleIterDataset(rows, window_size=8, seed=3))
+    list(itertools.islice(theirs, 13))
+    resumed = iter(shuffled())
+    resumed.set_state(json.loads(json.dumps(theirs.get_state())))
+    rest = list(resumed)
+    assert rest[:3] == list(itertools.islice(theirs, 3)) and rest[3:] == ours[16:]
+
+
 @pytest.mark.slow
 def test_one_worker_process_gives_the_same_stream_and_resumes(tok, corpus):
     """train.data.num_workers=1 moves the pipeline into a grain worker process: the stream and
@@ -274,9 +300,10 @@ def test_one_worker_process_gives_the_same_stream_and_resumes(tok, corpus):
 
 def test_hosts_get_disjoint_shards_covering_the_documents(tok, corpus):
     docs = load_documents(corpus)
-    for split in ("train", "heldout"):
-        full = {d.key for d in split_shard(docs, 0.5, split)}
-        shards = [{d.key for d in split_shard(docs, 0.5, split, i, 2)} for i in range(2)]
+    for split, chosen in zip(("train", "heldout"), split_documents(docs, 0.5)):
+        records = grain.MapDataset.source(chosen)
+        full = {d.key for d in chosen}
+        shards = [{d.key for d in host_records(records, split, i, 2)} for i in range(2)]
         assert shards[0].isdisjoint(shards[1]) and shards[0] | shards[1] == full
         assert abs(len(shards[0]) - len(shards[1])) <= 1
     cfg = DataConfig(source=corpus, heldout_fraction=0.5)

@@ -5,7 +5,7 @@ template of the tokenizer in use, and the tokens of them that the loss trains on
                   {"role": "assistant", "content": "..."}], "tools": [{...}, ...]}
 
     doc = chat_document(record, key="chats.jsonl:3", meta={"source": "chats.jsonl"})
-    assistant = trains_assistant_only("auto", documents)     # train.loss_mask resolved
+    assistant = trains_assistant_only("auto", has_chats=True)  # train.loss_mask resolved
     example = chat_example(chat_tokenizer_for(tok), doc, assistant)  # tokens + both masks
 
 A chat is packed like any other document (its own segment), but takes no metadata prefix and no
@@ -18,7 +18,9 @@ user's questions.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import hashlib
+import json
+from typing import Mapping
 
 import numpy as np
 
@@ -42,16 +44,21 @@ def chat_document(record: dict, key: str, meta: Mapping[str, str]) -> Document:
     return Document(key, text, meta, chat={"messages": messages, "tools": tools or None})
 
 
-def trains_assistant_only(loss_mask: str, documents: Sequence[Document]) -> bool:
-    """`train.loss_mask` for these documents: True when chat documents train on their
-    assistant turns only (`assistant`, or `auto` with chat data); plain documents always train
-    on all their tokens. Raises ConfigError for `assistant` on data without chats."""
-    has_chats = any(d.chat is not None for d in documents)
+def trains_assistant_only(loss_mask: str, has_chats: bool) -> bool:
+    """`train.loss_mask` for data that holds chat documents (`has_chats`) or not: True when
+    chat documents train on their assistant turns only (`assistant`, or `auto` with chat data);
+    plain documents always train on all their tokens. Raises ConfigError for `assistant` on
+    data without chats."""
     if loss_mask == "assistant" and not has_chats:
         raise ConfigError("train.loss_mask", "'assistant' trains on the assistant turns of "
-                          "chat data, but train.data.source holds no chat records (jsonl with "
+                          "chat data, but the run's data holds no chat records (jsonl with "
                           "'messages'); use 'all' or 'auto'")
     return has_chats and loss_mask in ("assistant", "auto")
+
+
+def templates_sha256(chat: ChatTokenizer) -> str:
+    """sha256 of the chat templates: part of the data, since another template is other text."""
+    return hashlib.sha256(json.dumps(chat.templates, sort_keys=True).encode()).hexdigest()
 
 
 def chat_example(chat: ChatTokenizer, doc: Document, assistant_only: bool) -> dict:

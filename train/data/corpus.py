@@ -1,31 +1,37 @@
-"""Documents for training: the embedded stdlib corpus and local `.txt` / `.jsonl` files (plain
-text, or chats rendered with the tokenizer's chat template: train/data/chat.py).
+"""Documents for training read into memory: the embedded stdlib corpus, the procedural tasks and
+local `.txt` / `.jsonl` files (plain text, or chats rendered with the tokenizer's chat template:
+train/data/chat.py). Corpora too large for memory are prepared into token shards instead
+(`python -m train.data.prepare`, train/data/shards.py).
 
-    docs = load_documents("stdlib")       # or "a.jsonl,books/*.txt", "arith,arith_multistep"
-    train, heldout = split_documents(docs, 0.05)          # train.data.documents
+    corpus = load_corpus("stdlib")   # or "a.jsonl,books/*.txt", "arith,arith_multistep"
+    corpus.documents, corpus.fingerprint                    # fingerprint: train/data/fingerprint.py
+    train, heldout = split_documents(corpus.documents, 0.05)   # train.data.documents
 
 A `Document` is its text plus human-readable metadata (report A.3: content type, language,
-domain, source) and a stable `key` that decides its split. Loading is eager and validated up
-front, so a bad input fails at start-up with one line naming the culprit, not mid-run.
+domain, source) and a stable `key` that decides its split. Every file is read once, in blocks
+(train/data/readers.py), and hashed on the way for the data fingerprint. Loading is eager and
+validated up front, so a bad input fails at start-up with one line naming the culprit, not
+mid-run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
-import json
+import hashlib
 import os
-import re
+import sys
 import sysconfig
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Mapping, Sequence
 
 from train.data.arithmetic import arithmetic_documents
-from train.data.chat import chat_document
 from train.data.documents import Document
 from train.data.multistep import multistep_documents
+from train.data.readers import META_FIELDS, read_file
 
-META_FIELDS = ("type", "lang", "domain", "source")  # order of the fields in the meta string
-SUFFIXES = (".txt", ".jsonl")
+SUFFIXES = (".txt", ".jsonl")  # what a training run reads directly
+PREPARED_ONLY = (".parquet",)  # what only `python -m train.data.prepare` reads
 # Directories of the standard library that are not "the library": third-party packages and the
 # (large, repetitive) regression-test suites.
 STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test",
@@ -65,11 +71,17 @@ def stdlib_documents() -> list[Document]:
     return docs
 
 
-def resolve_files(entry: str) -> list[tuple[Path, str]]:
-    """One comma-separated item of `DataConfig.source`: a file, a directory (its `.txt` /
-    `.jsonl` files, recursively) or a glob -> sorted (path, name) pairs, never empty. `name` is
+def source_entries(source: str) -> list[str]:
+    """The comma-separated items of a `train.data.source`."""
+    return [e.strip() for e in source.split(",") if e.strip()]
+
+
+def resolve_files(entry: str, suffixes: Sequence[str] = SUFFIXES) -> list[tuple[Path, str]]:
+    """One comma-separated item of `DataConfig.source`: a file, a directory (its files of
+    `suffixes`, recursively) or a glob -> sorted (path, name) pairs, never empty. `name` is
     the path relative to the entry's base directory (the glob's fixed prefix, the directory, or
     the file's own directory), so splits and metadata do not depend on where the data lives."""
+    kinds = "/".join(suffixes)
     if glob.has_magic(entry):
         base = Path(*(_prefix_parts(entry) or ["."]))
         files = sorted(Path(p) for p in glob.glob(entry, recursive=True) if Path(p).is_file())
@@ -77,16 +89,20 @@ def resolve_files(entry: str) -> list[tuple[Path, str]]:
             raise ValueError(f"train.data.source: glob {entry!r} matched no files")
     elif Path(entry).is_dir():
         base = Path(entry)
-        files = sorted(p for p in base.rglob("*") if p.suffix in SUFFIXES and p.is_file())
+        files = sorted(p for p in base.rglob("*") if p.suffix in suffixes and p.is_file())
         if not files:
-            raise ValueError(f"train.data.source: directory {entry!r} has no .txt/.jsonl files")
+            raise ValueError(f"train.data.source: directory {entry!r} has no {kinds} files")
     elif Path(entry).is_file():
         base, files = Path(entry).parent, [Path(entry)]
     else:
         raise ValueError(f"train.data.source: {entry!r} does not exist")
     for path in files:
-        if path.suffix not in SUFFIXES:
-            raise ValueError(f"train.data.source: {str(path)!r} is neither .txt nor .jsonl")
+        if path.suffix in PREPARED_ONLY and path.suffix not in suffixes:
+            raise ValueError(f"train.data.source: {str(path)!r}: {path.suffix} files are read by "
+                             "`python -m train.data.prepare`; prepare the corpus and train from "
+                             "the prepared directory")
+        if path.suffix not in suffixes:
+            raise ValueError(f"train.data.source: {str(path)!r} is not a {kinds} file")
     return [(path, path.relative_to(base).as_posix()) for path in files]
 
 
@@ -100,90 +116,55 @@ def _prefix_parts(pattern: str) -> list[str]:
     return parts
 
 
-def read_txt(path: Path, name: str) -> Iterator[Document]:
-    """The whole file is one document."""
-    text = _read_text(path)
-    if text.strip():
-        yield Document(name, text, {"type": "Text", "source": name})
+def stdlib_identity() -> dict:
+    """The stdlib corpus is fixed by the Python version it comes from."""
+    return {"python": sys.version.split()[0], "root": str(stdlib_root())}
 
 
-def read_jsonl(path: Path, name: str) -> Iterator[Document]:
-    """One document per line: plain text `{"text": ..., "type"?, "lang"?, "domain"?, "source"?}`
-    or a chat `{"messages": [...], "tools"?: [...]}` (train/data/chat.py). The file's first
-    record decides which; every record must then be of that kind. Other fields are ignored,
-    `source` defaults to the file's name."""
-    is_chat = None
-    for number, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: malformed JSON ({err.msg})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        if _SURROGATE_ESCAPE.search(line):
-            _check_unicode(record, where)
-        is_chat = "messages" in record if is_chat is None else is_chat
-        meta = {"source": name}
-        meta.update({k: str(record[k]) for k in META_FIELDS if record.get(k) not in (None, "")})
-        if is_chat:
-            try:
-                yield chat_document(record, f"{name}:{number}", meta)
-            except ValueError as err:
-                raise ValueError(f"{where}: {err}") from None
-            continue
-        if not isinstance(record.get("text"), str):
-            raise ValueError(f"{where}: expected an object with a string field 'text' (or a "
-                             "chat file, whose first record has 'messages')")
-        if record["text"].strip():
-            yield Document(f"{name}:{number}", record["text"], meta)
+def procedural_identity(docs: list[Document]) -> dict:
+    digest = hashlib.sha256("\n".join(d.text for d in docs).encode()).hexdigest()
+    return {"documents": len(docs), "sha256": digest}
 
 
-# JSON can spell a lone UTF-16 surrogate (`"\ud800"`), which no tokenizer reads as text; a
-# cheap look at the line first, the exact check only where one may be.
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    documents: list[Document]
+    # {entry or file path: identity}: train/data/fingerprint.py compares two of them
+    fingerprint: dict[str, dict]
 
 
-def _check_unicode(record: dict, where: str) -> None:
-    try:
-        json.dumps(record, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ValueError(f"{where}: a string holds a lone UTF-16 surrogate "
-                         f"({err.object[err.start]!r}), which is not text; fix or remove it"
-                         ) from None
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    except OSError as err:
-        raise ValueError(f"{path}: cannot read ({err.strerror or err})") from None
-
-
-def load_documents(source: str) -> list[Document]:
+def load_corpus(source: str) -> Corpus:
     """`source`: `stdlib`, `arith` / `arith_multistep` (the procedural tasks of
     `train.data.arithmetic` / `train.data.multistep`: SFT warm-start data for RL) and/or
-    comma-separated `.txt`/`.jsonl` paths, directories, globs."""
-    entries = [e.strip() for e in source.split(",") if e.strip()]
+    comma-separated `.txt`/`.jsonl` paths, directories, globs. Each file is read once; its
+    sha256 is taken on the way."""
+    entries = source_entries(source)
     if not entries:
         raise ValueError("train.data.source: empty; use 'stdlib' or paths/globs of .txt/.jsonl")
-    docs, seen = [], set()
+    docs, fingerprint, seen = [], {}, set()
     for entry in entries:
         if entry == "stdlib":
             docs += stdlib_documents()
+            fingerprint[entry] = stdlib_identity()
             continue
         if entry in PROCEDURAL_SOURCES:
-            docs += PROCEDURAL_SOURCES[entry]()
+            found = PROCEDURAL_SOURCES[entry]()
+            docs += found
+            fingerprint[entry] = procedural_identity(found)
             continue
         files = [(p, name) for p, name in resolve_files(entry) if p.resolve() not in seen]
         seen.update(p.resolve() for p, _ in files)
-        found = [d for p, name in files
-                 for d in (read_txt if p.suffix == ".txt" else read_jsonl)(p, name)]
+        found = []
+        for path, name in files:
+            digest = hashlib.sha256()
+            found += read_file(path, name, digest=digest)
+            fingerprint[str(path)] = {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
         if files and not found:
             raise ValueError(f"train.data.source: {entry!r} holds no non-empty documents")
         docs += found
-    return docs
+    return Corpus(docs, fingerprint)
+
+
+def load_documents(source: str) -> list[Document]:
+    """The documents of `load_corpus(source)`."""
+    return load_corpus(source).documents

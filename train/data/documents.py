@@ -20,6 +20,11 @@ class Document:
     # A chat (train/data/chat.py): {"messages": [...], "tools": [...] or None}, which the
     # pipeline renders with the tokenizer's chat template instead of encoding `text`.
     chat: Mapping[str, Any] | None = None
+    # A long text file is read in pieces (train/data/readers.py), each a Document of the same
+    # key: the piece that starts the text takes the metadata prefix, the one that ends it the
+    # end-of-text token.
+    starts: bool = True
+    ends: bool = True
 
 
 def heldout_score(key: str) -> float:

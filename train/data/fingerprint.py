@@ -1,46 +1,29 @@
-"""A fingerprint of `train.data.source`, so a resumed run notices that its data changed.
+"""A fingerprint of the data a run reads, so a resumed run notices that its data changed.
 
     fingerprint = data_fingerprint("stdlib,data/*.jsonl")
     data_changes(recorded, fingerprint)  # ["data/a.jsonl (120 -> 240 bytes)", "data/b.jsonl added"]
 
 Files are identified by their path (as the source names them), size and the sha256 of their
-content (data is read whole at start-up anyway, train/data/corpus.py); the embedded stdlib corpus
-by the Python version it comes from; a generated arithmetic task by a hash of its documents.
+content, taken while the corpus is read (train/data/corpus.py); the embedded stdlib corpus by the
+Python version it comes from; a generated arithmetic task by a hash of its documents; a prepared
+directory by the sha256 of its manifest, which holds every shard's sha256 (train/data/shards.py),
+so no shard is read.
 """
 
 from __future__ import annotations
 
-import hashlib
-import sys
 from pathlib import Path
 
-from train.data.corpus import PROCEDURAL_SOURCES, resolve_files, stdlib_root
-
-CHUNK = 1 << 20  # bytes hashed per read
+from train.data.corpus import load_corpus, source_entries
+from train.data.shards import is_prepared, prepared_fingerprint
 
 
 def data_fingerprint(source: str) -> dict[str, dict]:
-    """{entry: identity} for every corpus and file `source` names (DataConfig.source)."""
-    fingerprint = {}
-    for entry in (e.strip() for e in source.split(",") if e.strip()):
-        if entry == "stdlib":
-            fingerprint[entry] = {"python": sys.version.split()[0], "root": str(stdlib_root())}
-        elif entry in PROCEDURAL_SOURCES:
-            docs = PROCEDURAL_SOURCES[entry]()
-            digest = hashlib.sha256("\n".join(d.text for d in docs).encode()).hexdigest()
-            fingerprint[entry] = {"documents": len(docs), "sha256": digest}
-        else:
-            for path, _ in resolve_files(entry):
-                fingerprint[str(path)] = {"bytes": path.stat().st_size, "sha256": _file_hash(path)}
-    return fingerprint
-
-
-def _file_hash(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+    """{entry: identity} for every corpus and file `source` (DataConfig.source) names."""
+    entries = source_entries(source)
+    if len(entries) == 1 and is_prepared(entries[0]):
+        return prepared_fingerprint(Path(entries[0]))
+    return load_corpus(source).fingerprint
 
 
 def data_changes(recorded: dict[str, dict], current: dict[str, dict]) -> list[str]:

@@ -27,11 +27,14 @@ DTYPES = {"tokens": np.int32, "segment_ids": np.int32, "positions": np.int32,
 MASKS = ("meta_mask", "loss_mask")  # per-token features packed alongside the tokens
 
 
-def document_example(meta_ids: np.ndarray | None, text_ids: np.ndarray, eos_id: int) -> dict:
+def document_example(meta_ids: np.ndarray | None, text_ids: np.ndarray,
+                     eos_id: int | None) -> dict:
     """One document as s = [M; x; <|endoftext|>] (report A.3) with its metadata mask; every
-    token is a target (the metadata's leave the loss by the meta_mask switch)."""
+    token is a target (the metadata's leave the loss by the meta_mask switch). No metadata
+    prefix / end-of-text token where `meta_ids` / `eos_id` is None (a piece of a long text)."""
     meta_ids = np.zeros(0, np.int32) if meta_ids is None else meta_ids
-    tokens = np.concatenate([meta_ids, text_ids, [eos_id]]).astype(np.int32)
+    eos = [] if eos_id is None else [eos_id]
+    tokens = np.concatenate([meta_ids, text_ids, eos]).astype(np.int32)
     meta_mask = np.zeros(len(tokens), np.bool_)
     meta_mask[:len(meta_ids)] = True
     return {"tokens": tokens, "meta_mask": meta_mask, "loss_mask": np.ones(len(tokens), np.bool_)}

@@ -1,4 +1,6 @@
-"""The grain input pipeline: documents -> tokens (+ metadata prefix) -> packed rows -> batches.
+"""The grain input pipeline: records -> examples (tokens + metadata prefix) -> packed rows ->
+batches. Records are documents in memory or token-shard records read by index
+(train/data/sources.py); a mixture packs each source on its own and interleaves the rows.
 
     data = make_dataset(cfg.data, tokenizer, seq_len=256, batch_size=8, split="train", seed=0,
                         shard_index=jax.process_index(), shard_count=jax.process_count())
@@ -6,18 +8,20 @@
                          # [batch, seq_len]
     state = data.get_state()   # JSON-serialisable; a fresh iterator + set_state(state) continues
                                # the stream exactly
+    data.mixture_shares()      # a mixture's realised share of the rows read, by source
 
-`train`: this host's documents, reshuffled every epoch (seed + epoch), repeated forever, with the
-packed rows shuffled again in windows of ~256k tokens so a batch mixes many documents.
-`heldout`: deterministic order, one pass; a short last batch is completed with padding rows
-(segment 0), so every batch has the same shape. Hosts get disjoint slices of the documents
-(every `shard_count`-th document from `shard_index`), before any shuffling.
+`train`: this host's records, reshuffled every epoch (grain's index shuffle, seed + epoch: no
+permutation is ever held in memory), repeated forever, with the packed rows shuffled again in
+windows of ~256k tokens so a batch mixes many documents. `heldout`: deterministic order, one
+pass; a short last batch is completed with padding rows (segment 0), so every batch has the same
+shape. Hosts get disjoint slices of the records (every `shard_count`-th from `shard_index`),
+before any shuffling, and read only those.
 
-Documents are tokenised lazily, a few ahead in one background thread (the stdlib corpus
+Raw documents are tokenised lazily, a few ahead in one background thread (the stdlib corpus
 encodes at ~0.9M tokens/s on one core, far above what a training step consumes), so start-up
-is instant and nothing is cached on disk. `train.data.num_workers > 0` moves the pipeline into
-grain worker processes; with two or more workers the stream differs (documents are dealt out to
-workers), so a run must resume with the same value.
+is instant and nothing is cached on disk; prepared shards are only read. `train.data.num_workers
+> 0` moves the pipeline into grain worker processes; with two or more workers the stream differs
+(records are dealt out to workers), so a run must resume with the same value.
 """
 
 from __future__ import annotations
@@ -28,103 +32,75 @@ import json
 import grain
 import numpy as np
 from absl import flags
-from grain.experimental import WindowShuffleIterDataset
 
-from model.tokenizers.chat import ChatTokenizer, chat_tokenizer_for
 from model.tokenizers.text import TextTokenizer
-from train.config import DataConfig
-from train.data.chat import chat_example, trains_assistant_only
-from train.data.corpus import load_documents, meta_string
-from train.data.documents import Document, split_documents
-from train.data.packing import document_example, pack, pad_batch
+from train.data.config import DataConfig
+from train.data.chat import trains_assistant_only
+from train.data.packing import pack, pad_batch
+from train.data.shuffle import WindowShuffle
+from train.data.sources import SPLITS, TrainingData, open_data
 
-SPLITS = ("train", "heldout")
 SHUFFLE_WINDOW_TOKENS = 1 << 18  # packed rows are shuffled within windows of this many tokens
+MIXTURE = "mixture"  # a mixture's rows carry their source's index under this key
 
 
-def split_shard(docs: list[Document], heldout_fraction: float, split: str,
-                shard_index: int = 0, shard_count: int = 1) -> list[Document]:
-    """This host's documents of one split."""
+def host_records(records: grain.MapDataset, split: str, shard_index: int = 0,
+                 shard_count: int = 1) -> grain.MapDataset:
+    """This host's records of one split: every `shard_count`-th from `shard_index`."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"shard_index {shard_index} outside [0, shard_count={shard_count})")
-    chosen = split_documents(docs, heldout_fraction)[SPLITS.index(split)]
-    if not chosen:
-        raise ValueError(f"train.data: the {split} split of {len(docs)} document(s) is empty; "
-                         "add documents or change train.data.heldout_fraction")
-    shard = chosen[shard_index::shard_count]
-    if not shard:
-        raise ValueError(f"train.data: the {split} split has {len(chosen)} document(s), too few "
+    if not len(records):
+        raise ValueError(f"train.data: the {split} split is empty; add documents or change "
+                         "train.data.heldout_fraction")
+    mine = records[shard_index::shard_count]
+    if not len(mine):
+        raise ValueError(f"train.data: the {split} split has {len(records)} record(s), too few "
                          f"for {shard_count} hosts")
-    return shard
+    return mine
 
 
-def check_splits(data_cfg: DataConfig, documents: list[Document], *, heldout: bool,
-                 shard_count: int = 1) -> None:
-    """Raises ValueError, naming the source and the fields to change, if a split the run reads
-    is empty: the train split (a document for each of `shard_count` hosts) and, if `heldout`
-    (the run evaluates), the held-out split. Either stream yields full batches from a single
-    document (train repeats, held-out pads), so a non-empty split is enough."""
-    train, held = split_documents(documents, data_cfg.heldout_fraction)
-    where = (f"train.data.source {data_cfg.source!r}: {len(documents)} document(s) with "
-             f"train.data.heldout_fraction={data_cfg.heldout_fraction}")
-    if len(train) < shard_count:
-        raise ValueError(f"{where} leave {len(train)} for training, too few for {shard_count} "
-                         "host(s); add documents or lower train.data.heldout_fraction")
-    if heldout and not held:
-        raise ValueError(f"{where} leave none held out for evaluation; raise "
-                         "train.data.heldout_fraction, add documents or set train.eval_every=0")
+class TagSource:
+    """Row -> the row with its mixture source's index (picklable, for worker processes)."""
 
+    def __init__(self, index: int):
+        self.index = index
 
-class DocumentEncoder:
-    """Document -> {tokens, meta_mask, loss_mask} example (a picklable callable, for worker
-    processes). Chats are rendered by `chat` (train/data/chat.py), trained on their assistant
-    turns only if `assistant_only`."""
-
-    def __init__(self, tokenizer: TextTokenizer, meta_tokens: bool,
-                 chat: ChatTokenizer | None = None, assistant_only: bool = False):
-        self.tokenizer, self.meta_tokens = tokenizer, meta_tokens
-        self.chat, self.assistant_only = chat, assistant_only
-
-    def __call__(self, doc: Document) -> dict:
-        if doc.chat is not None:
-            return chat_example(self.chat, doc, self.assistant_only)
-        tok = self.tokenizer
-        meta = None
-        if self.meta_tokens:
-            meta = np.concatenate([[tok.meta_open_id], tok.encode(meta_string(doc.meta)),
-                                   [tok.meta_close_id]]).astype(np.int32)
-        return document_example(meta, tok.encode(doc.text), tok.eos_id)
+    def __call__(self, row: dict) -> dict:
+        return {**row, MIXTURE: np.int32(self.index)}
 
 
 def build_dataset(data_cfg: DataConfig, tokenizer: TextTokenizer, *, seq_len: int,
                   batch_size: int, split: str, seed: int = 0, shard_index: int = 0,
-                  shard_count: int = 1, documents: list[Document] | None = None,
+                  shard_count: int = 1, data: TrainingData | None = None,
                   loss_mask: str = "auto") -> grain.IterDataset:
-    """The pipeline as a grain IterDataset (see make_dataset). `documents` overrides
-    `data_cfg.source` (already loaded documents)."""
+    """The pipeline as a grain IterDataset (see make_dataset). `data`: the run's opened data
+    (train/data/sources.py), else opened from `data_cfg`."""
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
-    docs = load_documents(data_cfg.source) if documents is None else documents
-    # Decided on all the documents, so that every split and host reads the same way.
-    encode = DocumentEncoder(
-        tokenizer, data_cfg.meta_tokens,
-        chat_tokenizer_for(tokenizer) if any(d.chat is not None for d in docs) else None,
-        trains_assistant_only(loss_mask, docs))
-    docs = split_shard(docs, data_cfg.heldout_fraction, split, shard_index, shard_count)
+    data = open_data(data_cfg, tokenizer) if data is None else data
+    # Decided on all the data, so that every split and host reads the same way.
+    assistant_only = trains_assistant_only(loss_mask, data.has_chats)
     train = split == "train"
-    ds = grain.MapDataset.source(docs)
-    if train:
-        # repeat() after shuffle: grain reshuffles every epoch (seed + epoch)
-        ds = (ds.shuffle(seed=seed % 2**32) if data_cfg.shuffle else ds).repeat()
-    # One background thread tokenises a few documents ahead (overlapping the train step).
-    examples = ds.map(encode).to_iter_dataset(
-        grain.ReadOptions(num_threads=1, prefetch_buffer_size=8))
-    rows = pack(examples, seq_len)
+    streams = {}
+    for index, (name, source) in enumerate(data.sources.items()):
+        records = host_records(source.split_records(split, data_cfg.heldout_fraction), split,
+                               shard_index, shard_count)
+        if train:
+            # repeat() after shuffle: grain reshuffles every epoch (seed + epoch)
+            shuffled = records.shuffle(seed=(seed + index) % 2**32)
+            records = (shuffled if data_cfg.shuffle else records).repeat()
+        example = source.example_fn(split, tokenizer, data_cfg.meta_tokens, assistant_only)
+        rows = pack(records.map(example).to_iter_dataset(source.read_options), seq_len)
+        streams[name] = rows if data.weights is None else rows.map(TagSource(index))
+    if data.weights is None:
+        (rows,) = streams.values()
+    else:  # rows of seq_len tokens each: the weights are shares of tokens
+        rows = grain.IterDataset.mix(streams, data.weights)
     if train and data_cfg.shuffle:
         window = max(SHUFFLE_WINDOW_TOKENS // seq_len, 2 * batch_size)
-        rows = WindowShuffleIterDataset(rows, window_size=window, seed=seed % 2**32)
+        rows = WindowShuffle(rows, window_size=window, seed=seed % 2**32)
     batches = rows.batch(batch_size, drop_remainder=train)
     if not train:
         batches = batches.map(functools.partial(pad_batch, batch_size=batch_size))
@@ -142,19 +118,33 @@ class DataIterator:
     state into a different pipeline (other seq_len, batch, seed, shards, workers) fails with a
     one-line error instead of silently yielding another stream."""
 
-    def __init__(self, dataset: grain.IterDataset, pipeline: dict):
+    def __init__(self, dataset: grain.IterDataset, pipeline: dict,
+                 mixture: list[str] | None = None):
         self.pipeline = pipeline
         self._iterator = iter(dataset)
+        self.mixture = mixture or []
+        self.rows = [0] * len(self.mixture)  # rows read so far, by mixture source
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
-        return next(self._iterator)
+        batch = next(self._iterator)
+        sources = batch.pop(MIXTURE, None)
+        if sources is not None:
+            counts = np.bincount(sources, minlength=len(self.mixture))
+            self.rows = [int(r + c) for r, c in zip(self.rows, counts)]
+        return batch
+
+    def mixture_shares(self) -> dict[str, float]:
+        """{source name: share of the rows (and so of the tokens) read so far}, over the whole
+        stream, resumes included; {} without a mixture or before the first batch."""
+        total = sum(self.rows)
+        return {n: r / total for n, r in zip(self.mixture, self.rows)} if total else {}
 
     def get_state(self) -> dict:
         """JSON-serialisable (plain dicts, lists, ints, strings)."""
-        return json.loads(json.dumps({"pipeline": self.pipeline,
+        return json.loads(json.dumps({"pipeline": self.pipeline, "mixture_rows": self.rows,
                                       "grain": self._iterator.get_state()}))
 
     def set_state(self, state: dict) -> None:
@@ -166,6 +156,7 @@ class DataIterator:
                              + ", ".join(f"{k} {saved.get(k)!r} -> {self.pipeline.get(k)!r}"
                                          for k in changed))
         self._iterator.set_state(_restore_tuples(state["grain"]))
+        self.rows = list(state.get("mixture_rows", self.rows))
 
 
 def _restore_tuples(state):
@@ -181,15 +172,17 @@ def _restore_tuples(state):
 
 def make_dataset(data_cfg: DataConfig, tokenizer: TextTokenizer, *, seq_len: int,
                  batch_size: int, split: str, seed: int = 0, shard_index: int = 0,
-                 shard_count: int = 1, documents: list[Document] | None = None,
+                 shard_count: int = 1, data: TrainingData | None = None,
                  loss_mask: str = "auto") -> DataIterator:
     """Iterator of numpy batches {tokens, segment_ids, positions (int32), meta_mask, loss_mask
     (bool)}, each [batch_size, seq_len]; `get_state()` / `set_state()` checkpoint its
-    position. `loss_mask`: `train.loss_mask` (train/data/chat.py)."""
+    position. `data`: the opened data (train/data/sources.py), else opened from `data_cfg`.
+    `loss_mask`: `train.loss_mask` (train/data/chat.py)."""
+    data = open_data(data_cfg, tokenizer) if data is None else data
     dataset = build_dataset(data_cfg, tokenizer, seq_len=seq_len, batch_size=batch_size,
                             split=split, seed=seed, shard_index=shard_index,
-                            shard_count=shard_count, documents=documents, loss_mask=loss_mask)
+                            shard_count=shard_count, data=data, loss_mask=loss_mask)
     pipeline = {"split": split, "seq_len": seq_len, "batch_size": batch_size, "seed": seed,
                 "shard_index": shard_index, "shard_count": shard_count,
                 "num_workers": data_cfg.num_workers}
-    return DataIterator(dataset, pipeline)
+    return DataIterator(dataset, pipeline, list(data.sources) if data.weights else None)

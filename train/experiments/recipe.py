@@ -45,11 +45,11 @@ from model.config import ModelConfig, config_to_dict
 from model.interop.workdir import latest_checkpoint_step
 from model.interop.workdir_lock import workdir_lock
 from model.lm import abstract_variables
+from model.tokenizers.text import load_tokenizer
 from model.weights import load_model
 from train.checkpoint import changed_since_checkpoint
 from train.config import RESUMABLE_CHANGES, RunConfig, flatten, load_run_config
-from train.data.corpus import load_documents
-from train.data.pipeline import check_splits
+from train.data.sources import check_data, open_data
 from train.experiments.spec import override_list, read_spec
 from train.loop import TrainingError, TrainSummary, train
 
@@ -189,16 +189,17 @@ def run_recipe(recipe: Recipe, workdir: Path, extra: Sequence[str] = (), *,
 
 
 def check_stage_data(recipe: Recipe, extra: Sequence[str] = ()) -> None:
-    """`train.data.pipeline.check_splits` for every stage (each source read once)."""
-    documents = {}
+    """`train.data.sources.check_data` for every stage (each stage's data opened once)."""
+    opened = {}
     for index, stage in enumerate(recipe.stages):
         run = recipe.stage_config(index, extra)
         data = run.train.data
-        if data.source not in documents:
-            documents[data.source] = load_documents(data.source)
+        key = (data.source, tuple(data.mixture.items()), data.tokenizer, data.heldout_fraction)
         try:
-            check_splits(data, documents[data.source], heldout=run.train.eval_every > 0,
-                         shard_count=jax.process_count())
+            tokenizer = load_tokenizer(data.tokenizer)
+            opened[key] = opened.get(key) or open_data(data, tokenizer)
+            check_data(opened[key], data, tokenizer, loss_mask=run.train.loss_mask,
+                       heldout=run.train.eval_every > 0, shard_count=jax.process_count())
         except ValueError as err:
             raise ValueError(f"recipe stage {stage.name}: {err}") from None
 
