@@ -179,7 +179,7 @@ def test_an_init_from_policy_keeps_its_architecture_and_takes_the_runs_qat():
 
     checkpoint = ModelConfig(d_model=256, num_layers=2, layout="SF", num_dense_layers=1)
     run = load_rl_config(RL_ARITH, ["model.qat.expert_weights=mxfp4", "model.d_model=512"])
-    policy = run.with_checkpoint_model(checkpoint).model
+    policy = run.with_model(checkpoint, checkpoint=True).model
     assert policy == checkpoint.replace(qat=run.model.qat)
     assert policy.qat.expert_weights == "mxfp4" and policy.d_model == 256
-    assert load_rl_config(RL_ARITH).with_checkpoint_model(checkpoint).model == checkpoint
+    assert load_rl_config(RL_ARITH).with_model(checkpoint, checkpoint=True).model == checkpoint
