@@ -85,9 +85,9 @@ def fp4_to_fp8(values: jax.Array, exponent: jax.Array) -> tuple[jax.Array, jax.A
     128 x 128 tile, exact while a tile's sub-block exponents span at most 14."""
     per_tile = FP8_TILE // MX_BLOCK
     # sub-blocks of zeros carry the floor exponent: they never set the tile's maximum unless
-    # the whole tile is zero
+    # the whole tile is zero (the tile exponent stays a normal float32 power of two)
     tiles = _blocked(jnp.swapaxes(_blocked(exponent, per_tile).max(-1), -1, -2), FP8_TILE)
-    tile_exponent = jnp.swapaxes(tiles.max(-1), -1, -2) - FP8_HEADROOM
+    tile_exponent = jnp.maximum(jnp.swapaxes(tiles.max(-1), -1, -2) - FP8_HEADROOM, -126)
     fp4 = mx_dequantize(values, exponent, MX_BLOCK)
     fp8 = jnp.clip(_scaled(fp4, _per_value(tile_exponent, values.shape)), -E4M3_MAX, E4M3_MAX)
     return fp8.astype(jnp.float8_e4m3fn), tile_exponent
