@@ -39,7 +39,9 @@ Breakdown (FLOPs; backbone unless named `mtp`):
 - lm_head: d_model x vocab per position (tied or not);
 - mtp: every MTP head (Step 3.5 report 2.2), as model/layers/mtp.py builds it: eh_proj
   (2 d_model -> d_model) + one `mtp.attention_type` block (S or W) with a dense FFN + its output
-  head, without mHC. `total` includes it; set mtp.num_heads=0 for the backbone alone.
+  head, without mHC; a `layer` block (DeepSeek-V4) has the MoE layer's active experts and
+  router, e_proj once and h_proj per stream, and one layer's mHC plus its own head collapse.
+  `total` includes it; set mtp.num_heads=0 for the backbone alone.
 
 `kv_cache_bytes` at context N, in the compute dtype (bfloat16 = 2 bytes, float32 = 4):
 - F/S: K and V of num_kv_heads * (head_dim + v_head_dim) values per entry; F layers hold N
@@ -134,13 +136,22 @@ def indexer_projection_flops(cfg: ModelConfig) -> int:
     return 2 * weights
 
 
-def hyper_connection_flops(cfg: ModelConfig) -> int:
-    """Per token: the [n d, (2+n) n] mapping of both sublayers of every layer and the final
-    head's [n d, n]; 0 without mHC (n = 1)."""
+def hyper_connection_flops(cfg: ModelConfig, layers: int | None = None) -> int:
+    """Per token: the [n d, (2+n) n] mapping of both sublayers of `layers` layers (default
+    every layer) and a head's [n d, n] collapse; 0 without mHC (n = 1)."""
     n, d = cfg.hyper_connections.hc_mult, cfg.d_model
     if n == 1:
         return 0
-    return 2 * (cfg.num_layers * 2 * n * d * (2 + n) * n + n * d * n)
+    layers = cfg.num_layers if layers is None else layers
+    return 2 * (layers * 2 * n * d * (2 + n) * n + n * d * n)
+
+
+def moe_layer_flops(cfg: ModelConfig) -> int:
+    """Per token, one MoE layer: the active experts (top_k routed + the shared) and the router."""
+    d, moe = cfg.d_model, cfg.moe
+    return (moe.top_k * swiglu_flops(d, moe.expert_hidden)
+            + moe.num_shared_experts * swiglu_flops(d, moe.shared_hidden)
+            + 2 * d * moe.num_experts)
 
 
 def swiglu_flops(d_model: int, hidden: int) -> int:
@@ -217,19 +228,22 @@ def forward_flops(cfg: ModelConfig, context: int, mode: str) -> dict:
                                                 mode).items():
             out[key] += flops
         if cfg.is_moe_layer(layer):
-            out["moe_experts"] += tokens * (
-                moe.top_k * swiglu_flops(d, moe.expert_hidden)
-                + moe.num_shared_experts * swiglu_flops(d, moe.shared_hidden))
             out["router"] += tokens * 2 * d * moe.num_experts
+            out["moe_experts"] += tokens * moe_layer_flops(cfg) - tokens * 2 * d * moe.num_experts
         else:
             out["ffn_dense"] += tokens * swiglu_flops(d, cfg.dense_hidden)
     out["hyper_connections"] = tokens * hyper_connection_flops(cfg)
     out["lm_head"] = tokens * 2 * d * cfg.vocab_size
 
-    # MTP head (report 2.2): eh_proj [2d, d], one window block with a dense FFN, output head.
+    # MTP head (report 2.2): eh_proj [2d, d], one window block with a dense FFN, output head;
+    # or DeepSeek-V4's: e_proj, h_proj per stream, an MoE layer with mHC, its head collapse.
     block = layer_attention_flops(cfg, cfg.mtp.attention_type, context, mode)
-    per_head = (tokens * (2 * 2 * d * d + swiglu_flops(d, cfg.dense_hidden)
-                          + 2 * d * cfg.vocab_size) + sum(block.values()))
+    if cfg.mtp.block == "layer":
+        ffn = (1 + cfg.hyper_connections.hc_mult) * 2 * d * d + moe_layer_flops(cfg) + (
+            hyper_connection_flops(cfg, layers=1))
+    else:
+        ffn = 2 * 2 * d * d + swiglu_flops(d, cfg.dense_hidden)
+    per_head = tokens * (ffn + 2 * d * cfg.vocab_size) + sum(block.values())
     out["mtp"] = cfg.mtp.num_heads * per_head
     return {"total": sum(out.values()), "breakdown": out,
             "kv_cache_bytes": kv_cache_bytes(cfg, context),

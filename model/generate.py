@@ -1,5 +1,6 @@
 """python -m model.generate (--workdir DIR | --hf HF_DIR) --prompt TEXT [--max-new-tokens N]
-    [--temperature T] [--top-k K] [--top-p P] [--speculative] [--draft D] [--chat] [--json]
+    [--temperature T] [--top-k K] [--top-p P] [--speculative] [--draft D] [--kv-cache fp8]
+    [--chat] [--json]
 
 Generates a continuation of TEXT with KV-cache decoding (model/inference/decode.py).
 - `--workdir`: a `python -m train` or `python -m rl` workdir (latest checkpoint, for RL its
@@ -9,6 +10,8 @@ Generates a continuation of TEXT with KV-cache decoding (model/inference/decode.
   weights, tokenizer.json, chat template).
 - `--speculative`: MTP speculative decoding with `--draft` drafted tokens per step (default:
   every MTP head); greedy output is identical to plain greedy decoding.
+- `--kv-cache fp8`: keys and values stored in FP8 but their RoPE channels (DeepSeek-V4's
+  layout, model/inference/kv_storage.py), about half the cache of bfloat16.
 - `--chat`: wrap TEXT as a user message in the chat template (add_generation_prompt): the
   HF directory's, or for a training workdir the one its chat data was rendered with (the
   shipped template of the `default` tokenizer, or the tokenizer directory's).
@@ -95,7 +98,8 @@ def generate(args) -> dict:
             raise ValueError(f"--draft: {draft} drafted tokens need as many MTP heads; the model "
                              f"has {config.mtp.num_heads}")
     decoder = Decoder(config, variables, draft=draft, prefill_chunk=args.prefill_chunk,
-                      max_len=required_length([len(prompt)], args.max_new_tokens, draft))
+                      max_len=required_length([len(prompt)], args.max_new_tokens, draft),
+                      kv_fp8=args.kv_cache == "fp8")
     out = decoder.generate([prompt], args.max_new_tokens, speculative=bool(draft),
                            sampling=Sampling(args.temperature, args.top_k, args.top_p),
                            key=jax.random.key(args.seed), stop_ids=stop_ids,
@@ -127,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="drafted tokens per step (default: all MTP heads)")
     parser.add_argument("--chat", action="store_true", help="apply the chat template")
     parser.add_argument("--prefill-chunk", type=int, default=256, metavar="C")
+    parser.add_argument("--kv-cache", choices=("compute", "fp8"), default="compute",
+                        help="KV-cache storage: the compute dtype (default) or FP8 with the "
+                             "RoPE channels kept")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)

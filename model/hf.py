@@ -2,6 +2,7 @@
 
     python -m model.hf import HF_DIR --out MODEL_DIR           # -> a stepjax model directory
     python -m model.hf export MODEL_DIR_OR_WORKDIR --out HF_DIR [--dtype bfloat16]
+        [--names release] [--expert-dtype fp4]                 # DeepSeek-V4's release layout
 
     cfg, variables = load_hf_checkpoint("Step-3.5-Flash/")     # streams shard by shard
     save_hf_checkpoint(cfg, variables, "exported/", dtype="bfloat16")
@@ -11,18 +12,22 @@ export (W/C/H layers: DeepSeek-V4; a sink or per-type GQA geometry: MiMo-V2-Flas
 Step 3.5):
 - Step 3.5 Flash (`model_type: step3p5`, model/interop/step3p5.py), the published format;
 - DeepSeek-V4 (`model_type: deepseek_v4`, model/interop/deepseek_v4.py), as transformers'
-  DeepseekV4ForCausalLM saves and loads it (save_pretrained's default tensor names; no MTP
-  layers, as transformers builds none); imports also read the release's own tensor names and
-  config keys, as transformers' from_pretrained reads them; exports write save_pretrained's;
+  DeepseekV4ForCausalLM saves and loads it (save_pretrained's default tensor names), plus the
+  release's MTP layers (`mtp.{h}.*`, which transformers skips); imports also read the release's
+  own tensor names and config keys, as transformers' from_pretrained reads them; exports write
+  save_pretrained's names or the release's;
 - MiMo-V2-Flash (`model_type: mimo_v2_flash`, model/interop/mimo_v2_flash.py), as transformers'
   MiMoV2FlashForCausalLM saves and loads it (no MTP layers).
 An export from a training or RL workdir writes the run's tokenizer beside the weights
 (tokenizer.json, tokenizer_config.json with its chat template), so `python -m model.generate
---hf` reads the directory as it is; `--drop-mtp` leaves the MTP heads out for the families
-whose transformers models have none.
+--hf` reads the directory as it is; `--drop-mtp` leaves the MTP heads out (MiMo-V2-Flash's
+transformers model has none; DeepSeek-V4 exports only its own kind, `mtp.block: layer`).
 Quantized checkpoints in the layouts transformers' FP8 loader reads (FP8 block-wise weights,
 DeepSeek-V4's MXFP4 experts: model/interop/quantized.py) are dequantized on import into the
-parameter dtype; other quantization layouts are refused by key. Export writes no quantization.
+parameter dtype; other quantization layouts are refused by key. Export writes no quantization,
+except DeepSeek-V4's MXFP4 routed experts on request (`--expert-dtype fp4`: the values FP4
+quantization-aware training computes with, `qat.expert_weights: mxfp4`), optionally under the
+release's own tensor names (`--names release`).
 Config keys that do not change the network (token ids, max_position_embeddings, torch_dtype,
 ...) are ignored on import.
 """
@@ -72,11 +77,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     exports.add_argument("--out", required=True, metavar="HF_DIR", help="new or empty")
     exports.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                          help="tensor dtype in the files (default: the params' dtype)")
+    exports.add_argument("--names", choices=("transformers", "release"), default="transformers",
+                         help="tensor names: what transformers' save_pretrained writes "
+                              "(default) or DeepSeek-V4's own release names")
+    exports.add_argument("--expert-dtype", choices=("fp4",), default=None,
+                         help="DeepSeek-V4: routed experts in the release's MXFP4 layout "
+                              "(default: --dtype like every other weight)")
     exports.add_argument("--max-shard-gib", type=float, default=5.0, metavar="GIB",
                          help="largest shard file (default 5)")
     exports.add_argument("--drop-mtp", action="store_true",
-                         help="leave the MTP heads out (transformers' DeepSeek-V4 and "
-                              "MiMo-V2-Flash models have none)")
+                         help="leave the MTP heads out (MiMo-V2-Flash's format has none; "
+                              "DeepSeek-V4's holds only `mtp.block: layer` heads)")
     exports.add_argument("--tokenizer", metavar="PATH", default=None,
                          help="tokenizer written beside the weights (default: a workdir's own; a "
                               "model directory has none): 'default', 'arith_chars' or a "
@@ -96,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tokenizer = export_tokenizer(Path(args.source), args.tokenizer)
                 save_hf_checkpoint(config, variables, args.out, dtype=args.dtype,
                                    tokenizer=tokenizer,
-                                   max_shard_bytes=int(args.max_shard_gib * 2**30))
+                                   max_shard_bytes=int(args.max_shard_gib * 2**30),
+                                   names=args.names, expert_dtype=args.expert_dtype)
     # CheckpointError: a bad workdir; WorkdirInUse: another command is writing --out
     except (ValueError, OSError, CheckpointError, WorkdirInUse) as err:
         return report_error(err)
@@ -105,11 +117,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def without_mtp(config: ModelConfig, variables: dict) -> tuple[ModelConfig, dict]:
-    """The model without its MTP heads (`mtp_<h>` params): the main head's outputs are
-    unchanged, the heads only ever predict further tokens."""
-    params = {k: v for k, v in variables["params"].items() if not k.startswith("mtp_")}
+    """The model without its MTP heads (`mtp_<h>` params, and router biases of `layer` MTP
+    blocks): the main head's outputs are unchanged, the heads only ever predict further
+    tokens."""
     mtp = dataclasses.replace(config.mtp, num_heads=0)
-    return config.replace(mtp=mtp), {**variables, "params": params}
+    return config.replace(mtp=mtp), {
+        name: {k: v for k, v in collection.items() if not k.startswith("mtp_")}
+        for name, collection in variables.items()}
 
 
 def export_tokenizer(source: Path, spec: str | None) -> TextTokenizer | None:

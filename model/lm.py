@@ -23,7 +23,7 @@ from model.config import ModelConfig
 from model.inference.kv_cache import KVCacheSpec
 from model.layers.common import dtype_of, normal_init
 from model.layers.hyper_connections import HyperHead, expand_embeddings
-from model.layers.mtp import MTPHead, shift_tokens_left
+from model.layers.mtp import MTPHead, reads_streams, shift_tokens_left
 from model.layers.norm import RMSNorm
 from model.layers.projection import Projection
 from model.layers.router import ep_group_balance_loss
@@ -145,53 +145,60 @@ class CausalLM(nn.Module):
         if positions is None:
             positions = (positions_from_segments(segment_ids) if segment_ids is not None else
                          jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))
-        x, per_layer_aux = self.backbone(tokens, positions, segment_ids, routed_experts)
+        x, h_prev, per_layer_aux = self.backbone(tokens, positions, segment_ids, routed_experts)
         hidden = self.norm(x)
 
-        mtp_hidden, h_prev = [], x
+        mtp_hidden, mtp_aux = [], []
         heads = len(self.mtp) if num_mtp_heads is None else num_mtp_heads
         for offset, head in enumerate(self.mtp[:heads], start=1):
             next_embeddings = self.embed_tokens(shift_tokens_left(tokens, offset))
-            h_prev = head(h_prev, next_embeddings, positions, segment_ids)
+            h_prev, aux = head(h_prev, next_embeddings, positions, segment_ids)
             mtp_hidden.append(head.head_norm(h_prev))
+            mtp_aux.append(aux)
 
         logits = mtp_logits = None
         if compute_logits:
             logits = self.project(hidden)
             mtp_logits = tuple(self.project(h, head=i + 1) for i, h in enumerate(mtp_hidden))
-        return LMOutput(logits=logits, mtp_logits=mtp_logits or (),
-                        aux=collect_aux(self.config, per_layer_aux), hidden=hidden,
+        aux = collect_aux(self.config, per_layer_aux)
+        if mtp_aux and self.config.mtp.block == "layer":  # their MoE's statistics, [heads, ...]
+            keys = sorted(mtp_aux[0].keys() - ATTENTION_AUX)
+            aux["mtp_moe"] = {k: jnp.stack([a[k] for a in mtp_aux]) for k in keys}
+        return LMOutput(logits=logits, mtp_logits=mtp_logits or (), aux=aux, hidden=hidden,
                         mtp_hidden=tuple(mtp_hidden))
 
     def decode_chunk(self, tokens, positions):
         """The backbone on a chunk of new tokens, reading and extending the `cache` collection.
 
         tokens, positions: [B, T] (absolute positions, -1 = padding) -> (normed hidden
-        [B, T, D] for `project`, pre-norm hidden [B, T, D]: the h_prev of MTP head 1, the
-        experts each MoE layer routed the tokens to [L_moe, B, T, k] int32 or None without
-        MoE layers)."""
-        x, per_layer_aux = self.backbone(tokens, positions, None)
+        [B, T, D] for `project`, the h_prev of MTP head 1 (pre-norm hidden [B, T, D], or the mHC
+        streams [B, T, n, D] for `layer` MTP blocks), the experts each MoE layer routed the
+        tokens to [L_moe, B, T, k] int32 or None without MoE layers)."""
+        x, h_prev, per_layer_aux = self.backbone(tokens, positions, None)
         moe_layers = self.config.moe_layer_indices()
         routed = (jnp.stack([per_layer_aux[i]["routed_experts"] for i in moe_layers])
                   if moe_layers else None)
-        return self.norm(x), x, routed
+        return self.norm(x), h_prev, routed
 
     def backbone(self, tokens, positions, segment_ids, routed_experts=None):
-        """Embeddings and the layer stack: tokens [B, T] -> (pre-norm hidden [B, T, D],
-        per-layer aux). With mHC the embedding enters every stream and `hc_head` collapses
-        the streams at the top (DeepSeek-V4 report 2.2)."""
+        """Embeddings and the layer stack: tokens [B, T] -> (pre-norm hidden [B, T, D], the
+        MTP heads' h_prev (that, or the streams before the collapse: `mtp.reads_streams`),
+        per-layer aux). With mHC the embedding enters every stream and `hc_head` collapses the
+        streams at the top (DeepSeek-V4 report 2.2)."""
         x = self.embed_tokens(tokens)
         multiple = self.config.hyper_connections.hc_mult > 1
         if multiple:
             x = expand_embeddings(x, self.config.hyper_connections.hc_mult)
-        x, per_layer_aux = self.layers(x, positions, segment_ids, tokens, routed_experts)
-        return (self.hc_head(x) if multiple else x), per_layer_aux
+        streams, per_layer_aux = self.layers(x, positions, segment_ids, tokens, routed_experts)
+        x = self.hc_head(streams) if multiple else streams
+        return x, (streams if reads_streams(self.config) else x), per_layer_aux
 
     def mtp_chunk(self, head: int, h_prev, tokens, positions):
-        """MTP head `head` (1-based) on a chunk with its cache: h_prev [B, T, D] (depth head-1,
-        pre-norm), tokens [B, T] = x_{t+head}, positions [B, T] -> (normed, pre-norm) [B, T, D]."""
+        """MTP head `head` (1-based) on a chunk with its cache: h_prev (depth head-1, as
+        `decode_chunk` gives it), tokens [B, T] = x_{t+head}, positions [B, T] -> (normed
+        [B, T, D], this depth's h_prev)."""
         mtp = self.mtp[head - 1]
-        h = mtp(h_prev, self.embed_tokens(tokens), positions, None)
+        h, _ = mtp(h_prev, self.embed_tokens(tokens), positions, None)
         return mtp.head_norm(h), h
 
     def project(self, normed_hidden, head: int = 0):

@@ -12,7 +12,8 @@ Definitions (report Table 6 conventions):
 - `*_excl_embeddings`: without the embedding matrix and the main output head. This is how
   Table 6 counts (≈196B total, ≈11B active).
 - `mtp`: all MTP heads (eh_proj, norms, one dense SWA block and the head's own output layer,
-  ≈0.81B each for Step 3.5 Flash); every MTP parameter is active for every token.
+  ≈0.81B each for Step 3.5 Flash); every MTP parameter is active for every token, except the
+  routed experts of a `layer` block (DeepSeek-V4), which count as the backbone's do.
 - `with_mtp`: the four counts above plus `mtp` (each head's output layer is kept in the
   excl-embeddings counts too, as Table 6's 198B / 13B do).
 - `breakdown`: {group: {total, active}} over the groups embeddings, attention (q/k/v/o/g
@@ -89,8 +90,10 @@ def count_params(cfg: ModelConfig) -> dict:
         group, size = param_group(path), math.prod(shape)
         breakdown[group]["total"] += size
         # Each routed-expert leaf has an [E] expert axis, so its size is a multiple of E.
+        # (an MTP head's routed experts too: `mtp.block: layer`)
+        routed = "moe_routed" in (group, param_group(path[1:]) if group == "mtp" else None)
         breakdown[group]["active"] += (size * cfg.moe.top_k // cfg.moe.num_experts
-                                       if group == "moe_routed" else size)
+                                       if routed else size)
 
     def summed(kind: str, skip: Sequence[str]) -> int:
         return sum(v[kind] for g, v in breakdown.items() if g not in skip)
@@ -101,8 +104,10 @@ def count_params(cfg: ModelConfig) -> dict:
         "total_excl_embeddings": summed("total", ["mtp", *_EXCLUDED_FROM_EXCL_EMBEDDINGS]),
         "active_excl_embeddings": summed("active", ["mtp", *_EXCLUDED_FROM_EXCL_EMBEDDINGS]),
     }
-    mtp = breakdown["mtp"]["total"]
-    return {**backbone, "mtp": mtp, "with_mtp": {k: v + mtp for k, v in backbone.items()},
+    mtp = breakdown["mtp"]
+    return {**backbone, "mtp": mtp["total"], "mtp_active": mtp["active"],
+            "with_mtp": {k: v + mtp["active" if k.startswith("active") else "total"]
+                         for k, v in backbone.items()},
             "breakdown": breakdown}
 
 
@@ -118,7 +123,7 @@ def render(counts: dict, cfg: ModelConfig) -> str:
         row("backbone", counts["total"], counts["active"]),
         row("backbone excl. embeddings/head", counts["total_excl_embeddings"],
             counts["active_excl_embeddings"]),
-        row(f"MTP ({heads} head{'s' * (heads != 1)})", counts["mtp"], counts["mtp"]),
+        row(f"MTP ({heads} head{'s' * (heads != 1)})", counts["mtp"], counts["mtp_active"]),
         row("with MTP", counts["with_mtp"]["total"], counts["with_mtp"]["active"]),
         row("with MTP excl. embeddings/head", counts["with_mtp"]["total_excl_embeddings"],
             counts["with_mtp"]["active_excl_embeddings"]),

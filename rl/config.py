@@ -1,8 +1,8 @@
 """RL configuration: `RLRunConfig` = model + `RLConfig` + `TaskMixConfig` (rl/task_config.py),
 read from one YAML.
 
-A run YAML has an `rl:` section, a `task:` section and optionally a `model:` section (used only
-when the policy is not initialised from a checkpoint with `--init-from`). Dotted overrides
+A run YAML has an `rl:` section, a `task:` section and optionally a `model:` section (with
+`--init-from`, only its FP4 QAT switches `qat` apply, to the checkpoint's model). Dotted overrides
 `rl.algorithm=ppo rl.actor.lr=1e-5 task.max_operand=49` work as in `python -m train`; the
 device mesh is `rl.mesh` (`rl.mesh.data=2 rl.mesh.expert=2`, training's `mesh:` fields).
 Defaults are the report's (5.2.1, 5.2.3): MIS-PO with token bounds [0.5, 2] and trajectory
@@ -368,8 +368,10 @@ class RLRunConfig(Config):
         return {"model": None if self.model is None else config_to_dict(self.model),
                 "rl": config_to_dict(self.rl), "task": self.task.to_dict()}
 
-    def with_model(self, model: ModelConfig) -> "RLRunConfig":
-        return dataclasses.replace(self, model=model)
+    def with_model(self, model: ModelConfig, *, checkpoint: bool = False) -> "RLRunConfig":
+        """`checkpoint`: --init-from's model, taking this run's `model.qat` (not architecture)."""
+        qat = checkpoint and self.model is not None
+        return dataclasses.replace(self, model=model.replace(qat=self.model.qat) if qat else model)
 
 
 SECTIONS = ("model", "rl", "task")

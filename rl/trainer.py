@@ -101,7 +101,7 @@ class RLTrainer:
                                  self.workdir)
         elif init_from:
             config, self.initial_variables = load_model(init_from, self.mesh)
-            run = run.with_model(config)
+            run = run.with_model(config, checkpoint=True)
         elif run.model is None:
             raise TrainingError("no policy to start from: pass --init-from (a training workdir, "
                                 "model directory or HF checkpoint) or give a model: section")

@@ -131,22 +131,23 @@ def make_train_step(training: Training, run: RunConfig
             (loss, (parts, aux)), g = grad_and_aux(state.params, state.balance, micro, mask_meta,
                                                    counts, num_micro, mtp_weight)
             # the experts of every token (aux moe.routed_experts) are not a monitor
-            moe = {k: v for k, v in aux.get("moe", {}).items() if k != "routed_experts"}
-            return jax.tree.map(jnp.add, grads, g), (loss, parts, moe)
+            moe, mtp_moe = ({k: v for k, v in aux.get(key, {}).items() if k != "routed_experts"}
+                            for key in ("moe", "mtp_moe"))
+            return jax.tree.map(jnp.add, grads, g), (loss, parts, moe, mtp_moe)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, (losses, parts, moe_aux) = jax.lax.scan(accumulate, zeros, batch)
+        grads, (losses, parts, moe_aux, mtp_moe_aux) = jax.lax.scan(accumulate, zeros, batch)
         # lm/mtp terms are normalised by whole-step counts: sum them; the balance and indexer
         # losses are per-micro-batch means: average them.
         parts = {k: jnp.sum(v) if k in ("loss/lm", "loss/mtp") else jnp.mean(v)
                  for k, v in parts.items()}
         loss = jnp.sum(losses)
-        moe_aux = jax.tree.map(lambda x: jnp.mean(x, axis=0), moe_aux)
+        moe_aux, mtp_moe_aux = jax.tree.map(lambda x: jnp.mean(x, axis=0), (moe_aux, mtp_moe_aux))
 
         balance = None
         if has_router_bias(run.model) and train.router_bias_rate:
-            balance = update_router_bias(state.balance, moe_aux["expert_load"], run.model,
-                                         train.router_bias_rate)
+            balance = update_router_bias(state.balance, moe_aux.get("expert_load"), run.model,
+                                         train.router_bias_rate, mtp_moe_aux.get("expert_load"))
         new_state, updates, update_stats = apply_finite_update(state, optimizer, loss, grads,
                                                                balance)
         new_state = new_state.replace(

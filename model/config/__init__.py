@@ -28,6 +28,7 @@ from model.config.attention_config import (
     RopeScaling,
     SharedKVAttentionConfig,
 )
+from model.config.qat_config import QATConfig
 from model.config.model_config import (
     DTYPES,
     EP_COLLECTIVES,
@@ -53,6 +54,6 @@ __all__ = [
     "parse_override", "read_yaml", "yaml_load",
     "DTYPES", "EP_COLLECTIVES", "GATE_TYPES", "GQA_KINDS", "REMAT_POLICIES",
     "ROPE_SCALING_TYPES", "ROUTER_ACTIVATIONS", "SHARED_KV_KINDS", "AttentionGeometry", "AttentionTypeConfig",
-    "HyperConnectionConfig", "ModelConfig", "MoEConfig", "MTPConfig", "RopeScaling",
+    "HyperConnectionConfig", "ModelConfig", "MoEConfig", "MTPConfig", "QATConfig", "RopeScaling",
     "SharedKVAttentionConfig", "config_from_dict", "expand_layout", "load_config", "model_values",
 ]

@@ -27,6 +27,8 @@ from model.config.attention_config import (
     SharedKVAttentionConfig,
     resolve_geometry,
 )
+from model.config.mtp_config import MTPConfig
+from model.config.qat_config import QATConfig
 from model.ops.swiglu import GATE_CLAMPS
 from model.ops.tables import ATTENTION, MOE
 
@@ -156,22 +158,6 @@ class MoEConfig(Config):
 
 
 @dataclasses.dataclass(frozen=True)
-class MTPConfig(Config):
-    """Multi-token prediction heads (report 2.2): each is eh_proj + one dense SWA block + head."""
-
-    section = "mtp"
-
-    num_heads: int = 3
-    share_output_head: bool = False  # the released checkpoint stores one head per MTP layer
-    attention_type: str = "S"  # the MTP block's layer character (DeepSeek-V4 models: W)
-
-    def validate(self) -> None:
-        check_int("num_heads", self.num_heads, 0)
-        check_choice("attention_type", self.attention_type, ("S", "W"))
-        check_bool("share_output_head", self.share_output_head)
-
-
-@dataclasses.dataclass(frozen=True)
 class ModelConfig(Config):
     """Everything that defines the network. Defaults are Step 3.5 Flash (report Table 6)."""
 
@@ -207,6 +193,7 @@ class ModelConfig(Config):
     # Where the clamp caps the gate: after the SiLU (Step 3.5) or before it (DeepSeek-V4).
     swiglu_gate_clamp: str = "after_silu"
     mtp: MTPConfig = MTPConfig()
+    qat: QATConfig = QATConfig()
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     param_dtype: str = "float32"
@@ -294,6 +281,11 @@ class ModelConfig(Config):
         if self.moe.hash_layers > self.num_moe_layers:
             raise ConfigError("moe.hash_layers", f"{self.moe.hash_layers} exceeds the "
                               f"{self.num_moe_layers} MoE layers")
+        index_dim = self.shared_kv_attention.index_head_dim
+        if self.qat.indexer_qk != "none" and index_dim & (index_dim - 1):
+            raise ConfigError("qat.indexer_qk", f"rotates the indexer's queries and keys with a "
+                              f"Hadamard matrix: shared_kv_attention.index_head_dim must be a "
+                              f"power of two, got {index_dim}")
         check_positive("norm_eps", self.norm_eps)
         check_positive("init_std", self.init_std)
         check_choice("param_dtype", self.param_dtype, DTYPES)

@@ -42,7 +42,7 @@ def cache_bytes(config: ModelConfig, cache) -> dict[str, int]:
     segments = plan_segments(kinds)
     totals = {"full": 0, "swa": 0, "compressed": 0, "indexer": 0}
     for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
-        names = [getattr(p, "key", "") for p in path]
+        names = [getattr(p, "key", getattr(p, "name", "")) for p in path]
         if names[0] == "layers" and names[1].startswith("segment_"):
             segment = segments[int(names[1].removeprefix("segment_"))]
             kind = kinds[segment.start + int(names[2].removeprefix("block_"))]
@@ -52,7 +52,7 @@ def cache_bytes(config: ModelConfig, cache) -> dict[str, int]:
             kind = None  # an MTP head
         if "indexer" in names:
             category = "indexer"
-        elif names[-1] in CompressorCache._fields:
+        elif any(name in CompressorCache._fields for name in names):
             category = "compressed"
         else:
             category = "full" if kind is not None and kind.attention_type == "F" else "swa"

@@ -30,31 +30,34 @@ from model.inference.kv_cache import (
     chunk_key_positions,
     ring_write,
 )
+from model.inference.kv_storage import RowFormat
 from model.ops.kv_compression import CompressorParams, pool_blocks, project_tokens
 
 
 class WindowCache(NamedTuple):
-    window_kv: jax.Array  # [B, S, c] one entry per token: key and value
+    window_kv: jax.Array  # [B, S, c] one entry per token: key and value (or its RowFormat form)
     window_position: jax.Array  # [B, S] int32, -1 = empty
 
 
-def empty_window_cache(batch: int, spec: KVCacheSpec, window: int, width: int,
-                       dtype) -> WindowCache:
+def empty_window_cache(batch: int, spec: KVCacheSpec, window: int, width: int, dtype,
+                       fmt: RowFormat = RowFormat()) -> WindowCache:
     slots = spec.slots(window)
-    return WindowCache(jnp.zeros((batch, slots, width), dtype),
+    return WindowCache(fmt.empty((batch, slots, width), dtype),
                        jnp.full((batch, slots), -1, jnp.int32))
 
 
-def window_keys(cache: WindowCache, kv: jax.Array, positions: jax.Array,
-                window: int) -> tuple[jax.Array, jax.Array, WindowCache]:
+def window_keys(cache: WindowCache, kv: jax.Array, positions: jax.Array, window: int,
+                fmt: RowFormat = RowFormat()) -> tuple[jax.Array, jax.Array, WindowCache]:
     """kv [B, T, c] (roped) of a chunk at positions [B, T] (-1 = padding) -> (keys [B, S + T, c]:
-    older cache entries then the chunk, their mask [B, T, S + T] (causal within the window),
-    the cache with the chunk written in)."""
+    older cache entries then the chunk, as stored in `fmt`; their mask [B, T, S + T] (causal
+    within the window); the cache with the chunk written in)."""
     start, end = chunk_bounds(positions)
     mask = causal_mask(chunk_key_positions(cache.window_position, positions, start), positions,
                        window)
-    keys = jnp.concatenate([cache.window_kv, kv.astype(cache.window_kv.dtype)], axis=1)
-    written = WindowCache(ring_write(cache.window_kv, kv, positions, end),
+    stored = fmt.encode(kv)
+    keys = jnp.concatenate([fmt.decode(cache.window_kv, kv.dtype), fmt.decode(stored, kv.dtype)],
+                           axis=1)
+    written = WindowCache(ring_write(cache.window_kv, stored, positions, end),
                           ring_write(cache.window_position, positions, positions, end))
     return keys, mask, written
 
@@ -63,22 +66,22 @@ class CompressorCache(NamedTuple):
     tail_kv: jax.Array  # [B, R, F] per-token projections, F = c (HCA) or 2c (CSA)
     tail_gate: jax.Array  # [B, R, F] float32 gate logits before the slot bias
     tail_position: jax.Array  # [B, R] int32, -1 = empty
-    entries: jax.Array  # [B, N, c] compressed entry w in slot w
+    entries: jax.Array  # [B, N, c] compressed entry w in slot w (or its RowFormat form)
     entry_last: jax.Array  # [B, N] int32 position of the entry's last token, -1 = none
 
 
 def empty_compressor_cache(batch: int, spec: KVCacheSpec, rate: int, overlap: bool, width: int,
-                           dtype) -> CompressorCache:
+                           dtype, entry_format: RowFormat = RowFormat()) -> CompressorCache:
     """R = (2 if overlap else 1)·rate + draft: an entry completing in a chunk that starts at s
     reads tokens from s - 2m + 1 (CSA) on, and s may be up to `draft` before the last written
-    position (rejected drafts). N = max_len // rate entries."""
+    position (rejected drafts). N = max_len // rate entries, stored in `entry_format`."""
     features = 2 * width if overlap else width
     tail = (2 if overlap else 1) * rate + spec.draft
     num = spec.max_len // rate
     return CompressorCache(jnp.zeros((batch, tail, features), dtype),
                            jnp.zeros((batch, tail, features), jnp.float32),
                            jnp.full((batch, tail), -1, jnp.int32),
-                           jnp.zeros((batch, num, width), dtype),
+                           entry_format.empty((batch, num, width), dtype),
                            jnp.full((batch, num), -1, jnp.int32))
 
 
@@ -95,10 +98,11 @@ def _gather_positions(values: jax.Array, value_pos: jax.Array, first: jax.Array,
 
 def compress_chunk(cache: CompressorCache, params: CompressorParams, hidden: jax.Array,
                    positions: jax.Array, *, rate: int, overlap: bool, inv_freq: jax.Array,
-                   eps: float) -> CompressorCache:
+                   eps: float, entry_format: RowFormat = RowFormat()) -> CompressorCache:
     """hidden [B, T, d] of a chunk at positions [B, T] (-1 = padding) -> the cache with the
     chunk's projections in the tail and every entry whose block ends in the chunk (re)computed
-    as `model.ops.kv_compression.compress_kv` computes it from the whole sequence."""
+    as `model.ops.kv_compression.compress_kv` computes it from the whole sequence (and stored
+    in `entry_format`)."""
     batch, length, _ = hidden.shape
     kv, gate = project_tokens(hidden, params)
     start, end = chunk_bounds(positions)
@@ -117,13 +121,15 @@ def compress_chunk(cache: CompressorCache, params: CompressorParams, hidden: jax
     pooled = pool_blocks(_gather_positions(all_kv, value_pos, first, rate),
                          _gather_positions(all_gate, value_pos, first, rate), previous, first,
                          params, inv_freq=inv_freq, eps=eps)
-    num = cache.entries.shape[1]
+    num = cache.entry_last.shape[1]
     slot = jnp.where(complete, entry, num)  # out of range: dropped
     rows = jnp.arange(batch)[:, None]
     stale = cache.entry_last >= start[:, None]
     entry_last = jnp.where(stale, -1, cache.entry_last).at[rows, slot].set(
         first + rate - 1, mode="drop")
-    entries = cache.entries.at[rows, slot].set(pooled.astype(cache.entries.dtype), mode="drop")
+    entries = jax.tree.map(lambda old, new: old.at[rows, slot].set(new.astype(old.dtype),
+                                                                   mode="drop"),
+                           cache.entries, entry_format.encode(pooled))
     return CompressorCache(ring_write(cache.tail_kv, kv, positions, end),
                            ring_write(cache.tail_gate, gate, positions, end),
                            ring_write(cache.tail_position, positions, positions, end),
@@ -144,13 +150,14 @@ def entry_visibility(cache: CompressorCache, positions: jax.Array) -> jax.Array:
 
 def cached_compression(module, params: CompressorParams, hidden: jax.Array,
                        positions: jax.Array, spec: KVCacheSpec, *, rate: int, overlap: bool,
-                       inv_freq: jax.Array, eps: float) -> CompressorCache:
+                       inv_freq: jax.Array, eps: float,
+                       entry_format: RowFormat = RowFormat()) -> CompressorCache:
     """`compress_chunk` on the CompressorCache held in flax `module`'s `cache` collection
     (created empty on first use); returns the updated cache."""
     empty = empty_compressor_cache(hidden.shape[0], spec, rate, overlap,
-                                   params.kv_norm.shape[0], hidden.dtype)
+                                   params.kv_norm.shape[0], hidden.dtype, entry_format)
     cache, store = cache_variables(module, empty)
     updated = compress_chunk(cache, params, hidden, positions, rate=rate, overlap=overlap,
-                             inv_freq=inv_freq, eps=eps)
+                             inv_freq=inv_freq, eps=eps, entry_format=entry_format)
     store(updated)
     return updated

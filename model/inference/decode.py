@@ -75,10 +75,11 @@ class Decoder:
     """Jitted prefill / decode / speculative steps for one model and cache size.
 
     `variables`: {"params": ..., "balance": ...} as `CausalLM.init` makes them (unboxed);
-    `max_len`: cache positions per row; `draft`: MTP drafts per step (0 = no speculation)."""
+    `max_len`: cache positions per row; `draft`: MTP drafts per step (0 = no speculation);
+    `kv_fp8`: keys and values cached in FP8 but their RoPE channels (`KVCacheSpec.fp8`)."""
 
     def __init__(self, config: ModelConfig, variables: dict, *, max_len: int, draft: int = 0,
-                 prefill_chunk: int = 256):
+                 prefill_chunk: int = 256, kv_fp8: bool = False):
         if not 0 <= draft <= config.mtp.num_heads:
             raise ValueError(f"draft: {draft} speculative tokens need as many MTP heads; the "
                              f"model has mtp.num_heads={config.mtp.num_heads}")
@@ -86,7 +87,7 @@ class Decoder:
             raise ValueError(f"a cache of {max_len} positions: positions are int32, so at most "
                              f"{INT32_MAX}; generate fewer new tokens")
         self.config, self.variables = config, variables
-        self.spec = KVCacheSpec(max_len, draft)
+        self.spec = KVCacheSpec(max_len, draft, kv_fp8)
         self._fitting_batches: set[int] = set()
         self.model = CausalLM(config, self.spec)
         self.prefill_chunk = max(1, min(prefill_chunk, max_len))

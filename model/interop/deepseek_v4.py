@@ -23,8 +23,12 @@ written here (`DeepseekV4ForCausalLM.from_pretrained` loads it).
   the same sign); the hash-routed layers have `ffn.gate.tid2eid` [vocab, k] (int64) instead.
 - Norms, mHC parameters, sinks, slot biases and router biases are float32 whatever the
   checkpoint dtype (transformers' `_keep_in_fp32_modules_strict`); exports write them so.
-transformers does not instantiate the multi-token-prediction layers: it drops `mtp.*` tensors
-on load and writes none, so imports skip them too and stepjax's `mtp.num_heads` is 0 both ways.
+- The release's multi-token-prediction layers are `mtp.{h}.*` (the same name in both layouts):
+  a decoder layer's tensors under that prefix, plus `e_proj` / `h_proj` [d, d], `enorm`,
+  `hnorm`, `norm` and the head's own `hc_head_fn` / `_base` / `_scale` (stepjax's `layer` MTP
+  block, model/layers/mtp.py). transformers builds no MTP layers, drops these tensors on load
+  and writes none: an import builds the MTP heads the files hold (none from save_pretrained),
+  an export writes stepjax's.
 
 DeepSeek-V4's own release names the same tensors without transformers' `model.` prefix
 (`release_name`): `embed.weight`, `layers.{i}.attn.wq_a.weight`, ..., `norm.weight`,
@@ -39,7 +43,12 @@ from __future__ import annotations
 import re
 
 from model.config import ModelConfig
-from model.interop.deepseek_v4_config import MODEL_TYPE, config_from_hf, config_to_hf
+from model.interop.deepseek_v4_config import (
+    MODEL_TYPE,
+    config_from_hf,
+    config_to_hf,
+    with_stored_mtp,
+)
 from model.interop.tensor_names import (
     LINEAR,
     OFFSET,
@@ -53,10 +62,10 @@ from model.interop.tensor_names import (
     layer_entries,
 )
 
-__all__ = ["MODEL_TYPE", "IGNORED_TENSORS", "config_from_hf", "config_to_hf", "release_name",
-           "tensor_table"]
+__all__ = ["MODEL_TYPE", "EXPERT_TENSORS", "config_from_hf", "config_to_hf", "release_name",
+           "tensor_table", "with_stored_mtp"]
 
-IGNORED_TENSORS = r"(^|\.)mtp\."  # transformers' _keys_to_ignore_on_load_unexpected
+EXPERT_TENSORS = r"\.ffn\.experts\.\d+\.w[123]\.weight$"  # the release's MXFP4 tensors
 
 
 # ---- the tensor-name table ---------------------------------------------------------------------
@@ -133,11 +142,36 @@ EXPERT_RULES = (
 )
 
 
+# An MTP head's own tensors (under `mtp.{h}.`), beside its decoder layer's.
+MTP_RULES = (
+    Rule("e_proj.weight", "e_proj/kernel", LINEAR),
+    Rule("h_proj.weight", "h_proj/kernel", LINEAR),
+    Rule("enorm.weight", "enorm/weight", OFFSET, dtype=F32),
+    Rule("hnorm.weight", "hnorm/weight", OFFSET, dtype=F32),
+    Rule("norm.weight", "norm/weight", OFFSET, dtype=F32),
+    Rule("hc_head_fn", "hc_head/hc_fn", Linear(inputs=2), dtype=F32),
+    Rule("hc_head_base", "hc_head/hc_base", SAME, dtype=F32),
+    Rule("hc_head_scale", "hc_head/hc_scale", SAME, dtype=F32),
+)
+
+
+def _mtp_entries(cfg: ModelConfig, abstract: dict) -> list[Entry | None]:
+    found = []
+    for h in range(cfg.mtp.num_heads):
+        head, block = (f"mtp_{h}",), (f"mtp_{h}", "block")
+        found += [entry(f"mtp.{h}.{rule.hf}", rule, abstract, block) for rule in BLOCK_RULES]
+        found += [entry(f"mtp.{h}.{rule.hf.format(e=e)}", rule, abstract, block, (e,))
+                  for e in range(cfg.moe.num_experts) for rule in EXPERT_RULES]
+        found += [entry(f"mtp.{h}.{rule.hf}", rule, abstract, head) for rule in MTP_RULES]
+    return found
+
+
 def tensor_table(cfg: ModelConfig, abstract: dict) -> list[Entry]:
     """Every checkpoint tensor of `cfg` with its variable (slice), in checkpoint order.
     `abstract`: unboxed variables (or their ShapeDtypeStructs)."""
     embed, *tail = (entry(rule.hf, rule, abstract) for rule in TOP_RULES)
-    entries = [embed, *layer_entries(cfg, abstract, BLOCK_RULES, EXPERT_RULES), *tail]
+    entries = [embed, *layer_entries(cfg, abstract, BLOCK_RULES, EXPERT_RULES),
+               *_mtp_entries(cfg, abstract), *tail]
     entries = [e for e in entries if e is not None]
     check_coverage(abstract, entries, "DeepSeek-V4")
     return entries

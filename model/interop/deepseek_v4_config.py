@@ -5,15 +5,20 @@ first folded into those as transformers folds them (model/interop/deepseek_v4_re
 
 Every layer is MoE with one shared expert of the routed experts' width; `layer_types` gives the
 W/C/H layout, `mlp_layer_types` the hash-routed layers (a prefix), `rope_parameters` the
-sliding-window (`main`) and compressed (`compress`, optionally YaRN) RoPE. transformers builds no
-multi-token-prediction layers, so `mtp.num_heads` is 0 both ways. Config keys that do not change
+sliding-window (`main`) and compressed (`compress`, optionally YaRN) RoPE.
+`num_nextn_predict_layers` counts the release's multi-token-prediction layers (stepjax `layer`
+MTP blocks on W attention, sharing the output head); transformers builds none and its
+save_pretrained writes no `mtp.*` tensors, so the import builds the MTP heads the files hold
+(`with_stored_mtp`) and `config_from_hf` alone gives none. Config keys that do not change
 the network (token ids, max_position_embeddings, dtype, loss coefficients, ...) are ignored on
 import; values stepjax or transformers' modelling cannot honour are refused, naming the key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from typing import Any, Mapping
 
 from model.config import (
@@ -30,6 +35,7 @@ from model.interop.deepseek_v4_release_keys import fold_release_keys
 from model.interop.safetensors_io import CheckpointFormatError
 
 MODEL_TYPE = "deepseek_v4"
+_MTP_NAME = re.compile(r"^mtp\.(\d+)\.")
 _LAYER_TYPES = {"sliding_attention": "W", "compressed_sparse_attention": "C",
                 "heavily_compressed_attention": "H"}
 _HF_LAYER_TYPES = {code: name for name, code in _LAYER_TYPES.items()}
@@ -82,7 +88,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
             num_dense_layers=0, moe=_moe_from_hf(hf, num_layers),
             # DeepseekV4MLP clamps the shared expert with the routed experts' limit
             swiglu_limits=limit, swiglu_limits_shared=limit, swiglu_gate_clamp="before_silu",
-            mtp=MTPConfig(num_heads=0, attention_type="W"),
+            mtp=MTPConfig(num_heads=0, attention_type="W", block="layer",
+                          share_output_head=True),
             tie_embeddings=hf.get("tie_word_embeddings", False),
             norm_eps=float(required(hf, "rms_norm_eps")))
     except ConfigError as err:
@@ -244,13 +251,14 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "swiglu_limit": cfg.swiglu_limits[0],
         "hc_mult": hc.hc_mult, "hc_sinkhorn_iters": hc.sinkhorn_iters, "hc_eps": hc.eps,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp.num_heads,
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
     }
 
 
 def _check_exportable(cfg: ModelConfig) -> None:
     attn, moe = cfg.shared_kv_attention, cfg.moe
+    mtp = (cfg.mtp.block, cfg.mtp.attention_type, cfg.mtp.share_output_head)
     problems = (
         ("layout", any(kind not in _HF_LAYER_TYPES for kind in cfg.layout),
          f"{cfg.layout!r} has Step 3.5 GQA layers (F/S); DeepSeek-V4 has W/C/H only"),
@@ -272,8 +280,10 @@ def _check_exportable(cfg: ModelConfig) -> None:
          "DeepSeek-V4 has one clamp > 0 (swiglu_limit) for every routed and shared expert"),
         ("hyper_connections.hc_mult", cfg.hyper_connections.hc_mult < 2,
          "transformers always builds mHC, stepjax only for hc_mult >= 2"),
-        ("mtp.num_heads", cfg.mtp.num_heads != 0,
-         "transformers' DeepseekV4ForCausalLM has no MTP layers; export with --drop-mtp"),
+        ("mtp.block", cfg.mtp.num_heads > 0 and mtp != ("layer", "W", True),
+         "DeepSeek-V4's MTP layers are full decoder layers on sliding-window attention sharing "
+         "the output head (mtp.block=layer, mtp.attention_type=W, mtp.share_output_head=true); "
+         "export without them with --drop-mtp"),
         ("shared_kv_attention.compress_rope_scaling",
          attn.compress_rope_scaling.type not in ("none", "yarn"), "only yarn has an equivalent"),
         ("shared_kv_attention.rope_dims",
@@ -283,3 +293,24 @@ def _check_exportable(cfg: ModelConfig) -> None:
     for field, failed, reason in problems:
         if failed:
             raise CheckpointFormatError(f"{field}: {reason}")
+
+
+def with_stored_mtp(config: ModelConfig, hf: Mapping[str, Any], names) -> ModelConfig:
+    """`config` with the MTP heads whose `mtp.{i}.*` tensors the files hold (none in what
+    transformers saves: it drops them): `num_nextn_predict_layers` of them, on the sliding-window
+    layers the release's `compress_ratios` gives them (its entries past num_hidden_layers)."""
+    stored = sorted({int(m.group(1)) for name in names if (m := _MTP_NAME.match(name))})
+    if not stored:
+        return config
+    heads = hf.get("num_nextn_predict_layers") or 0
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 0:
+        raise CheckpointFormatError(f"num_nextn_predict_layers: expected a count >= 0, got "
+                                    f"{heads!r}")
+    if len(stored) != heads or stored[-1] != heads - 1:  # (sorted, distinct: 0..heads-1)
+        raise CheckpointFormatError(f"num_nextn_predict_layers: {heads}, but the files hold MTP "
+                                    f"layers {stored} (mtp.{{i}}.* tensors)")
+    ratios = (hf.get("compress_ratios") or [])[config.num_layers:]
+    if any(ratio != 0 for ratio in ratios):
+        raise CheckpointFormatError(f"compress_ratios: the MTP layers' {ratios} are not "
+                                    "supported (stepjax builds sliding-window MTP layers, 0)")
+    return config.replace(mtp=dataclasses.replace(config.mtp, num_heads=heads))

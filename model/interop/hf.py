@@ -55,14 +55,22 @@ class Family(NamedTuple):
     ignored_tensors: str | None = None  # regex of stored tensors an import skips
     # another name of each table name, read where the files use it (DeepSeek-V4's release)
     alternative_name: Callable[[str], str] | None = None
+    # regex of the routed experts' table names, for exports in MXFP4 (DeepSeek-V4's release)
+    expert_tensors: str | None = None
+    # (config, config.json, stored tensor names) -> the config of what the files hold
+    # (DeepSeek-V4: the MTP layers, which transformers' checkpoints lack)
+    stored_config: Callable[[ModelConfig, Mapping[str, Any], Any], ModelConfig] | None = None
+
+
+EXPORT_NAMES = ("transformers", "release")
 
 
 FAMILIES = {
     step3p5.MODEL_TYPE: Family(step3p5.config_from_hf, step3p5.config_to_hf,
                                step3p5.tensor_table),
     deepseek_v4.MODEL_TYPE: Family(deepseek_v4.config_from_hf, deepseek_v4.config_to_hf,
-                                   deepseek_v4.tensor_table, deepseek_v4.IGNORED_TENSORS,
-                                   deepseek_v4.release_name),
+                                   deepseek_v4.tensor_table, None, deepseek_v4.release_name,
+                                   deepseek_v4.EXPERT_TENSORS, deepseek_v4.with_stored_mtp),
     mimo_v2_flash.MODEL_TYPE: Family(mimo_v2_flash.config_from_hf, mimo_v2_flash.config_to_hf,
                                      mimo_v2_flash.tensor_table,
                                      mimo_v2_flash.IGNORED_TENSORS),
@@ -112,9 +120,11 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
     config = _translated(family, hf_config, path / "config.json")
     if param_dtype is not None:
         config = config.replace(param_dtype=param_dtype)
-    abstract = nn.meta.unbox(abstract_variables(config))
     files = _without_ignored(shard_names(path), family.ignored_tensors)
     stored = read_headers(path, files)
+    if family.stored_config is not None:
+        config = family.stored_config(config, hf_config, stored)
+    abstract = nn.meta.unbox(abstract_variables(config))
     entries = _named_as_stored(family.tensor_table(config, abstract), stored,
                                family.alternative_name)
     headers, plan = quantized.plan(scheme, stored)
@@ -235,7 +245,8 @@ def _check_variables(variables: dict, abstract: dict) -> None:
 
 def save_hf_checkpoint(config: ModelConfig, variables: dict, path: str | Path, *,
                        model_type: str | None = None, max_shard_bytes: int = 5 * 2**30,
-                       dtype: str | None = None, tokenizer: TextTokenizer | None = None,
+                       dtype: str | None = None, names: str = "transformers",
+                       expert_dtype: str | None = None, tokenizer: TextTokenizer | None = None,
                        progress: bool = True) -> None:
     """Writes `path/config.json` and the safetensors shards (`model.safetensors`, or
     `model-0000k-of-0000N.safetensors` + `model.safetensors.index.json`) of family
@@ -243,17 +254,33 @@ def save_hf_checkpoint(config: ModelConfig, variables: dict, path: str | Path, *
     time. `dtype`: tensor dtype in the files (default: each variable's); the `balance`
     collection (router biases, hash tables) and the tensors the family fixes (DeepSeek-V4's
     float32 norms and mHC, int64 tables; MiMo-V2-Flash's float32 router) keep their dtype, as
-    the reference keeps them. `tokenizer`: written beside them (tokenizer.json and
-    tokenizer_config.json, `write_tokenizer_files`), so the directory is a complete model.
+    the reference keeps them. `names`: "transformers" (what save_pretrained writes) or
+    "release" (the family's own release names: DeepSeek-V4). `expert_dtype` "fp4": the routed
+    experts in the MXFP4 layout of DeepSeek-V4's release (`quantized.mxfp4_pack`: the values
+    FP4 QAT computes with), announced in config.json as the release does. `tokenizer`: written
+    beside them (tokenizer.json and tokenizer_config.json, `write_tokenizer_files`), so the
+    directory is a complete model.
     `path` must be new or empty; on failure nothing is left there.
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype: got {dtype!r}, allowed values are {list(DTYPES)}")
-    family = checkpoint_family(model_type or model_type_of(config))
+    model_type = model_type or model_type_of(config)
+    family = checkpoint_family(model_type)
+    if names not in EXPORT_NAMES:
+        raise ValueError(f"names: got {names!r}, allowed values are {list(EXPORT_NAMES)}")
+    if names == "release" and family.alternative_name is None:
+        raise ValueError("names: 'release' is DeepSeek-V4's own layout; this model exports as "
+                         f"{model_type}, whose release uses transformers' names")
+    if expert_dtype not in (None, "fp4"):
+        raise ValueError(f"expert_dtype: got {expert_dtype!r}, allowed values are [None, 'fp4']")
+    if expert_dtype and family.expert_tensors is None:
+        raise ValueError(f"expert_dtype: 'fp4' (MXFP4 experts) is DeepSeek-V4's release format; "
+                         f"this model exports as {model_type}")
     hf_config = family.config_to_hf(config)
     abstract = nn.meta.unbox(abstract_variables(config))
     _check_variables(variables, abstract)
     entries = family.tensor_table(config, abstract)
+    rename = family.alternative_name if names == "release" else (lambda name: name)
 
     def file_dtype(entry: Entry) -> np.dtype:
         if entry.dtype is not None:
@@ -261,18 +288,35 @@ def save_hf_checkpoint(config: ModelConfig, variables: dict, path: str | Path, *
         leaf = lookup(abstract[entry.collection], entry.path)
         return np.dtype(leaf.dtype if dtype is None or entry.collection == "balance" else dtype)
 
-    def tensor(i: int) -> np.ndarray:
-        entry = entries[i]
-        leaf = lookup(variables[entry.collection], entry.path)
-        value = np.asarray(leaf[entry.index])
-        return np.ascontiguousarray(entry.transform.to_hf(value).astype(file_dtype(entry)))
+    def values(entry: Entry) -> np.ndarray:
+        value = np.asarray(lookup(variables[entry.collection], entry.path)[entry.index])
+        return entry.transform.to_hf(value)
+
+    @functools.lru_cache(maxsize=1)  # a weight and its scale are written one after the other
+    def packed(entry: Entry) -> tuple[np.ndarray, np.ndarray]:
+        return quantized.mxfp4_pack(values(entry).astype(np.float32))
+
+    outputs = []  # (name, bytes, materialise)
+    for entry in entries:
+        name = rename(entry.name)
+        if expert_dtype and re.search(family.expert_tensors, entry.name):
+            out, inputs = entry.hf_shape
+            scale = f"{name.removesuffix('.weight')}.scale"
+            outputs += [(name, out * inputs // 2, lambda e=entry: packed(e)[0]),
+                        (scale, out * -(-inputs // 32), lambda e=entry: packed(e)[1])]
+        else:
+            kind = file_dtype(entry)
+            outputs.append((name, math.prod(entry.shape) * kind.itemsize,
+                            lambda e=entry, k=kind: np.ascontiguousarray(values(e).astype(k))))
 
     try:
         with fresh_directory(Path(path)) as staging:
-            write_tensors(staging, [e.name for e in entries],
-                          [math.prod(e.shape) * file_dtype(e).itemsize for e in entries], tensor,
-                          max_shard_bytes=max_shard_bytes, progress=progress)
+            write_tensors(staging, [o[0] for o in outputs], [o[1] for o in outputs],
+                          lambda i: outputs[i][2](), max_shard_bytes=max_shard_bytes,
+                          progress=progress)
             hf_config["torch_dtype"] = dtype or config.param_dtype
+            if expert_dtype:
+                hf_config.update(quantized.MXFP4_EXPORT_KEYS)
             (staging / "config.json").write_text(json.dumps(hf_config, indent=1) + "\n")
             if tokenizer is not None:
                 write_tokenizer_files(staging, tokenizer)

@@ -13,11 +13,12 @@ reads with its fine-grained FP8 quantizer (`quantization_config.quant_method: fp
   multiplier per 32 values of a row: [..., out, ceil(in / 32)].
 - Scales are float32 (`scale_fmt: float`, the default) or power-of-two float8_e8m0fnu, stored as
   F8_E8M0 or as raw U8 exponent bytes (`scale_fmt: ue8m0`, value 2^(byte - 127)).
-Which tensors are quantized is read from their dtype in the shard headers; unquantized ones
-(norms, embeddings, routers, modules_to_not_convert) pass through. Static activation scales
-(`X.activation_scale`) are dropped: the dequantized model computes in full precision, as
-transformers' `dequantize=True` does. Every check reads headers only; then each weight is
-dequantized to float32 as it streams by, its scale read from its own bytes.
+Exports can write the routed experts in the MXFP4 layout (`mxfp4_pack`, the other weights
+unquantized). Which tensors are quantized is read from their dtype in the shard headers;
+unquantized ones (norms, embeddings, routers, modules_to_not_convert) pass through. Static
+activation scales (`X.activation_scale`) are dropped: the dequantized model computes in full
+precision, as transformers' `dequantize=True` does. Every check reads headers only; then each
+weight is dequantized to float32 as it streams by, its scale read from its own bytes.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import math
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple
 
+import jax
 import ml_dtypes
 import numpy as np
 
 from model.interop.safetensors_io import CheckpointFormatError, TensorInfo, read_tensor
+from model.ops.mx_quant import mxfp4_quantize
 
 FP8, FP4 = "F8_E4M3", ("I8",)  # U8 is an e8m0 scale's storage, never a weight's
 FP4_BLOCK = (1, 32)  # MX: one scale per 32 consecutive values of a row
@@ -200,3 +203,30 @@ def dequantize_tensor(weight: np.ndarray, scale: np.ndarray, block: tuple[int, i
     if full * block[1] < cols:
         values[..., full * block[1]:] *= scale[..., full:]
     return values
+
+
+# ---- export --------------------------------------------------------------------------------------
+
+# config.json keys of an export whose routed experts are MXFP4 (the rest unquantized), as the
+# DeepSeek-V4 release announces its experts: `expert_dtype` at the top level.
+MXFP4_EXPORT_KEYS = {"expert_dtype": "fp4", "quantization_config": {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
+    "weight_block_size": [128, 128]}}
+
+
+_mxfp4_quantize = jax.jit(mxfp4_quantize)
+
+
+def mxfp4_pack(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """weight [..., out, in] (in even) -> (int8 [..., out, in / 2]: E2M1 pairs, element 2j in
+    the low nibble; float8_e8m0fnu [..., out, ceil(in / 32)]): the release's MXFP4 layout, by
+    the quantizer QAT trains with (model/ops/mx_quant.py), so `dequantize_tensor` gives back
+    the values QAT computed with."""
+    if weight.shape[-1] % 2:
+        raise ValueError(f"MXFP4 packs pairs of values: a weight's input dimension must be even, "
+                         f"got {weight.shape}")
+    values, exponent = (np.asarray(a) for a in _mxfp4_quantize(weight))
+    codes = values.view(np.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    scale = (exponent + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+    return packed.view(np.int8), scale

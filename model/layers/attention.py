@@ -71,7 +71,7 @@ class Attention(nn.Module):
             )
         window = cfg.window if self.attention_type == "S" else None
         if self.kv_cache is not None:
-            y = self._cached_attention(q, k, v, positions, window, sink)
+            y = self._cached_attention(q, k, v, positions, window, sink, geo.rotary_dims)
         else:
             core = ATTENTION.resolve(cfg.attention_impl)
             if cfg.attention_impl == "pallas" and mesh_size() > 1:
@@ -87,12 +87,15 @@ class Attention(nn.Module):
         out = projection("o_proj", (cfg.d_model,), ("heads", "head_dim", "embed"), contract=2)(y)
         return checkpoint_name(out, "attention_out"), aux
 
-    def _cached_attention(self, q, k, v, positions, window, sink):
+    def _cached_attention(self, q, k, v, positions, window, sink, rotary_dims):
         """Attends over this layer's cache plus the chunk and writes the chunk into the cache."""
         batch, _, kv_heads, head_dim = k.shape
+        # keys' leading RoPE channels kept as computed under `fp8`; values have none
+        formats = (self.kv_cache.row_format((0, rotary_dims)), self.kv_cache.row_format())
         cache, store = cache_variables(self, empty_layer_cache(
             batch, self.kv_cache.slots(window), kv_heads, head_dim,
-            dtype_of(self.config.compute_dtype), v_head_dim=v.shape[-1]))
-        y, updated = attend_and_update(q, k, v, positions, cache, window=window, sink=sink)
+            dtype_of(self.config.compute_dtype), v_head_dim=v.shape[-1], formats=formats))
+        y, updated = attend_and_update(q, k, v, positions, cache, window=window, sink=sink,
+                                       formats=formats)
         store(updated)
         return y

@@ -20,10 +20,14 @@ from model.ops.sparse_indexer import (
     DenseIndexerTerms,
     Selection,
     dense_indexer_terms,
+    fp4_qk,
     indexer_head_weights,
     indexer_queries,
     select_entries,
 )
+
+
+QK_FORMATS = {"none": lambda x: x, "mxfp4": fp4_qk}
 
 
 class Compressor(nn.Module):
@@ -98,19 +102,25 @@ class LightningIndexer(nn.Module):
         queries = indexer_queries(q_latent.astype(dtype), q_b_proj, positions, inv_freq,
                                   num_heads=attn.index_heads)
         head_weights = indexer_head_weights(hidden.astype(dtype), weights_proj)
-        options = dict(top_k=attn.index_topk, chunk_size=attn.query_chunk)
+        # FP4 QAT of the QK path (report §3.4): the decode cache holds the keys unquantized
+        # and they are quantized as they are read, which is what an FP4 cache would return
+        quantize = QK_FORMATS[cfg.qat.indexer_qk]
+        queries = quantize(queries)
+        options = dict(top_k=attn.index_topk, chunk_size=attn.query_chunk,
+                       score_dtype=jnp.dtype(cfg.qat.index_scores))
         if self.kv_cache is not None:
             keys = cached_compression(self, compressor.params(), hidden, positions,
                                       self.kv_cache, rate=attn.csa_rate, overlap=True,
                                       inv_freq=inv_freq, eps=cfg.norm_eps)
-            return select_entries(queries, head_weights, keys.entries, positions,
+            return select_entries(queries, head_weights, quantize(keys.entries), positions,
                                   entry_ends(keys), **options)
         keys = compressor(hidden, segment_ids, positions, inv_freq)
         token_index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        entries = quantize(keys.entries)
         placement = dict(query_segment_ids=segment_ids, entry_segment_ids=keys.segment_ids,
                          **options)
         if dense_target is not None:
-            return dense_indexer_terms(queries, head_weights, keys.entries, dense_target,
+            return dense_indexer_terms(queries, head_weights, entries, dense_target,
                                        token_index, keys.last_token, **placement)
-        return select_entries(queries, head_weights, keys.entries, token_index, keys.last_token,
+        return select_entries(queries, head_weights, entries, token_index, keys.last_token,
                               **placement)

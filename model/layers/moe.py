@@ -24,10 +24,14 @@ from model.layers.router import (
     sequence_balance_loss,
 )
 from model.ops.moe_dispatch import ExpertWeights, combine_copies, finalize_statistics
+from model.ops.mx_quant import fake_mxfp4_weight
 from model.ops.swiglu import SwiGLUClamp
 from model.ops.tables import MOE
 from model.parallel.expert_parallel import expert_parallel_experts
 from model.parallel.mesh import mesh_size
+
+
+EXPERT_WEIGHT_FORMATS = {"none": lambda weight: weight, "mxfp4": fake_mxfp4_weight}
 
 
 def routed_experts(x, indices, combine_weights, weights: ExpertWeights, *, clamp: SwiGLUClamp,
@@ -96,7 +100,10 @@ class MoE(nn.Module):
             routing = route(logits, bias, moe, replayed)
 
         def expert_param(name, shape, axes):
-            return self.param(name, normal_init(cfg.init_std, axes), shape, param_dtype).astype(dtype)
+            # FP4 QAT (DeepSeek-V4 report §3.4): the float32 master as the experts compute with
+            # it, at the expert matmuls' input
+            weight = self.param(name, normal_init(cfg.init_std, axes), shape, param_dtype)
+            return EXPERT_WEIGHT_FORMATS[cfg.qat.expert_weights](weight).astype(dtype)
 
         e, f = moe.num_experts, moe.expert_hidden
         weights = ExpertWeights(

@@ -156,9 +156,10 @@ class SharedKVAttention(nn.Module):
         (model/inference/compressed_cache.py), which it extends. -> [B, T, H, c]."""
         cfg, attn, spec = self.config, self.config.shared_kv_attention, self.kv_cache
         batch = x.shape[0]
+        fmt = spec.row_format((attn.head_dim - attn.rope_dims, attn.head_dim))  # trailing RoPE
         cache, store = cache_variables(self, empty_window_cache(batch, spec, cfg.window,
-                                                                attn.head_dim, kv.dtype))
-        keys, window_mask, cache = window_keys(cache, kv, positions, cfg.window)
+                                                                attn.head_dim, kv.dtype, fmt))
+        keys, window_mask, cache = window_keys(cache, kv, positions, cfg.window, fmt)
         store(cache)
         if self.attention_type == "W":
             entries = jnp.zeros((batch, 0, attn.head_dim), kv.dtype)
@@ -168,12 +169,13 @@ class SharedKVAttention(nn.Module):
         compressed = cached_compression(
             self, self._compressor().params(), x, positions, spec,
             rate=attn.csa_rate if csa else attn.hca_rate, overlap=csa, inv_freq=inv_freq,
-            eps=cfg.norm_eps)
+            eps=cfg.norm_eps, entry_format=fmt)
         selected = None
         if csa and attn.csa_attention == "sparse":  # top-k among the visible cached entries
             selection = LightningIndexer(cfg, spec, name="indexer")(x, q_latent, positions, None,
                                                                    inv_freq)
             selected = jnp.where(selection.valid, selection.indices, -1)
-        return attend_window_and_entries(q, keys, window_mask, compressed.entries,
+        return attend_window_and_entries(q, keys, window_mask,
+                                         fmt.decode(compressed.entries, kv.dtype),
                                          entry_visibility(compressed, positions), sinks,
                                          selected)[0]

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from model.ops.interleaved_rope import rotate_trailing_pairs
+from model.ops.mx_quant import fake_mxfp4, hadamard
 
 
 class Selection(NamedTuple):
@@ -73,14 +74,23 @@ def indexer_head_weights(hidden: jax.Array, weights_proj: jax.Array) -> jax.Arra
     return weights.astype(jnp.float32) * weights_proj.shape[-1] ** -0.5
 
 
-def index_scores(queries: jax.Array, head_weights: jax.Array, keys: jax.Array) -> jax.Array:
-    """Eq. 16 without masking: I_{t,s} = Σ_h w_{t,h} · ReLU(q_{t,h} · K_s) / sqrt(c).
+def fp4_qk(x: jax.Array) -> jax.Array:
+    """FP4 QAT of the indexer's queries or keys [..., c] (report §3.4): Hadamard-rotated (as the
+    release rotates them; q·k is unchanged) and through MXFP4, gradient straight through."""
+    return fake_mxfp4(x.astype(jnp.float32) @ hadamard(x.shape[-1]))
+
+
+def index_scores(queries: jax.Array, head_weights: jax.Array, keys: jax.Array,
+                 score_dtype=jnp.float32) -> jax.Array:
+    """Eq. 16 without masking: I_{t,s} = Σ_h w_{t,h} · ReLU(q_{t,h} · K_s) / sqrt(c), rounded
+    to `score_dtype` (bfloat16 under QAT, report §3.4).
 
     queries: [B, C, H, c]; head_weights: [B, C, H]; keys: [B, S, c]. Returns [B, C, S] float32.
     """
     logits = jnp.einsum("bthc,bsc->bths", queries.astype(jnp.float32), keys.astype(jnp.float32))
     scaled = jax.nn.relu(logits) * queries.shape[-1] ** -0.5
-    return jnp.einsum("bths,bth->bts", scaled, head_weights.astype(jnp.float32))
+    scores = jnp.einsum("bths,bth->bts", scaled, head_weights.astype(jnp.float32))
+    return scores.astype(score_dtype).astype(jnp.float32)
 
 
 def csa_entry_end_positions(batch: int, num_entries: int, ratio: int) -> jax.Array:
@@ -110,24 +120,24 @@ def visible_entries(
     return visible
 
 
-def _choose_in_chunk(queries, head_weights, keys, visible, top_k: int):
+def _choose_in_chunk(queries, head_weights, keys, visible, top_k: int, score_dtype):
     """Top-k of one query chunk's masked scores -> (indices [B, C, k] int32, 0 where not valid;
     valid [B, C, k]). Fewer visible entries than k leave invalid slots."""
-    scores = jnp.where(visible, index_scores(queries, head_weights, keys), -jnp.inf)
+    scores = jnp.where(visible, index_scores(queries, head_weights, keys, score_dtype), -jnp.inf)
     _, indices = jax.lax.top_k(scores, min(top_k, scores.shape[-1]))
     valid = jnp.take_along_axis(visible, indices, axis=-1)
     pad = ((0, 0), (0, 0), (0, top_k - indices.shape[-1]))
     return jnp.pad(jnp.where(valid, indices, 0), pad).astype(jnp.int32), jnp.pad(valid, pad)
 
 
-def _chosen_scores(queries, head_weights, keys, indices, valid) -> jax.Array:
+def _chosen_scores(queries, head_weights, keys, indices, valid, score_dtype) -> jax.Array:
     """Eq. 16 at the chosen entries only: [B, C, k] float32, -inf where not valid."""
     chosen = jnp.take_along_axis(keys[:, None], indices[..., None], axis=2)  # [B, C, k, c]
     logits = jnp.einsum("bqkc,bqhc->bqkh", chosen.astype(jnp.float32),
                         queries.astype(jnp.float32))
     scaled = jax.nn.relu(logits) * queries.shape[-1] ** -0.5
     scores = jnp.einsum("bqkh,bqh->bqk", scaled, head_weights.astype(jnp.float32))
-    return jnp.where(valid, scores, -jnp.inf)
+    return jnp.where(valid, scores.astype(score_dtype).astype(jnp.float32), -jnp.inf)
 
 
 def _query_chunks(x: jax.Array, chunk_size: int, fill=0) -> jax.Array:
@@ -150,6 +160,7 @@ def select_entries(
     chunk_size: int,
     query_segment_ids: jax.Array | None = None,
     entry_segment_ids: jax.Array | None = None,
+    score_dtype=jnp.float32,
 ) -> Selection:
     """Top-k compressed entries per query (eqs. 16-17), `chunk_size` queries at a time (peak
     score memory [B, chunk_size, H, S] instead of [B, T, H, S]). The choice is discrete, so
@@ -158,9 +169,10 @@ def select_entries(
     differentiated (rematerialised per chunk).
 
     queries: [B, T, H, c]; head_weights: [B, T, H]; keys: [B, S, c]; query_positions: [B, T];
-    entry_end_positions: [B, S]; segment ids: [B, T] / [B, S] or None (one document per row).
-    Returns a Selection of [B, T, top_k] arrays. Slots with no visible entry left (early queries,
-    short documents) are invalid. The scores of valid slots carry gradients into the indexer.
+    entry_end_positions: [B, S]; segment ids: [B, T] / [B, S] or None (one document per row);
+    score_dtype: the index scores' precision (`index_scores`). Returns a Selection of
+    [B, T, top_k] arrays. Slots with no visible entry left (early queries, short documents) are
+    invalid. The scores of valid slots carry gradients into the indexer.
     """
     batch, length = query_positions.shape
     padded = -(-length // chunk_size) * chunk_size
@@ -175,11 +187,11 @@ def select_entries(
         visible = visible_entries(
             pos, entry_end_positions, seg[0] if seg else None, entry_segment_ids
         )
-        return _choose_in_chunk(q, w, jax.lax.stop_gradient(keys), visible, top_k)
+        return _choose_in_chunk(q, w, jax.lax.stop_gradient(keys), visible, top_k, score_dtype)
 
     def score(xs):
         q, w, indices, valid = xs
-        return _chosen_scores(q, w, keys, indices, valid)
+        return _chosen_scores(q, w, keys, indices, valid, score_dtype)
 
     q_chunks, w_chunks = chunked(queries), chunked(head_weights)
     indices, valid = jax.lax.map(choose, (q_chunks, w_chunks, *map(chunked, placement)))
@@ -271,6 +283,7 @@ def dense_indexer_terms(
     chunk_size: int,
     query_segment_ids: jax.Array | None = None,
     entry_segment_ids: jax.Array | None = None,
+    score_dtype=jnp.float32,
 ) -> DenseIndexerTerms:
     """The indexer's warm-up signal (DeepSeek-V3.2's dense warm-up): KL from the main attention's
     distribution over *every* visible compressed entry, so entries the indexer would never pick
@@ -279,7 +292,7 @@ def dense_indexer_terms(
 
     queries [B, T, H, c], head_weights [B, T, H], keys [B, S, c]: the indexer's (with gradient);
     target [B, T, S]: the main attention's probability of each entry summed over heads (no
-    gradient); positions / segment ids as in `select_entries`.
+    gradient); positions / segment ids and `score_dtype` as in `select_entries`.
     """
     chunked = functools.partial(_query_chunks, chunk_size=chunk_size)
     segments = () if query_segment_ids is None else (chunked(query_segment_ids),)
@@ -289,7 +302,7 @@ def dense_indexer_terms(
         q, w, p, pos, *seg = xs
         visible = visible_entries(pos, entry_end_positions, seg[0] if seg else None,
                                   entry_segment_ids)
-        scores = index_scores(q, w, keys)
+        scores = index_scores(q, w, keys, score_dtype)
         kl, has_support = _kl_per_query(p, scores, visible)
         hits, slots = topk_recall(jax.lax.stop_gradient(scores), p, visible, top_k)
         return jnp.sum(kl), jnp.sum(has_support).astype(jnp.float32), hits, slots

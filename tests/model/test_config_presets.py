@@ -136,6 +136,8 @@ def test_deepseek_v4_flash_preset_matches_hugging_face():
     assert set(cfg.swiglu_limits) == set(cfg.swiglu_limits_shared) == {hf.swiglu_limit}
     assert cfg.swiglu_gate_clamp == "before_silu" and cfg.norm_eps == hf.rms_norm_eps
     assert (cfg.mtp.num_heads, cfg.mtp.attention_type) == (hf.num_nextn_predict_layers, "W")
+    # the release's MTPBlock: a full decoder layer sharing the output head
+    assert (cfg.mtp.block, cfg.mtp.share_output_head) == ("layer", True)
     assert cfg.tie_embeddings == hf.tie_word_embeddings
 
 

@@ -141,6 +141,25 @@ def test_swa_cache_is_flat_in_context_length():
     assert sizes[64]["full"] - sizes[16]["full"] == 48 * per_position
 
 
+def test_an_fp8_cache_keeps_the_rope_channels_of_keys():
+    """`kv_fp8`: per full-layer position and KV head, keys hold their rotary dims in the compute
+    dtype (float32 here) and the other dims as one byte each plus a one-byte exponent per 64;
+    values (no RoPE) are all E4M3."""
+    def full_bytes(max_len, fp8):
+        decoder = Decoder(CFG, VARIABLES, max_len=max_len, kv_fp8=fp8)
+        return cache_bytes(CFG, jax.eval_shape(lambda v: decoder._init_cache(v, 1),
+                                               VARIABLES))["full"]
+
+    geo = CFG.attention_geometry("F")
+    rest = geo.head_dim - geo.rotary_dims
+    key = geo.rotary_dims * 4 + rest + -(-rest // 64)
+    value = geo.v_head_dim + -(-geo.v_head_dim // 64)
+    per_position = CFG.layout.count("F") * (geo.num_kv_heads * (key + value) + 4)
+    assert 0 < geo.rotary_dims < geo.head_dim
+    assert full_bytes(48, True) - full_bytes(16, True) == 32 * per_position
+    assert full_bytes(16, True) < full_bytes(16, False)
+
+
 @functools.lru_cache(maxsize=1)
 def shared_decoder():
     return Decoder(CFG, VARIABLES, max_len=48, draft=3, prefill_chunk=8)

@@ -186,3 +186,37 @@ def test_cache_bytes_by_kind():
     grown = {k: sizes[48][k] - sizes[16][k] for k in ("compressed", "indexer")}
     assert grown["compressed"] == (csa * 8 + hca * 4) * (attn.head_dim + 1) * 4
     assert grown["indexer"] == csa * 8 * (attn.index_head_dim + 1) * 4
+
+
+CACHED_FP8 = CausalLM(CFG, KVCacheSpec(MAX_LEN, DRAFT, fp8=True))
+
+
+@jax.jit
+def _backbone_fp8(cache, tokens, positions):
+    (normed, *_), mutated = CACHED_FP8.apply({**VARIABLES, "cache": cache}, tokens, positions,
+                                            method=CausalLM.decode_chunk, mutable=["cache"])
+    return CACHED_FP8.apply(VARIABLES, normed, method=CausalLM.project), mutated["cache"]
+
+
+def test_an_fp8_cache_reads_every_entry_as_stored():
+    """KVCacheSpec.fp8: window and compressed entries stored in E4M3 but their RoPE channels.
+    Every read goes through the format, so one token at a time and chunks of 3 give the same
+    logits; those differ from the full forward's by the rounding alone (small, not zero)."""
+    logits, _, tokens = full_forward(SEQUENCES)
+    length = len(SEQUENCES[1])
+    cache = Decoder(CFG, VARIABLES, max_len=MAX_LEN, kv_fp8=True).init_cache(2)
+    runs = {}
+    for size in (1, CHUNK):
+        state, got = cache, np.zeros((2, length, logits.shape[-1]), np.float32)
+        for start in range(0, length, size):
+            chunk, positions = chunk_of(tokens, [(start, min(size, length - start))] * 2)
+            step, state = _backbone_fp8(state, chunk, positions)
+            got[:, start:start + size] = np.asarray(step)[:, :min(size, length - start)]
+        runs[size] = got
+    np.testing.assert_allclose(runs[1], runs[CHUNK], rtol=1e-5, atol=1e-5)
+    error = np.abs(runs[1] - logits[:, :length]).max() / np.abs(logits[:, :length]).max()
+    assert 1e-5 < error < 0.2, error
+    window = cache["layers"]["segment_0"]["block_0"]["self_attn"]["window_kv"]
+    attn = CFG.shared_kv_attention
+    assert window.kept.shape[-1] == attn.rope_dims  # the trailing RoPE channels, unquantized
+    assert window.values.shape[-1] == attn.head_dim - attn.rope_dims

@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import ml_dtypes
 import numpy as np
@@ -30,12 +29,9 @@ from hf_step3p5_checkpoint import (
 
 import model.interop.hf as hf
 from model.config import config_from_dict, config_to_dict
-from model.hf import main as hf_main
 from model.interop.deepseek_v4 import config_from_hf, config_to_hf
-from model.interop.model_dir import save_model_dir
 from model.interop.safetensors_io import CheckpointFormatError
 from model.layers.params import convert_layer_layout
-from model.lm import abstract_variables
 
 VOCAB, D, HEADS, HEAD_DIM, Q_RANK, GROUPS, O_RANK = 64, 32, 4, 16, 24, 2, 12
 EXPERTS, HIDDEN, INDEX_HEADS, INDEX_DIM, HC = 4, 16, 2, 8, 2
@@ -83,7 +79,9 @@ CFG = config_from_dict(dict(
              shared_hidden=HIDDEN, router_activation="sqrt_softplus", router_bias=True,
              renormalize=True, routed_scaling_factor=1.5, num_ep_groups=4, hash_layers=1),
     swiglu_limits=10.0, swiglu_limits_shared=10.0, swiglu_gate_clamp="before_silu",
-    mtp=dict(num_heads=0, attention_type="W")))
+    mtp=dict(num_heads=0, attention_type="W", block="layer", share_output_head=True)))
+# What the import of hf_tensors() builds: its one MTP layer.
+WITH_MTP = CFG.replace(mtp=dataclasses.replace(CFG.mtp, num_heads=1))
 # Keys of a saved config.json that do not describe the network.
 RUNTIME_KEYS = {"attention_dropout", "bos_token_id", "eos_token_id", "dtype", "initializer_range",
                 "max_position_embeddings", "output_router_logits", "pad_token_id",
@@ -111,7 +109,8 @@ def test_config_json_maps_to_the_model_config_and_back():
     exported = config_to_hf(CFG)
     for key in set(HF_CONFIG) - RUNTIME_KEYS:
         assert exported[key] == HF_CONFIG[key], key
-    assert exported["num_nextn_predict_layers"] == 0  # transformers builds no MTP layers
+    assert exported["num_nextn_predict_layers"] == 0
+    assert config_to_hf(WITH_MTP)["num_nextn_predict_layers"] == 1
 
 
 def test_the_flat_rope_form_is_nested_as_transformers_does():
@@ -165,7 +164,8 @@ def test_unsupported_config_values_are_named(change, field):
     (dict(swiglu_limits_shared=7.0), "swiglu_limits"),
     (dict(hyper_connections=dataclasses.replace(CFG.hyper_connections, hc_mult=1)),
      "hyper_connections.hc_mult"),
-    (dict(mtp=dataclasses.replace(CFG.mtp, num_heads=1)), "mtp.num_heads"),
+    (dict(mtp=dataclasses.replace(CFG.mtp, num_heads=1, block="dense")), "mtp.block"),
+    (dict(mtp=dataclasses.replace(CFG.mtp, num_heads=1, share_output_head=False)), "mtp.block"),
 ])
 def test_configs_without_a_deepseek_v4_equivalent_are_not_exported(change, field):
     with pytest.raises(CheckpointFormatError) as err:
@@ -177,24 +177,23 @@ def test_configs_without_a_deepseek_v4_equivalent_are_not_exported(change, field
 # ---- tensors -----------------------------------------------------------------------------------
 
 
-def hf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
+def hf_tensors(seed: int = 0, mtp: bool = True) -> dict[str, np.ndarray]:
     """Every tensor of HF_CONFIG's checkpoint with its torch shape: bfloat16 weights; float32
     norms (around 1), sinks, slot biases, mHC parameters and router biases; int64 hash tables.
-    Plus an MTP tensor, which transformers (and the import) skip."""
+    `mtp`: with the release's MTP layer `mtp.0.*` (a W layer with learned routing, its input
+    projections, norms and hc_head), which transformers' save_pretrained does not write."""
     rng = np.random.default_rng(seed)
     n, mix = HC, (2 + HC) * HC
     shapes = {"model.embed_tokens.weight": (VOCAB, D), "model.hc_head.hc_fn": (n, n * D),
               "model.hc_head.hc_base": (n,), "model.hc_head.hc_scale": (1,),
-              "model.norm.weight": (D,), "head.weight": (VOCAB, D),
-              "mtp.0.attn_norm.weight": (D,)}
+              "model.norm.weight": (D,), "head.weight": (VOCAB, D)}
 
     def compressor(prefix: str, width: int, rate: int, pair: bool) -> None:
         out = 2 * width if pair else width
         shapes.update({f"{prefix}.wkv.weight": (out, D), f"{prefix}.wgate.weight": (out, D),
                        f"{prefix}.ape": (rate, out), f"{prefix}.norm.weight": (width,)})
 
-    for i, kind in enumerate(LAYOUT):
-        p = f"model.layers.{i}."
+    def layer(p: str, kind: str, hashed: bool) -> None:
         shapes.update({
             p + "attn_norm.weight": (D,), p + "ffn_norm.weight": (D,),
             p + "attn.wq_a.weight": (Q_RANK, D), p + "attn.q_norm.weight": (Q_RANK,),
@@ -214,8 +213,8 @@ def hf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
             shapes.update({f"{p}ffn.experts.{e}.w1.weight": (HIDDEN, D),
                            f"{p}ffn.experts.{e}.w2.weight": (D, HIDDEN),
                            f"{p}ffn.experts.{e}.w3.weight": (HIDDEN, D)})
-        shapes[p + ("ffn.gate.tid2eid" if i == 0 else "ffn.gate.bias")] = (
-            (VOCAB, 2) if i == 0 else (EXPERTS,))
+        shapes[p + ("ffn.gate.tid2eid" if hashed else "ffn.gate.bias")] = (
+            (VOCAB, 2) if hashed else (EXPERTS,))
         if kind == "C":
             compressor(p + "attn.compressor", HEAD_DIM, CSA, pair=True)
             compressor(p + "attn.indexer.compressor", INDEX_DIM, CSA, pair=True)
@@ -223,6 +222,15 @@ def hf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
                            p + "attn.indexer.weights_proj.weight": (INDEX_HEADS, D)})
         if kind == "H":
             compressor(p + "attn.compressor", HEAD_DIM, HCA, pair=False)
+
+    for i, kind in enumerate(LAYOUT):
+        layer(f"model.layers.{i}.", kind, hashed=i == 0)
+    if mtp:
+        layer("mtp.0.", "W", hashed=False)
+        shapes.update({"mtp.0.e_proj.weight": (D, D), "mtp.0.h_proj.weight": (D, D),
+                       "mtp.0.enorm.weight": (D,), "mtp.0.hnorm.weight": (D,),
+                       "mtp.0.norm.weight": (D,), "mtp.0.hc_head_fn": (n, n * D),
+                       "mtp.0.hc_head_base": (n,), "mtp.0.hc_head_scale": (1,)})
     tensors = {}
     for name, shape in shapes.items():
         value = rng.standard_normal(shape)
@@ -231,7 +239,7 @@ def hf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
             tensors[name] = np.argsort(rng.random((VOCAB, EXPERTS)), axis=-1)[:, :2].copy()
         elif name.endswith("norm.weight"):
             tensors[name] = (1 + 0.25 * rng.uniform(-1, 1, shape)).astype(np.float32)
-        elif name.endswith(("attn_sink", ".ape", "gate.bias")) or ".hc_" in f".{name}":
+        elif name.endswith(("attn_sink", ".ape", "gate.bias")) or "hc_" in name:
             tensors[name] = value.astype(np.float32)
         else:
             tensors[name] = (0.3 * value).astype(ml_dtypes.bfloat16)
@@ -247,7 +255,7 @@ def source(tmp_path_factory):
 def test_imported_tensors_land_in_their_variables(source):
     path, t = source
     config, variables = hf.load_hf_checkpoint(path, progress=False)
-    assert architecture(config) == architecture(CFG)
+    assert architecture(config) == architecture(WITH_MTP)
     per_layer = convert_layer_layout(variables, config, to_scan=False)
     params, balance = per_layer["params"], per_layer["balance"]["layers"]
 
@@ -291,41 +299,35 @@ def test_imported_tensors_land_in_their_variables(source):
     np.testing.assert_array_equal(table, t["model.layers.0.ffn.gate.tid2eid"])
     np.testing.assert_array_equal(params["norm"]["weight"], w("model.norm.weight") - 1)
     np.testing.assert_array_equal(params["lm_head"]["kernel"], w("head.weight").T)
+    # the MTP layer: its own tensors, and a decoder layer's under mtp.0.
+    mtp = params["mtp_0"]
+    np.testing.assert_array_equal(mtp["e_proj"]["kernel"], w("mtp.0.e_proj.weight").T)
+    np.testing.assert_array_equal(mtp["h_proj"]["kernel"], w("mtp.0.h_proj.weight").T)
+    np.testing.assert_array_equal(mtp["hnorm"]["weight"], w("mtp.0.hnorm.weight") - 1)
+    for j in range(HC):
+        np.testing.assert_array_equal(mtp["hc_head"]["hc_fn"][j],
+                                      w("mtp.0.hc_head_fn")[:, j * D:(j + 1) * D].T)
+    np.testing.assert_array_equal(mtp["block"]["moe"]["down_proj"][1],
+                                  w("mtp.0.ffn.experts.1.w2.weight").T)
+    np.testing.assert_array_equal(mtp["block"]["self_attn"]["sinks"], w("mtp.0.attn.attn_sink"))
+    np.testing.assert_array_equal(per_layer["balance"]["mtp_0"]["block"]["moe"]["router_bias"],
+                                  w("mtp.0.ffn.gate.bias"))
 
 
 def test_import_then_export_is_tensor_exact(source, tmp_path):
     """bfloat16 weights, float32 norms (exactly w - 1 + 1 for w in [0.5, 2]), mHC and biases,
-    int64 hash tables; the MTP tensor is dropped as transformers drops it."""
+    int64 hash tables, the MTP layer; under the release's names too."""
     path, tensors = source
     config, variables = hf.load_hf_checkpoint(path, progress=False)
     hf.save_hf_checkpoint(config, variables, tmp_path / "out", dtype="bfloat16", progress=False)
-    expected = {name: a for name, a in tensors.items() if not name.startswith("mtp.")}
-    assert_same_tensors(expected, read_dir(tmp_path / "out"))
+    assert_same_tensors(tensors, read_dir(tmp_path / "out"))
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["model_type"] == "deepseek_v4"  # picked from the W/C/H layers
-
-
-def test_a_model_with_mtp_heads_exports_with_drop_mtp(source, tmp_path, capsys):
-    """transformers' DeepSeek-V4 has no MTP layers: the export names --drop-mtp, which leaves
-    the heads out and writes the checkpoint the model came from (test_import_then_export...)."""
-    config, variables = hf.load_hf_checkpoint(source[0], progress=False)
-    with_mtp = config.replace(mtp=dataclasses.replace(config.mtp, num_heads=1))
-    rng = np.random.default_rng(0)
-    mtp = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(a.dtype),
-                       nn.meta.unbox(abstract_variables(with_mtp))["params"]["mtp_0"])
-    save_model_dir(with_mtp, {**variables, "params": {**variables["params"], "mtp_0": mtp}},
-                   tmp_path / "model")
-    assert hf_main(["export", str(tmp_path / "model"), "--out", str(tmp_path / "hf")]) == 2
-    error = capsys.readouterr().err
-    assert error == ("error: mtp.num_heads: transformers' DeepseekV4ForCausalLM has no MTP "
-                     "layers; export with --drop-mtp\n")
-    assert not (tmp_path / "hf").exists()
-    assert hf_main(["export", str(tmp_path / "model"), "--out", str(tmp_path / "hf"),
-                    "--drop-mtp", "--dtype", "bfloat16"]) == 0
-    expected = {name: a for name, a in source[1].items() if not name.startswith("mtp.")}
-    assert_same_tensors(expected, read_dir(tmp_path / "hf"))
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [  # no tokenizer, no .lock
-        "config.json", "model.safetensors"]
+    assert written["num_nextn_predict_layers"] == 1
+    hf.save_hf_checkpoint(config, variables, tmp_path / "release", dtype="bfloat16",
+                          names="release", progress=False)
+    assert_same_tensors({hf.deepseek_v4.release_name(name): a for name, a in tensors.items()},
+                        read_dir(tmp_path / "release"))
 
 
 def test_a_deepseek_v4_model_is_not_exported_as_step3p5(source, tmp_path):
@@ -365,6 +367,9 @@ def test_sharded_import_writes_each_expert_into_its_shard(source, tmp_path):
      "missing tensor: model.layers.0.ffn.gate.tid2eid"),
     (lambda t: t.update({"model.layers.0.ffn.gate.tid2eid": np.zeros((64, 2), np.float32)}),
      "model.layers.0.ffn.gate.tid2eid: dtype F32 is not supported"),
+    (lambda t: t.pop("mtp.0.e_proj.weight"), "missing tensor: mtp.0.e_proj.weight"),
+    (lambda t: t.update({"mtp.1.enorm.weight": t["mtp.0.enorm.weight"]}),
+     "num_nextn_predict_layers: 1, but the files hold MTP layers [0, 1]"),
 ])
 def test_bad_tensors_are_named_before_any_data_is_read(source, tmp_path, monkeypatch, change,
                                                         message):

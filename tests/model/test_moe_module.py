@@ -23,7 +23,7 @@ from moe_references import (
     np_swiglu,
 )
 
-from model.config import load_config
+from model.config import QATConfig, load_config
 from model.layers.moe import MoE
 from model.lm import collect_aux
 
@@ -332,3 +332,31 @@ def test_replayed_experts_take_the_current_routers_weights(moe_setup, impl):
                 zip(recorded, own, replayed.reshape(-1, TOP_K))]
     np.testing.assert_array_equal(np.asarray(aux["replay_mismatch"]).reshape(-1), expected)
     assert 0 < np.mean(expected) < 1
+
+
+def test_expert_qat_computes_with_the_quantized_weights_and_passes_their_gradient():
+    """`qat.expert_weights: mxfp4`: outputs and gradients at the float32 masters equal the plain
+    module's at the weights' MXFP4 values (the straight-through estimator), the router's too."""
+    from test_mx_quant import mxfp4_values
+
+    cfg = _module_cfg()
+    x = jax.random.normal(jax.random.key(5), (2, 6, D_MODEL))
+    variables = nn.meta.unbox(MoE(cfg).init(jax.random.key(6), x))
+    names = ("gate_proj", "up_proj", "down_proj")
+    rounded = {**variables["params"], **{  # each expert's [in, out] as MXFP4 rows of [out, in]
+        n: mxfp4_values(np.asarray(variables["params"][n]).swapaxes(-1, -2)).swapaxes(-1, -2)
+        .astype(np.float32) for n in names}}
+
+    def loss_and_grads(config, params):
+        def loss(p):
+            y, aux = MoE(config).apply({**variables, "params": p}, x)
+            return jnp.sum(y * y) + aux["sequence_balance_loss"]
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    qat = cfg.replace(qat=QATConfig(expert_weights="mxfp4"))
+    value, grads = loss_and_grads(qat, variables["params"])
+    want_value, want_grads = loss_and_grads(cfg, rounded)
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    for name in (*names, "router"):
+        np.testing.assert_allclose(grads[name], want_grads[name], rtol=1e-5, atol=1e-7)
+    assert not np.allclose(rounded["gate_proj"], variables["params"]["gate_proj"])

@@ -49,19 +49,22 @@ def hand_count(cfg) -> dict:
     embeddings = cfg.vocab_size * d
     head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
     final_norm = d
-    mtp_head = (2 * d  # enorm, hnorm
+    # a `layer` block is an MoE layer (no mHC here); its e_proj + h_proj have eh_proj's size
+    mtp_block = block("S", is_moe=cfg.mtp.block == "layer")
+    mtp_rest = (2 * d  # enorm, hnorm
                 + 2 * d * d  # eh_proj
-                + block("S", is_moe=False)[0]
                 + d  # the head's final norm
                 + (0 if cfg.mtp.share_output_head else d * cfg.vocab_size))
-    mtp = cfg.mtp.num_heads * mtp_head
+    mtp, mtp_active = (cfg.mtp.num_heads * (mtp_rest + n) for n in mtp_block)
     counts = {
         "total": embeddings + layers_total + final_norm + head,
         "active": embeddings + layers_active + final_norm + head,
         "total_excl_embeddings": layers_total + final_norm,
         "active_excl_embeddings": layers_active + final_norm,
     }
-    return {**counts, "mtp": mtp, "with_mtp": {k: v + mtp for k, v in counts.items()}}
+    return {**counts, "mtp": mtp, "mtp_active": mtp_active,
+            "with_mtp": {k: v + (mtp_active if k.startswith("active") else mtp)
+                         for k, v in counts.items()}}
 
 
 @pytest.mark.parametrize("overrides", [
@@ -71,6 +74,7 @@ def hand_count(cfg) -> dict:
     # no shared expert, a different top-k.
     ["gate=sink", "qk_norm=false", "tie_embeddings=true", "mtp.share_output_head=true",
      "moe.num_shared_experts=0", "moe.top_k=2", "mtp.num_heads=1"],
+    ["mtp.block=layer", "mtp.num_heads=2"],  # DeepSeek-V4's MTP block: an MoE layer
 ])
 def test_tiny_matches_hand_count(overrides):
     cfg = load_config(TINY, overrides)

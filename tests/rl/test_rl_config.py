@@ -170,3 +170,16 @@ def test_resume_reads_the_saved_config_as_this_version_does(tmp_path):
     saved["rl"]["actor"]["lr"] = run.rl.actor.lr * 2
     with pytest.raises(TrainingError, match=r"differs from the checkpoint's in rl\.actor\.lr;"):
         resumed_config(run, saved, tmp_path)
+
+
+def test_an_init_from_policy_keeps_its_architecture_and_takes_the_runs_qat():
+    """`model.qat.*` on the command line of an --init-from run: FP4 QAT (a training choice)
+    over the checkpoint's model, whatever else a `model:` section says."""
+    from model.config import ModelConfig
+
+    checkpoint = ModelConfig(d_model=256, num_layers=2, layout="SF", num_dense_layers=1)
+    run = load_rl_config(RL_ARITH, ["model.qat.expert_weights=mxfp4", "model.d_model=512"])
+    policy = run.with_model(checkpoint, checkpoint=True).model
+    assert policy == checkpoint.replace(qat=run.model.qat)
+    assert policy.qat.expert_weights == "mxfp4" and policy.d_model == 256
+    assert load_rl_config(RL_ARITH).with_model(checkpoint, checkpoint=True).model == checkpoint
