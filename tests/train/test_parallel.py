@@ -96,10 +96,11 @@ def test_deepseek_v4_model_on_a_mesh_matches_one_device():
     results = run_worker("v4:pipeline=2,fsdp=2,expert=2")
     for mesh, result in results.items():
         assert result["loss_error"] < TOLERANCE, (mesh, result)
-        # mHC's head biases and gates get sums over every token of largely cancelling terms:
-        # pure data parallelism (data=8) already moves them by 6e-5 (float32, another order of
-        # the batch reduction); a sharding error is O(1).
-        assert result["grad_error"] < 1e-3, (mesh, result)
+        # mHC's head biases and gates get sums over every token of largely cancelling terms; the
+        # MTP block's head bias gradient is 1e-7 in norm, and pure data parallelism (data=8)
+        # already moves it by 1.2e-3 relative (float32, another order of the batch reduction);
+        # a sharding error is O(1).
+        assert result["grad_error"] < 5e-3, (mesh, result)
 
 
 @pytest.mark.slow
