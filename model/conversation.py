@@ -176,7 +176,9 @@ def talk(chat: Conversation, stdin: TextIO = sys.stdin, *, json_lines: bool = Fa
         try:
             turn = chat.reply(message, on_text=None if json_lines else write)
         except KeyboardInterrupt:
-            err.write("\n[reply interrupted; not kept]\n")
+            if not json_lines:
+                write("\n")  # ends the partial reply's line
+            err.write("[reply interrupted; not kept]\n")
             continue
         except ValueError as error:
             err.write(f"error: {error}\n")

@@ -21,6 +21,9 @@ from typing import NamedTuple
 from model.interop.hf_stream import open_hf_checkpoint
 from model.interop.model_dir import writing_model_dir
 from model.interop.variable_files import variable_name
+from model.interop.workdir_lock import LOCK_FILE  # held by `python -m model.hf` while writing
+from flax.traverse_util import flatten_dict
+
 from model.config.cli import human
 from model.summary import count_params
 from model.tokenizers.chat import load_chat_tokenizer
@@ -74,7 +77,8 @@ def import_release(source: str | Path, out: str | Path, *, dtype: str = "bfloat1
             writer.write(variable_name((entry.collection, *entry.path)), entry.index, value)
         for name in tokenizer_files:
             shutil.copyfile(source / name, staging / name)
-    counts = count_params(checkpoint.config)["with_mtp"]
-    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    shapes = {path: leaf.shape for path, leaf in flatten_dict(checkpoint.abstract["params"]).items()}
+    counts = count_params(checkpoint.config, shapes)["with_mtp"]
+    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f.name != LOCK_FILE)
     return ImportSummary(checkpoint.model_type, counts["total"], counts["active"], dtype,
                          written, out, tokenizer_files, has_template)

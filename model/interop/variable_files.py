@@ -88,7 +88,7 @@ class VariableWriter:
 
     def __init__(self, directory: Path, layout: list[Variable], *,
                  max_shard_bytes: int = 5 * 2**30):
-        self.directory = Path(directory)
+        self.directory, self.layout = Path(directory), layout
         plan = shard_plan([v.nbytes for v in layout], max_shard_bytes)
         names = shard_files(len(plan))
         self._files: list[int] = []
