@@ -84,8 +84,8 @@ def chat_tokenizer_directory(args) -> str | None:
         return args.tokenizer if Path(args.tokenizer).is_dir() else None
     if args.hf:
         return args.hf
-    workdir = Path(args.workdir)
-    return args.workdir if is_model_dir(workdir) and (workdir / "tokenizer.json").is_file() else None
+    imported = is_model_dir(Path(args.workdir)) and (Path(args.workdir) / "tokenizer.json").is_file()
+    return args.workdir if imported else None
 
 
 def check_workdir_tokenizer(workdir: Path, spec: str | None) -> None:

@@ -77,7 +77,8 @@ def import_release(source: str | Path, out: str | Path, *, dtype: str = "bfloat1
             writer.write(variable_name((entry.collection, *entry.path)), entry.index, value)
         for name in tokenizer_files:
             shutil.copyfile(source / name, staging / name)
-    shapes = {path: leaf.shape for path, leaf in flatten_dict(checkpoint.abstract["params"]).items()}
+    params = flatten_dict(checkpoint.abstract["params"])
+    shapes = {path: leaf.shape for path, leaf in params.items()}
     counts = count_params(checkpoint.config, shapes)["with_mtp"]
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f.name != LOCK_FILE)
     return ImportSummary(checkpoint.model_type, counts["total"], counts["active"], dtype,

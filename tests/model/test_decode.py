@@ -228,23 +228,16 @@ def test_stop_tokens_end_rows():
 
 
 def test_on_tokens_streams_exactly_the_committed_tokens():
-    """Each row's tokens, as `on_tokens` receives them pass by pass, are what generate returns
-    (a stop token ending one row early, speculative passes committing several at once)."""
-    decoder = greedy_decoder()
-    prompts = [list(SEQUENCES[0][:7]), list(SEQUENCES[1][:4])]
+    """What `on_tokens` receives, after the prompt and then pass by pass, is what generate
+    returns per row (a stop token ending a row early; speculative passes commit several)."""
+    decoder, prompts = greedy_decoder(), [list(SEQUENCES[0][:7]), list(SEQUENCES[1][:4])]
     stop = decoder.generate(prompts, 10).tokens[0][5]
     for speculative in (False, True):
-        streamed, calls = [[], []], []
-
-        def on_tokens(new):
-            calls.append(new)
-            for row, tokens in zip(streamed, new):
-                row.extend(tokens)
-
+        calls = []
         out = decoder.generate(prompts, 10, speculative=speculative, stop_ids=[stop],
-                               on_tokens=on_tokens)
-        assert streamed == out.tokens
-        assert len(calls) == out.forward_passes + 1  # after the prompt, then every pass
+                               on_tokens=calls.append)
+        assert [sum((c[b] for c in calls), []) for b in (0, 1)] == out.tokens
+        assert len(calls) == out.forward_passes + 1
 
 
 def test_generate_rejects_bad_requests():
