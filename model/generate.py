@@ -129,8 +129,8 @@ def speculative_draft(args, config) -> int:
 
 
 def generate(args) -> dict:
-    config, variables, mesh, renderer = load_for_decoding(args)
     given = read_prompt_file(args.prompt_file) if args.prompt_file else args.prompt
+    config, variables, mesh, renderer = load_for_decoding(args)
     text = renderer.render([{"role": "user", "content": given}]) if args.chat else given
     prompt = renderer.encode(text)
     if not prompt:
@@ -155,8 +155,8 @@ def generate(args) -> dict:
 def converse(args) -> None:
     """--chat without a prompt, or `python -m model.chat`: the conversation loop
     (model/conversation.py) on stdin, --prompt / --prompt-file as its first message."""
-    config, variables, mesh, renderer = load_for_decoding(args)
     first = read_prompt_file(args.prompt_file) if args.prompt_file else args.prompt
+    config, variables, mesh, renderer = load_for_decoding(args)
     draft = speculative_draft(args, config)
     with decoding_context(mesh):
         decoder = Decoder(config, variables, draft=draft, prefill_chunk=args.prefill_chunk,
@@ -213,8 +213,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m model.gene
     if not chatting and args.prompt is None and args.prompt_file is None:
         parser.error("one of --prompt or --prompt-file is required (or --chat alone for a "
                      "conversation)")
-    if chatting and args.max_len < 2:
-        parser.error(f"--max-len must be >= 2, got {args.max_len}")
+    if chatting and args.max_len <= args.max_new_tokens:
+        parser.error(f"--max-len: {args.max_len} positions leave no room for a prompt beside "
+                     f"--max-new-tokens {args.max_new_tokens}")
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.prefill_chunk < 1:

@@ -31,7 +31,8 @@ quantization-aware training computes with, `qat.expert_weights: mxfp4`), optiona
 release's own tensor names (`--names release`).
 Config keys that do not change the network (token ids, max_position_embeddings, torch_dtype,
 ...) are ignored on import. An import writes bfloat16 params by default (`--dtype float32` on
-request), streaming tensor by tensor (host memory holds one tensor, not the model), copies the
+request), streaming tensor by tensor (host memory holds a few copies of one tensor, not the
+model), copies the
 release's tokenizer and chat template beside them and prints one summary line.
 """
 

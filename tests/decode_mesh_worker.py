@@ -2,10 +2,11 @@
 is fixed when JAX starts):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        python tests/decode_mesh_worker.py MODEL_DIR TOKENIZER PROMPT MESH [MESH ...]
+        python tests/decode_mesh_worker.py MODEL_DIR TOKENIZER PROMPT_FILE MESH [MESH ...]
 
 Runs `python -m model.generate --json` (greedy, in this process) on MODEL_DIR once on one device
-and once per MESH (`--mesh MESH`: the parameters loaded straight into that sharding), and prints
+(`--prompt-file PROMPT_FILE`) and once per MESH (`--prompt` with the file's text, `--mesh MESH`:
+the parameters loaded straight into that sharding), and prints
 one JSON object: the device count, the single-device output and each mesh's, with where the
 routed experts and the query heads of the first MoE layer were placed.
 """
@@ -47,11 +48,15 @@ def placement(model_dir: str, mesh_text: str) -> dict:
     return specs
 
 
-def run(model_dir: str, tokenizer: str, prompt: str, *meshes: str) -> dict:
-    common = ["--workdir", model_dir, "--tokenizer", tokenizer, "--prompt", prompt,
-              "--max-new-tokens", "12", "--json"]
-    return {"devices": jax.device_count(), "single": generate(*common),
-            "meshes": {mesh: generate(*common, "--mesh", mesh) for mesh in meshes},
+def run(model_dir: str, tokenizer: str, prompt_file: str, *meshes: str) -> dict:
+    """One device reads the prompt with --prompt-file, the meshes get it as --prompt."""
+    common = ["--workdir", model_dir, "--tokenizer", tokenizer, "--max-new-tokens", "12",
+              "--json"]
+    prompt = Path(prompt_file).read_text()
+    return {"devices": jax.device_count(),
+            "single": generate(*common, "--prompt-file", prompt_file),
+            "meshes": {mesh: generate(*common, "--prompt", prompt, "--mesh", mesh)
+                       for mesh in meshes},
             "placement": {mesh: placement(model_dir, mesh) for mesh in meshes}}
 
 

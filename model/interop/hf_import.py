@@ -7,9 +7,10 @@
 Every check runs first (config.json, shard headers, tensor names and shapes, the tokenizer
 files), then each tensor is read, dequantized if quantized, cast to `dtype` and written at its
 place in the model directory's variable files (model/interop/variable_files.py): host memory
-holds one tensor (and the shard's memory map), never the model, whatever its size. The
-release's tokenizer and chat template files are copied beside the variables, so
-`python -m model.generate --workdir MODEL_DIR` and `python -m model.chat` read them.
+holds one tensor (a few copies while it is converted, and the shard's memory map), never the
+model, whatever its size. The release's tokenizer and chat template files are copied beside the
+variables, so `python -m model.generate --workdir MODEL_DIR` and `python -m model.chat` read
+them.
 """
 
 from __future__ import annotations
