@@ -27,7 +27,10 @@ from model.config import (
     check_choice,
     check_int,
     check_nonnegative,
+    config_from_dict,
     config_to_dict,
+    did_you_mean,
+    dotted_names,
     expand_layout,
     model_values,
     read_yaml,
@@ -286,11 +289,8 @@ SECTIONS = ("model", "train", "mesh")
 
 
 def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
-    unknown = set(values) - set(SECTIONS)
-    if unknown:
-        raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; "
-                         f"expected {', '.join(SECTIONS)}")
-    return RunConfig(model=build_dataclass(ModelConfig, values.get("model") or {}, "model."),
+    check_sections(values, SECTIONS)
+    return RunConfig(model=config_from_dict(values.get("model") or {}, "model."),
                      train=build_dataclass(TrainConfig, values.get("train") or {}, "train."),
                      mesh=build_dataclass(MeshConfig, values.get("mesh") or {}, "mesh."))
 
@@ -303,20 +303,36 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfi
     if not (set(SECTIONS) & set(values)):
         values = {"model": values}
     values["model"] = model_values(values, path)
-    check_override_sections(overrides, SECTIONS)
+    check_override_sections(overrides, {"model": ModelConfig, "train": TrainConfig,
+                                        "mesh": MeshConfig})
     fitted = fit_warmup(values, apply_overrides(values, overrides), overrides,
                         {"steps": TrainConfig.steps, "warmup_steps": TrainConfig.warmup_steps})
     return run_config_from_dict(fitted)
 
 
-def check_override_sections(overrides: Sequence[str], sections: Sequence[str]) -> None:
-    """Every dotted override must start with one of the run YAML's `sections`."""
+def check_sections(values: Mapping[str, Any], sections: Sequence[str]) -> None:
+    """A run YAML holds only the top-level `sections`."""
+    unknown = sorted(set(values) - set(sections), key=str)
+    if unknown:
+        raise ValueError(f"config: unknown top-level section(s) {unknown}"
+                         f"{did_you_mean(str(unknown[0]), sections)}; "
+                         f"expected {', '.join(sections)}")
+
+
+def check_override_sections(overrides: Sequence[str], sections: Mapping[str, type]) -> None:
+    """Every dotted override must start with one of the run YAML's sections, {name: its
+    config class}; a key without one is told its spelling (`use model.layout=... here`)."""
+    known = [name for section, cls in sections.items() for name in dotted_names(cls, f"{section}.")]
     for override in overrides:
-        key = override.partition("=")[0].strip()
+        key, _, value = (part.strip() for part in override.partition("="))
         if key.split(".")[0] not in sections:
             prefixes = ", ".join(f"'{s}.'" for s in sections)
-            raise ValueError(f"override {override!r}: prefix the key with one of {prefixes}, "
-                             f"e.g. {sections[0]}.{key}=...")
+            held = [f"{s}.{key}" for s in sections if f"{s}.{key}" in known]
+            hint = (f"; use {held[0]}={value} here" if held else
+                    did_you_mean(key, known) or f", e.g. {next(iter(sections))}.{key}=...")
+            raise ValueError(f"override {override!r}: prefix the key with one of {prefixes}"
+                             f"{hint}")
+
 
 
 # Fields that may change between a checkpoint and its resumption: implementation switches,

@@ -25,6 +25,7 @@ from model.config.attention_config import (
     AttentionGeometry,
     AttentionTypeConfig,
     SharedKVAttentionConfig,
+    host_shared_kv_sizes,
     resolve_geometry,
 )
 from model.config.mtp_config import MTPConfig
@@ -304,6 +305,11 @@ class ModelConfig(Config):
     def attention_type(self, layer: int) -> str:
         return self.layout[layer]
 
+    def uses_shared_kv(self) -> bool:
+        """A layer (or an MTP block) with DeepSeek-V4's shared-KV attention (W, C or H)."""
+        kinds = set(self.layout) | ({self.mtp.attention_type} if self.mtp.num_heads else set())
+        return bool(kinds & set(SHARED_KV_KINDS))
+
     def attention_config(self, attention_type: str) -> AttentionTypeConfig:
         """The GQA settings of layer character F or S (W / C / H: `shared_kv_attention`)."""
         return self.full_attention if attention_type == "F" else self.swa_attention
@@ -335,13 +341,31 @@ class ModelConfig(Config):
         return dataclasses.replace(self, **changes)
 
 
-def config_from_dict(values: Mapping[str, Any]) -> ModelConfig:
-    return build_dataclass(ModelConfig, values, "")
+def config_from_dict(values: Mapping[str, Any], prefix: str = "") -> ModelConfig:
+    """The model of `values` (`prefix`: their dotted place in a run YAML, for errors). A model
+    with DeepSeek-V4 attention layers (W / C / H) whose `shared_kv_attention` leaves parameter
+    sizes out takes them scaled to its own geometry (`host_shared_kv_sizes`): C layers added
+    to the tiny preset stay tiny."""
+    given = values.get("shared_kv_attention")
+    host = build_dataclass(ModelConfig, {k: v for k, v in values.items()
+                                         if k != "shared_kv_attention"}, prefix)
+    if not host.uses_shared_kv() or not isinstance(given or {}, Mapping):
+        return build_dataclass(ModelConfig, values, prefix) if given is not None else host
+    derived = host_shared_kv_sizes(given or {}, host.d_model, host.attention_geometry("F"))
+    return build_dataclass(ModelConfig, {**values, "shared_kv_attention": {**(given or {}),
+                                                                           **derived}}, prefix)
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ModelConfig:
     """Loads a YAML preset (its `model:` section if present) and applies dotted overrides
-    (`load_config("configs/tiny.yaml", ["d_model=128", "moe.top_k=2"])`)."""
+    (`load_config("configs/tiny.yaml", ["d_model=128", "moe.top_k=2"])`). Model fields are
+    named without the `model.` prefix that `python -m train` needs (there a run has other
+    sections); the prefixed form is refused with the spelling to use."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.strip().startswith("model."):
+            raise ValueError(f"override {override!r}: model tools name model fields without the "
+                             f"'model.' prefix; use {key.strip()[len('model.'):]}={value} here")
     return config_from_dict(apply_overrides(model_values(read_yaml(path), path), overrides))
 
 
