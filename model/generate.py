@@ -1,6 +1,6 @@
 """python -m model.generate (--workdir DIR | --hf HF_DIR) --prompt TEXT [--max-new-tokens N]
     [--temperature T] [--top-k K] [--top-p P] [--speculative] [--draft D] [--kv-cache fp8]
-    [--chat] [--json]
+    [--chat] [--json] [--print-config]
 
 Generates a continuation of TEXT with KV-cache decoding (model/inference/decode.py).
 - `--workdir`: a `python -m train` or `python -m rl` workdir (latest checkpoint, for RL its
@@ -29,6 +29,7 @@ from typing import Sequence
 
 import jax
 
+from model.config import config_to_dict, config_yaml
 from model.config.cli import ArgumentParser, report_error
 from model.inference.decode import Decoder, required_length
 from model.inference.sampling import Sampling
@@ -36,7 +37,7 @@ from model.interop.workdir import CheckpointError, latest_run_config, saved_toke
 from model.interop.workdir_record import read_record, tokenizer_mismatch
 from model.tokenizers.chat import chat_tokenizer_for, load_chat_tokenizer
 from model.tokenizers.text import load_tokenizer
-from model.weights import load_model
+from model.weights import load_model, load_model_config
 
 
 def load_tokenizer_for(args):
@@ -111,6 +112,17 @@ def generate(args) -> dict:
             "decode_seconds": out.decode_seconds}
 
 
+def print_config(args) -> int:
+    """The resolved config: the source's model (its config only) and the decoding settings."""
+    try:
+        model = config_to_dict(load_model_config(args.hf or args.workdir))
+    except (ValueError, OSError, CheckpointError) as err:
+        return report_error(err)
+    settings = {k: v for k, v in vars(args).items() if k != "print_config"}
+    print(config_yaml({"model": model, "generate": settings}), end="")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m model.generate", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     source.add_argument("--workdir", metavar="DIR",
                         help="training workdir or stepjax model directory")
     source.add_argument("--hf", metavar="HF_DIR", help="Hugging Face directory (step3p5, deepseek_v4 or mimo_v2_flash)")
-    parser.add_argument("--prompt", required=True, metavar="TEXT")
+    parser.add_argument("--prompt", metavar="TEXT")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="tokenizer.json or a directory with tokenizer(_config).json")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
@@ -136,7 +148,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "RoPE channels kept")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the model's config and these settings as YAML and exit "
+                             "(no weights read)")
     args = parser.parse_args(argv)
+    if args.print_config:
+        return print_config(args)
+    if args.prompt is None:
+        parser.error("--prompt TEXT is required")
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.prefill_chunk < 1:

@@ -41,6 +41,7 @@ from train.data.config import DataConfig
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
 from train.optim.schedules import decay_start
 from train.preset_fit import fit_warmup
+from train.telemetry.wandb_sink import WandbConfig
 
 SCHEDULES = ("cosine", "constant", "stages")
 # Which targets a chat document trains on (train/data/chat.py): its assistant turns, all its
@@ -52,7 +53,7 @@ STAGE_SHAPES = ("cosine", "linear", "constant")
 @dataclasses.dataclass(frozen=True)
 class LoopConfig(Config):
     """What a training loop does besides the math, shared by `train:` and `rl:` (which sets
-    other defaults): seed, logging, evaluation and checkpoint cadence, progress bar, and
+    other defaults): seed, logging (W&B too), evaluation and checkpoint cadence, progress, and
     JAX's persistent compilation cache (a re-run skips the ~40 s compile of the tiny model's
     step on CPU; "" turns it off)."""
 
@@ -63,6 +64,7 @@ class LoopConfig(Config):
     keep_checkpoints: int = 3
     progress: bool = True
     xla_cache_dir: str = "~/.cache/stepjax/xla"
+    wandb: WandbConfig = WandbConfig()  # Weights & Biases logging, off while its project is ""
 
     def validate(self) -> None:
         super().validate()
@@ -346,6 +348,7 @@ RESUMABLE_CHANGES = {
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
     "train.peak_flops", "train.progress", "train.xla_cache_dir", "train.data.num_workers", "train.loss_chunk_size",
+    *(f"train.wandb.{f.name}" for f in dataclasses.fields(WandbConfig)),
     *(f"train.anticipatory_routing.{f.name}"
       for f in dataclasses.fields(AnticipatoryRoutingConfig)),
     *(f"train.{field}" for field in RESUMABLE_OPTIMIZER_CHANGES),

@@ -17,6 +17,7 @@ from model.config.core import (
     check_open_fraction,
     check_positive,
     config_to_dict,
+    config_yaml,
     did_you_mean,
     dotted_names,
     parse_override,
@@ -52,7 +53,7 @@ from model.config.model_config import (
 __all__ = [
     "Config", "ConfigError", "apply_overrides", "build_dataclass", "check_bool", "check_choice",
     "check_fraction", "check_int", "check_nonnegative", "check_open_fraction", "check_positive",
-    "config_to_dict", "did_you_mean", "dotted_names",
+    "config_to_dict", "config_yaml", "did_you_mean", "dotted_names",
     "parse_override", "read_yaml", "yaml_load",
     "DTYPES", "EP_COLLECTIVES", "GATE_TYPES", "GQA_KINDS", "REMAT_POLICIES",
     "ROPE_SCALING_TYPES", "ROUTER_ACTIVATIONS", "SHARED_KV_KINDS", "AttentionGeometry", "AttentionTypeConfig",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import re
 from pathlib import Path
@@ -217,6 +218,22 @@ def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:
 def config_to_dict(config: Any) -> dict:
     """Nested plain-python dict of a config (round-trips through `build_dataclass`)."""
     return dataclasses.asdict(config)
+
+
+class _ConfigDumper(yaml.SafeDumper):
+    """Mappings as blocks (one field a line), lists inline (`swiglu_limits: [0.0, 7.0]`)."""
+
+
+_ConfigDumper.add_representer(list, lambda dumper, value: dumper.represent_sequence(
+    "tag:yaml.org,2002:seq", value, flow_style=True))
+
+
+def config_yaml(values: Mapping[str, Any], comment: str = "") -> str:
+    """YAML of nested config values (tuples written as lists) that `read_yaml` reads back
+    equal, fields in their declared order; `comment` heads it as `# ...` lines."""
+    plain = json.loads(json.dumps(values))  # tuples -> lists, and nothing YAML cannot hold
+    text = yaml.dump(plain, Dumper=_ConfigDumper, sort_keys=False, width=100)
+    return "".join(f"# {line}\n" for line in comment.splitlines()) + text
 
 
 # ---- YAML files and dotted overrides ------------------------------------------------------------

@@ -114,16 +114,10 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
     keys) is read as well as transformers' (model/interop/deepseek_v4.py).
     """
     path = Path(path)
-    hf_config = read_json(path / "config.json")
-    family = checkpoint_family(hf_config.get("model_type"))
+    family, hf_config, files, stored, config = read_hf_config(path)
     scheme = quantized.scheme_of(hf_config)
-    config = _translated(family, hf_config, path / "config.json")
     if param_dtype is not None:
         config = config.replace(param_dtype=param_dtype)
-    files = _without_ignored(shard_names(path), family.ignored_tensors)
-    stored = read_headers(path, files)
-    if family.stored_config is not None:
-        config = family.stored_config(config, hf_config, stored)
     abstract = nn.meta.unbox(abstract_variables(config))
     entries = _named_as_stored(family.tensor_table(config, abstract), stored,
                                family.alternative_name)
@@ -153,6 +147,27 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
             _insert(variables, entry, _write_slice(stacked, _place(value, slice_sharding),
                                                    np.asarray(entry.index, np.int32)))
     return config, variables
+
+
+class HFConfig(NamedTuple):
+    family: Family
+    hf_config: dict  # config.json
+    files: dict[str, list[str]]  # shard file -> the tensor names an import reads from it
+    stored: dict  # tensor name -> its header entry
+    config: ModelConfig  # what the files hold
+
+
+def read_hf_config(path: Path) -> HFConfig:
+    """A Hugging Face directory's config.json and shard headers (no tensor is read) and the
+    ModelConfig `load_hf_checkpoint` builds from them."""
+    hf_config = read_json(path / "config.json")
+    family = checkpoint_family(hf_config.get("model_type"))
+    config = _translated(family, hf_config, path / "config.json")
+    files = _without_ignored(shard_names(path), family.ignored_tensors)
+    stored = read_headers(path, files)
+    if family.stored_config is not None:
+        config = family.stored_config(config, hf_config, stored)
+    return HFConfig(family, hf_config, files, stored, config)
 
 
 def _translated(family: Family, hf_config: dict, where: Path) -> ModelConfig:
