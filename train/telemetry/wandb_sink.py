@@ -12,7 +12,6 @@ as usual: `WANDB_MODE=offline` writes the run under `WORKDIR/wandb/` for a later
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -41,9 +40,14 @@ class WandbConfig(Config):
 def check_wandb(config: WandbConfig, section: str) -> None:
     """W&B logging asked for (`<section>.wandb.project`) needs the package: a ValueError naming
     the extra, before any work."""
-    if config.project and importlib.util.find_spec("wandb") is None:
+    if not config.project:
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
         raise ValueError(f"{section}.wandb.project: logging to Weights & Biases needs the wandb "
-                         "package: pip install 'stepjax[wandb]' (or leave the field empty)")
+                         "package: pip install 'stepjax[wandb]' (or leave the field empty)"
+                         ) from None
 
 
 class WandbSink:
@@ -53,12 +57,12 @@ class WandbSink:
         import wandb
 
         id_file = Path(workdir) / RUN_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else None  # None: a new run
         self.run = wandb.init(project=config.project, entity=config.entity or None,
                               name=config.name or Path(workdir).resolve().name, id=run_id,
                               resume="allow", dir=str(workdir), config=dict(run_values))
-        if not id_file.is_file():
-            write_text_atomically(id_file, run_id + "\n")
+        if run_id is None:
+            write_text_atomically(id_file, self.run.id + "\n")
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         self.run.log(dict(scalars), step=step)
