@@ -167,3 +167,22 @@ def test_plot_cli_help_and_missing_file(tmp_path):
     result = run("--workdir", str(tmp_path / "nope"))
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+
+
+def test_tensorboard_reads_the_event_files(tmp_path):
+    # What `tensorboard --logdir WORKDIR/tensorboard` shows (the `tensorboard` extra): its own
+    # reader, and its command line's summary of the same directory.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsWriter(tmp_path) as writer:
+        writer.write(3, {"loss/lm": 1.5, "moe_hist/layer1/load": np.arange(4.0)})
+        writer.write(6, {"loss/lm": 1.25})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss/lm")] == [(3, 1.5), (6, 1.25)]
+    assert events.Tags()["histograms"] == ["moe_hist/layer1/load"]
+    tensorboard = Path(sys.executable).with_name("tensorboard")
+    inspected = subprocess.run([str(tensorboard), "--inspect", "--logdir",
+                                str(tmp_path / "tensorboard")],
+                               capture_output=True, text=True, timeout=120)
+    assert inspected.returncode == 0 and "loss/lm" in inspected.stdout, inspected.stderr
