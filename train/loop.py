@@ -329,7 +329,7 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                 clock.restart()  # throughput counts the steps after this one
                 timed_tokens = 0
                 progress.notice(f"compiled and ran the first train step in "
-                               f"{time.perf_counter() - call_start:.1f}s")
+                                f"{time.perf_counter() - call_start:.1f}s")
             step += 1
             tokens_seen += batch_tokens
             if pending is not None:
@@ -339,9 +339,10 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                     rollback = trainer.roll_back(spiked + 1)
                     event = anticipatory.start_window(spiked + 1, losses[-1],
                                                       rollback[1] if rollback else step)
-                    progress.notice(f"loss spike at step {spiked + 1} ({event['loss']:.4g}, median "
-                                   f"{event['median']:.4g}): anticipatory routing from step "
-                                   f"{event['rollback_to']} to {event['active_until']}")
+                    progress.notice(f"loss spike at step {spiked + 1} ({event['loss']:.4g}, "
+                                    f"median {event['median']:.4g}): anticipatory routing "
+                                    f"from step {event['rollback_to']} to "
+                                    f"{event['active_until']}")
                     if rollback is not None:  # re-train from the checkpoint
                         state, step = rollback
                         writer.truncate_after(step)

@@ -50,8 +50,8 @@ class Progress:
                  unit: str = "step", show: bool = True, lead: bool = True,
                  live: bool | None = None):
         """`every`: steps between plain lines; `live`: draw the bar (default: `on_terminal()`)."""
-        self.total, self.initial, self.every, self.desc, self.unit = total, initial, every, desc, unit
-        self.lead = lead
+        self.total, self.initial, self.every, self.lead = total, initial, every, lead
+        self.desc, self.unit = desc, unit
         live = on_terminal() if live is None else live
         self._bar = tqdm(total=total, initial=initial, file=sys.stderr, unit=unit,
                          dynamic_ncols=True, desc=desc) if lead and show and live else None
