@@ -53,11 +53,14 @@ def run_rl(run: RLRunConfig, workdir: Path, *, init_from: str | None = None,
     check_wandb(run.rl.wandb, "rl")
     with claimed_workdir(Path(workdir)):
         trainer = RLTrainer(run, Path(workdir), init_from, devices)
-        # The model resolved (from --init-from or the checkpoint), the resume checked.
-        write_run_config(trainer.workdir, trainer.run.to_dict(), "python -m rl")
         try:
             with use_mesh(trainer.mesh):
-                return _iterate(trainer, trainer.initial_state(), stop_after)
+                state = trainer.initial_state()
+                # The model resolved (--init-from's or the checkpoint's), a resume's checkpoint
+                # restored, and iterations left: only a run that trains rewrites its record.
+                if int(state.iteration) < trainer.run.rl.iterations:
+                    write_run_config(trainer.workdir, trainer.run.to_dict(), "python -m rl")
+                return _iterate(trainer, state, stop_after)
         finally:
             trainer.checkpoints.close()
 

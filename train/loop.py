@@ -107,7 +107,10 @@ class Trainer:
         self.mesh = make_mesh(run.mesh)
         check_batch_fits(run, self.mesh)
         if run.train.anticipatory_routing.enabled:
-            check_anticipatory_routing(run.model, run.mesh.pipeline)
+            try:
+                check_anticipatory_routing(run.model, run.mesh.pipeline)
+            except ValueError as err:
+                raise TrainingError(str(err)) from None
         self.tokenizer = load_tokenizer(run.train.data.tokenizer)
         # Opened once (raw documents read, or prepared manifests and shard sizes checked): the
         # train stream and every held-out evaluation read it. Checked here, before any model
@@ -255,8 +258,6 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
     # and honoured after the first step, a second one exits at once (train/interrupts.py).
     with claimed_workdir(Path(workdir)), stop_requests() as stop:
         trainer = Trainer(run, Path(workdir), allow_data_change)
-        if is_lead():  # checked against the checkpoint's by now
-            write_run_config(trainer.workdir, run.to_dict(), "python -m train")
         try:
             with use_mesh(trainer.mesh):
                 return _run_steps(trainer, trainer.initial_state(start_from), stop, stop_after)
@@ -279,6 +280,8 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                 "from an earlier one, or train again with a lower train.lr in a new --workdir")
         return TrainSummary(workdir=trainer.workdir, first_step=first_step, last_step=first_step,
                             losses=[], skipped=int(state.skipped), interrupted=False)
+    if is_lead():  # the resume checked and its checkpoint restored: this run trains
+        write_run_config(trainer.workdir, run.to_dict(), "python -m train")
     flops_per_token = train_flops_per_token(run.model, cfg.seq_len, run.trained_mtp_heads())
     peak = (cfg.peak_flops or measure_matmul_peak()) * jax.device_count()
     tokens_seen = tokens_before(run, first_step)
