@@ -19,6 +19,7 @@ from rl.__main__ import main as rl_main
 from rl.config import load_rl_config
 from train.__main__ import main as train_main
 from train.config import load_run_config
+from train.experiments.recipe import load_recipe
 
 RL_ARITH = TINY.parent / "rl_arith.yaml"
 RECIPE = TINY.parent / "recipes" / "tiny_staged.yaml"
@@ -146,6 +147,14 @@ def test_a_mistyped_section_in_a_file_is_answered_too(tmp_path):
     with pytest.raises(ValueError, match=r"unknown top-level section\(s\) \['trian'\] \(did you "
                                          r"mean 'train'\?\)"):
         load_run_config(path)
+
+
+def test_a_mistyped_key_in_a_recipe_file_is_answered_too(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"base: {TINY}\nstags: []\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['stags'\] \(did you mean "
+                                         r"'stages'\?\)"):
+        load_recipe(path)
 
 
 def test_nothing_far_from_every_field_gets_a_suggestion():
