@@ -74,7 +74,7 @@ def _iterate(trainer: RLTrainer, state: RLState, stop_after: int | None) -> RLSu
                           initial=first, desc="rl", unit="it")
     with outputs as (writer, progress), stop_requests() as stop:
         progress.notice(startup_line("rl", trainer.run.model, trainer.mesh, token_count_line(
-            [rl.batch_size()], rl.max_new_tokens, "iteration", "generated at most")))
+            [rl.batch_size], rl.max_new_tokens, "iteration", "generated at most")))
         writer.truncate_after(first)
         if first == 0:
             scores = trainer.evaluate(state)
