@@ -46,6 +46,8 @@ def on_terminal() -> bool:
 
 
 class Progress:
+    """A run's progress display and notices, in the form its output stream calls for (above)."""
+
     def __init__(self, total: int, initial: int = 0, *, every: int = 1, desc: str = "train",
                  unit: str = "step", show: bool = True, lead: bool = True,
                  live: bool | None = None):
