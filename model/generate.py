@@ -1,6 +1,6 @@
 """python -m model.generate (--workdir DIR | --hf HF_DIR) (--prompt TEXT | --prompt-file PATH)
     [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--speculative] [--draft D]
-    [--kv-cache fp8] [--mesh tensor=T,expert=E] [--chat] [--json]
+    [--kv-cache fp8] [--mesh tensor=T,expert=E] [--chat] [--json] [--print-config]
 python -m model.generate ... --chat          # without a prompt: a conversation (model.chat)
 
 Generates a continuation of TEXT with KV-cache decoding (model/inference/decode.py).
@@ -37,6 +37,7 @@ from typing import Sequence
 
 import jax
 
+from model.config import config_to_dict, config_yaml
 from model.config.cli import ArgumentParser, report_error
 from model.conversation import Conversation, Renderer, decoding_context, read_prompt_file, talk
 from model.inference.decode import Decoder, required_length
@@ -47,7 +48,7 @@ from model.interop.workdir_record import read_record, tokenizer_mismatch
 from model.parallel.device_mesh import decode_mesh
 from model.tokenizers.chat import chat_tokenizer_for, load_chat_tokenizer
 from model.tokenizers.text import load_tokenizer
-from model.weights import load_model
+from model.weights import load_model, load_model_config
 
 
 def load_tokenizer_for(args) -> Renderer:
@@ -152,6 +153,17 @@ def generate(args) -> dict:
             "decode_seconds": out.decode_seconds}
 
 
+def print_config(args) -> int:
+    """The resolved config: the source's model (its config only) and the decoding settings."""
+    try:
+        model = config_to_dict(load_model_config(args.hf or args.workdir))
+    except (ValueError, OSError, CheckpointError) as err:
+        return report_error(err)
+    settings = {k: v for k, v in vars(args).items() if k != "print_config"}
+    print(config_yaml({"model": model, "generate": settings}), end="")
+    return 0
+
+
 def converse(args) -> None:
     """--chat without a prompt, or `python -m model.chat`: the conversation loop
     (model/conversation.py) on stdin, --prompt / --prompt-file as its first message."""
@@ -206,7 +218,12 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m model.gene
                              "(default 4096; older exchanges are dropped to fit)")
     parser.add_argument("--system", metavar="TEXT", default=None,
                         help="conversation: a system message")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the model's config and these settings as YAML and exit "
+                             "(no weights read)")
     args = parser.parse_args(argv)
+    if args.print_config:
+        return print_config(args)
     if conversation:
         args.chat = True
     chatting = conversation or (args.chat and args.prompt is None and args.prompt_file is None)

@@ -15,21 +15,24 @@ format lives in its own module under model/interop/; this one only picks the for
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NoReturn
 
 import jax
 
 from model.config import ModelConfig, config_from_dict
 from model.interop.hf import load_hf_checkpoint
+from model.interop.hf_stream import read_hf_config
 from model.interop.model_dir import (
     MODEL_CONFIG,
     is_model_dir,
     load_model_dir,
+    read_model_dir_config,
     save_model_dir,
     variables_target,
 )
 from model.interop.workdir import WORKDIR_KINDS, Checkpointer, latest_run_config, workdir_kind
 
-__all__ = ["load_model", "save_model_dir"]
+__all__ = ["load_model", "load_model_config", "save_model_dir"]
 
 
 def load_model(path: str | Path, mesh: jax.sharding.Mesh | None = None, *,
@@ -51,6 +54,22 @@ def load_model(path: str | Path, mesh: jax.sharding.Mesh | None = None, *,
         config = config.replace(param_dtype=param_dtype)
         target = variables_target(config, mesh)
         return config, jax.tree.map(lambda x, t: x.astype(t.dtype), variables, target)
+    _refuse(path)
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """The config `load_model(path)` would return, without reading any weights."""
+    path = Path(path)
+    if is_model_dir(path):
+        return read_model_dir_config(path)
+    if (path / "config.json").is_file():
+        return read_hf_config(path).config
+    if (path / "checkpoints").is_dir():
+        return config_from_dict(latest_run_config(path)[1]["model"])
+    _refuse(path)
+
+
+def _refuse(path: Path) -> NoReturn:
     problem = "does not exist" if not path.exists() else "is not a model directory"
     raise ValueError(f"{path} {problem}: expected a stepjax model directory ({MODEL_CONFIG}), a "
                      "Hugging Face checkpoint (config.json + *.safetensors) or a "

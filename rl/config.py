@@ -58,6 +58,7 @@ from model.config import (
     check_int,
     check_nonnegative,
     check_positive,
+    config_from_dict,
     config_to_dict,
     read_yaml,
 )
@@ -66,7 +67,7 @@ from rl.objectives.kl import KL_ESTIMATORS
 from rl.objectives.losses import AGGREGATIONS, KIMI_BOUNDS, KIMI_TAU
 from rl.task_config import TaskMixConfig, task_config_from_dict
 from rl.task_mix import allocate_prompts
-from train.config import LoopConfig, MeshConfig, check_override_sections
+from train.config import LoopConfig, MeshConfig, check_override_sections, check_sections
 from train.optim.config import OptimizerConfig
 
 ALGORITHMS = ("mis_po", "ppo", "grpo", "gspo", "dapo", "dr_grpo", "kimi_k25", "mopd")
@@ -384,16 +385,14 @@ def _check_pair(name: str, value: Any) -> None:
 
 
 def rl_config_from_dict(values: Mapping[str, Any]) -> RLRunConfig:
-    unknown = set(values) - set(SECTIONS)
-    if unknown:
-        raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; expected "
-                         f"{', '.join(SECTIONS)}")
-    model = build_dataclass(ModelConfig, values["model"], "model.") if values.get("model") else None
+    check_sections(values, SECTIONS)
+    model = config_from_dict(values["model"], "model.") if values.get("model") else None
     return RLRunConfig(model=model, rl=build_dataclass(RLConfig, values.get("rl") or {}, "rl."),
                        task=task_config_from_dict(values.get("task")))
 
 
 def load_rl_config(path: str | Path, overrides: Sequence[str] = ()) -> RLRunConfig:
     values = read_yaml(path)
-    check_override_sections(overrides, ("rl", "task", "model"))
+    check_override_sections(overrides, {"rl": RLConfig, "task": TaskMixConfig,
+                                        "model": ModelConfig})
     return rl_config_from_dict(apply_overrides(values, overrides))

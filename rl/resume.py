@@ -13,10 +13,11 @@ from train.config import incompatible_fields
 from train.loop import TrainingError
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES
 
-# Fields a resumed run may change: run length, logging, evaluation and checkpoint cadence, and
-# the mesh (a checkpoint is restored into any sharding, as in training).
+# Fields a resumed run may change: run length, logging (W&B included), evaluation and checkpoint
+# cadence, and the mesh (a checkpoint is restored into any sharding, as in training).
 RESUMABLE_CHANGES = {"iterations", "log_every", "eval_every", "eval_prompts",
-                     "checkpoint_every", "keep_checkpoints", "progress", "xla_cache_dir", "mesh"}
+                     "checkpoint_every", "keep_checkpoints", "progress", "xla_cache_dir", "mesh",
+                     "wandb"}
 
 
 def resumed_config(run: RLRunConfig, saved: dict, workdir: Path) -> RLRunConfig:
@@ -28,7 +29,8 @@ def resumed_config(run: RLRunConfig, saved: dict, workdir: Path) -> RLRunConfig:
     resumable = {f"rl.{k}" for k in RESUMABLE_CHANGES} | {
         f"rl.{model}.{field}" for model in ("actor", "critic")
         for field in RESUMABLE_OPTIMIZER_CHANGES} | {
-        f"rl.mesh.{axis}" for axis in config_to_dict(run.rl.mesh)}
+        f"rl.{group}.{field}" for group in ("mesh", "wandb")
+        for field in config_to_dict(getattr(run.rl, group))}
     changed = incompatible_fields(sections(saved_run.to_dict()), sections(run.to_dict()),
                                   resumable)
     if changed:

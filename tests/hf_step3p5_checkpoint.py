@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
+import chex
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
@@ -156,11 +156,9 @@ def assert_same_tensors(expected: dict, got: dict) -> None:
 
 
 def assert_same_variables(expected: dict, got: dict) -> None:
-    assert jax.tree.structure(got) == jax.tree.structure(expected)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(expected)[0],
-                            jax.tree.leaves(got)):
-        assert a.shape == b.shape and a.dtype == b.dtype, jax.tree_util.keystr(path)
-        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+    """The same tree, every leaf of the same shape and dtype and bit-equal (chex names the
+    first path that differs)."""
+    chex.assert_trees_all_equal(expected, got, strict=True)
 
 
 def refusal_before_reads(path: Path, monkeypatch, reading_modules=()) -> str:

@@ -27,7 +27,10 @@ from model.config import (
     check_choice,
     check_int,
     check_nonnegative,
+    config_from_dict,
     config_to_dict,
+    did_you_mean,
+    dotted_names,
     expand_layout,
     model_values,
     read_yaml,
@@ -38,6 +41,7 @@ from train.data.config import DataConfig
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
 from train.optim.schedules import decay_start
 from train.preset_fit import fit_warmup
+from train.telemetry.wandb_sink import WandbConfig
 
 SCHEDULES = ("cosine", "constant", "stages")
 # Which targets a chat document trains on (train/data/chat.py): its assistant turns, all its
@@ -49,7 +53,7 @@ STAGE_SHAPES = ("cosine", "linear", "constant")
 @dataclasses.dataclass(frozen=True)
 class LoopConfig(Config):
     """What a training loop does besides the math, shared by `train:` and `rl:` (which sets
-    other defaults): seed, logging, evaluation and checkpoint cadence, progress bar, and
+    other defaults): seed, logging (W&B too), evaluation and checkpoint cadence, progress, and
     JAX's persistent compilation cache (a re-run skips the ~40 s compile of the tiny model's
     step on CPU; "" turns it off)."""
 
@@ -60,6 +64,7 @@ class LoopConfig(Config):
     keep_checkpoints: int = 3
     progress: bool = True
     xla_cache_dir: str = "~/.cache/stepjax/xla"
+    wandb: WandbConfig = WandbConfig()  # Weights & Biases logging, off while its project is ""
 
     def validate(self) -> None:
         super().validate()
@@ -286,11 +291,8 @@ SECTIONS = ("model", "train", "mesh")
 
 
 def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
-    unknown = set(values) - set(SECTIONS)
-    if unknown:
-        raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; "
-                         f"expected {', '.join(SECTIONS)}")
-    return RunConfig(model=build_dataclass(ModelConfig, values.get("model") or {}, "model."),
+    check_sections(values, SECTIONS)
+    return RunConfig(model=config_from_dict(values.get("model") or {}, "model."),
                      train=build_dataclass(TrainConfig, values.get("train") or {}, "train."),
                      mesh=build_dataclass(MeshConfig, values.get("mesh") or {}, "mesh."))
 
@@ -303,20 +305,38 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfi
     if not (set(SECTIONS) & set(values)):
         values = {"model": values}
     values["model"] = model_values(values, path)
-    check_override_sections(overrides, SECTIONS)
+    check_override_sections(overrides, {"model": ModelConfig, "train": TrainConfig,
+                                        "mesh": MeshConfig})
     fitted = fit_warmup(values, apply_overrides(values, overrides), overrides,
                         {"steps": TrainConfig.steps, "warmup_steps": TrainConfig.warmup_steps})
     return run_config_from_dict(fitted)
 
 
-def check_override_sections(overrides: Sequence[str], sections: Sequence[str]) -> None:
-    """Every dotted override must start with one of the run YAML's `sections`."""
+def check_sections(values: Mapping[str, Any], sections: Sequence[str]) -> None:
+    """A run YAML holds only the top-level `sections`."""
+    unknown = sorted(set(values) - set(sections), key=str)
+    if unknown:
+        raise ValueError(f"config: unknown top-level section(s) {unknown}"
+                         f"{did_you_mean(str(unknown[0]), sections)}; "
+                         f"expected {', '.join(sections)}")
+
+
+def check_override_sections(overrides: Sequence[str],
+                            sections: Mapping[str, type] | Sequence[str]) -> None:
+    """Every dotted override must start with one of the run YAML's sections; given as {name:
+    its config class}, a key without one is told its spelling (`use model.layout=... here`)."""
+    known = [name for section, cls in sections.items()
+             for name in dotted_names(cls, f"{section}.")] if isinstance(sections, Mapping) else []
     for override in overrides:
-        key = override.partition("=")[0].strip()
+        key, _, value = (part.strip() for part in override.partition("="))
         if key.split(".")[0] not in sections:
             prefixes = ", ".join(f"'{s}.'" for s in sections)
-            raise ValueError(f"override {override!r}: prefix the key with one of {prefixes}, "
-                             f"e.g. {sections[0]}.{key}=...")
+            held = [f"{s}.{key}" for s in sections if f"{s}.{key}" in known]
+            hint = (f"; use {held[0]}={value} here" if held else
+                    did_you_mean(key, known) or f", e.g. {next(iter(sections))}.{key}=...")
+            raise ValueError(f"override {override!r}: prefix the key with one of {prefixes}"
+                             f"{hint}")
+
 
 
 # Fields that may change between a checkpoint and its resumption: implementation switches,
@@ -330,6 +350,7 @@ RESUMABLE_CHANGES = {
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
     "train.peak_flops", "train.progress", "train.xla_cache_dir", "train.data.num_workers", "train.loss_chunk_size",
+    *(f"train.wandb.{f.name}" for f in dataclasses.fields(WandbConfig)),
     *(f"train.anticipatory_routing.{f.name}"
       for f in dataclasses.fields(AnticipatoryRoutingConfig)),
     *(f"train.{field}" for field in RESUMABLE_OPTIMIZER_CHANGES),

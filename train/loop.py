@@ -22,7 +22,7 @@ from model.lm import split_variables
 from model.parallel.rules import named, replicated, use_mesh
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
-from train.anticipatory_routing import AnticipatoryRouting
+from train.anticipatory_routing import AnticipatoryRouting, check_anticipatory_routing
 from train.checkpoint import check_training_checkpoint
 from train.config import RunConfig, resume_changes
 from train.data.pipeline import make_dataset
@@ -37,7 +37,7 @@ from train.parallel.distributed import (
     process_state,
 )
 from train.parallel.sharding import batch_spec, check_batch_fits, make_mesh, state_specs
-from train.run_record import check_and_record
+from train.run_record import check_and_record, write_run_config
 from train.state import (
     TrainState,
     abstract_state,
@@ -46,9 +46,10 @@ from train.state import (
     state_from_variables,
 )
 from train.step import make_train_step
-from train.telemetry.metrics import DiscardingWriter, MetricsWriter, ProgressBar
 from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
+from train.telemetry.outputs import run_outputs, startup_line, token_count_line
 from train.telemetry.throughput import CompletedSteps
+from train.telemetry.wandb_sink import check_wandb
 
 
 # What grain appends to the message of an exception raised in its pipeline (its traceback note).
@@ -106,7 +107,10 @@ class Trainer:
         self.mesh = make_mesh(run.mesh)
         check_batch_fits(run, self.mesh)
         if run.train.anticipatory_routing.enabled:
-            check_anticipatory_routing(run)
+            try:
+                check_anticipatory_routing(run.model, run.mesh.pipeline)
+            except ValueError as err:
+                raise TrainingError(str(err)) from None
         self.tokenizer = load_tokenizer(run.train.data.tokenizer)
         # Opened once (raw documents read, or prepared manifests and shard sizes checked): the
         # train stream and every held-out evaluation read it. Checked here, before any model
@@ -240,18 +244,6 @@ class Trainer:
                               self.run.to_dict())
 
 
-def check_anticipatory_routing(run: RunConfig) -> None:
-    """Anticipatory routing replays an expert choice: it needs learned-routing MoE layers and
-    whole layers (no pipeline axis)."""
-    model = run.model
-    if all(model.is_hash_layer(i) for i in model.moe_layer_indices()):
-        raise TrainingError("train.anticipatory_routing: the model has no MoE layer with learned "
-                            "routing; set train.anticipatory_routing.enabled=false")
-    if run.mesh.pipeline != 1:
-        raise TrainingError("train.anticipatory_routing: replayed routing needs whole layers; "
-                            "use mesh.pipeline=1")
-
-
 def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
           start_from: dict | None = None, allow_data_change: bool = False) -> TrainSummary:
     """Trains to `run.train.steps`, resuming from `workdir` if it holds checkpoints.
@@ -261,6 +253,7 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
     continuing the previous one, train/experiments/recipe.py). `allow_data_change`: resume
     even though the data files changed since the run started (train/run_record.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)
+    check_wandb(run.train.wandb, "train")
     # Stop requests from here on: a Ctrl-C while the state is built or restored is acknowledged
     # and honoured after the first step, a second one exits at once (train/interrupts.py).
     with claimed_workdir(Path(workdir)), stop_requests() as stop:
@@ -287,6 +280,8 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                 "from an earlier one, or train again with a lower train.lr in a new --workdir")
         return TrainSummary(workdir=trainer.workdir, first_step=first_step, last_step=first_step,
                             losses=[], skipped=int(state.skipped), interrupted=False)
+    if is_lead():  # the resume checked and its checkpoint restored: this run trains
+        write_run_config(trainer.workdir, run.to_dict(), "python -m train")
     flops_per_token = train_flops_per_token(run.model, cfg.seq_len, run.trained_mtp_heads())
     peak = (cfg.peak_flops or measure_matmul_peak()) * jax.device_count()
     tokens_seen = tokens_before(run, first_step)
@@ -296,7 +291,7 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
         """Reads a finished step's metrics (one step late, so dispatch never waits on it)."""
         losses.append(float(metrics["loss"]))
         clock.finished(timed_tokens)
-        progress.update(first_step + len(losses), loss=losses[-1])
+        progress.update(first_step + len(losses), {"loss/lm": metrics["loss/lm"]})
         raise_if_diverged(metrics, first_step + len(losses))
 
     def raise_if_diverged(metrics, last: int) -> None:
@@ -313,9 +308,12 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                 f"without saving its state; {kept}")
 
     anticipatory = trainer.anticipatory  # DeepSeek-V4's switch, or None
-    lead = is_lead()  # one process writes metrics and shows progress
-    writer = MetricsWriter(trainer.workdir) if lead else DiscardingWriter()
-    with writer, ProgressBar(cfg.steps, first_step, enabled=cfg.progress and lead) as progress:
+    # One process writes metrics and prints.
+    with run_outputs(trainer.workdir, cfg, run.to_dict(), total=cfg.steps, initial=first_step,
+                     desc="train", unit="step", lead=is_lead()) as (writer, progress):
+        sizes = [size for _, size in cfg.batch_warmup] + [cfg.batch_size]  # warm-up first
+        progress.notice(startup_line("train", run.model, trainer.mesh,
+                                     token_count_line(sizes, cfg.seq_len, "step")))
         writer.truncate_after(first_step)
         step_fn = trainer.train_step()
         clock, pending = CompletedSteps(), None
@@ -333,8 +331,8 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                 jax.block_until_ready(metrics)
                 clock.restart()  # throughput counts the steps after this one
                 timed_tokens = 0
-                progress.write(f"compiled and ran the first train step in "
-                               f"{time.perf_counter() - call_start:.1f}s")
+                progress.notice(f"compiled and ran the first train step in "
+                                f"{time.perf_counter() - call_start:.1f}s")
             step += 1
             tokens_seen += batch_tokens
             if pending is not None:
@@ -344,9 +342,10 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                     rollback = trainer.roll_back(spiked + 1)
                     event = anticipatory.start_window(spiked + 1, losses[-1],
                                                       rollback[1] if rollback else step)
-                    progress.write(f"loss spike at step {spiked + 1} ({event['loss']:.4g}, median "
-                                   f"{event['median']:.4g}): anticipatory routing from step "
-                                   f"{event['rollback_to']} to {event['active_until']}")
+                    progress.notice(f"loss spike at step {spiked + 1} ({event['loss']:.4g}, "
+                                    f"median {event['median']:.4g}): anticipatory routing "
+                                    f"from step {event['rollback_to']} to "
+                                    f"{event['active_until']}")
                     if rollback is not None:  # re-train from the checkpoint
                         state, step = rollback
                         writer.truncate_after(step)
@@ -363,10 +362,10 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                 record = {**metrics, "tokens_seen": tokens_seen, **trainer.mixture_shares()}
                 if rate is not None:  # None until a step after the compiling one has finished
                     record.update(tokens_per_sec=rate, mfu=rate * flops_per_token / peak)
-                    progress.update(first_step + len(losses), tokens_per_sec=rate)
+                    progress.update(first_step + len(losses), {"tok/s": rate})
                 if evaluate_now:
                     record.update(trainer.evaluate(state))
-                    progress.write(f"step {step}: held-out loss {record['eval/loss']:.4f}")
+                    progress.notice(f"step {step}: held-out loss {record['eval/loss']:.4f}")
                     clock.restart()  # the evaluation waited for this step: leave it untimed
                     pending = (metrics, 0)
                 writer.write(step, record)

@@ -67,16 +67,10 @@ def open_hf_checkpoint(path: str | Path, *, param_dtype: str | None = None) -> H
     float32). DeepSeek-V4's own release layout (its tensor names and config keys) is read as
     well as transformers' (model/interop/deepseek_v4.py)."""
     path = Path(path)
-    hf_config = read_json(path / "config.json")
-    family = checkpoint_family(hf_config.get("model_type"))
+    family, hf_config, files, stored, config = read_hf_config(path)
     scheme = quantized.scheme_of(hf_config)
-    config = _translated(family, hf_config, path / "config.json")
     if param_dtype is not None:
         config = config.replace(param_dtype=param_dtype)
-    files = _without_ignored(shard_names(path), family.ignored_tensors)
-    stored = read_headers(path, files)
-    if family.stored_config is not None:
-        config = family.stored_config(config, hf_config, stored)
     abstract = nn.meta.unbox(abstract_variables(config))
     entries = _named_as_stored(family.tensor_table(config, abstract), stored,
                                family.alternative_name)
@@ -88,6 +82,28 @@ def open_hf_checkpoint(path: str | Path, *, param_dtype: str | None = None) -> H
     tensors = {file: [n for n in names if n in headers] for file, names in files.items()}
     return HFSource(path, hf_config["model_type"], config, abstract, entries, stored, tensors,
                     plan)
+
+
+class HFConfig(NamedTuple):
+    family: Family
+    hf_config: dict  # config.json
+    files: dict[str, list[str]]  # shard file -> the tensor names an import reads from it
+    stored: dict[str, TensorInfo]  # tensor name -> its header entry
+    config: ModelConfig  # what the files hold
+
+
+def read_hf_config(path: str | Path) -> HFConfig:
+    """A Hugging Face directory's config.json and shard headers (no tensor is read) and the
+    ModelConfig an import builds from them."""
+    path = Path(path)
+    hf_config = read_json(path / "config.json")
+    family = checkpoint_family(hf_config.get("model_type"))
+    config = _translated(family, hf_config, path / "config.json")
+    files = _without_ignored(shard_names(path), family.ignored_tensors)
+    stored = read_headers(path, files)
+    if family.stored_config is not None:
+        config = family.stored_config(config, hf_config, stored)
+    return HFConfig(family, hf_config, files, stored, config)
 
 
 def _translated(family: Family, hf_config: dict, where: Path) -> ModelConfig:

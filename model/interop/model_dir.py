@@ -164,20 +164,18 @@ def is_model_dir(path: Path) -> bool:
     return (Path(path) / MODEL_CONFIG).is_file()
 
 
+def read_model_dir_config(path: Path) -> ModelConfig:
+    """The config of a stepjax model directory (no weights read)."""
+    return _read_saved(Path(path))[1]
+
+
 def load_model_dir(path: Path, mesh: jax.sharding.Mesh | None = None, *,
                    param_dtype: str | None = None) -> tuple[ModelConfig, dict]:
     """(config, variables) of a stepjax model directory, on one device or in the training
     shardings of `mesh`; `param_dtype`: cast the params to it as they are read (e.g. float32
     masters for training from a bfloat16 directory), the returned config saying so."""
     path = Path(path)
-    try:
-        saved = json.loads((path / MODEL_CONFIG).read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path / MODEL_CONFIG}: not valid JSON ({err})") from None
-    found = saved.get("format") if isinstance(saved, dict) else None
-    if found not in (FORMAT, ORBAX_FORMAT):
-        raise ValueError(f"{path / MODEL_CONFIG}: unknown format {found!r}, expected {FORMAT!r}")
-    stored = config_from_dict(saved.get("model") or {})
+    found, stored = _read_saved(path)
     config = stored if param_dtype is None else stored.replace(param_dtype=param_dtype)
     if found == FORMAT:
         return config, read_variables(path / "variables", variables_target(config, mesh))
@@ -186,3 +184,15 @@ def load_model_dir(path: Path, mesh: jax.sharding.Mesh | None = None, *,
                                          variables_target(stored, mesh))
     target = variables_target(config, mesh)
     return config, jax.tree.map(lambda x, t: x.astype(t.dtype), variables, target)
+
+
+def _read_saved(path: Path) -> tuple[str, ModelConfig]:
+    """(format, config) of a model directory's model_config.json."""
+    try:
+        saved = json.loads((path / MODEL_CONFIG).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path / MODEL_CONFIG}: not valid JSON ({err})") from None
+    found = saved.get("format") if isinstance(saved, dict) else None
+    if found not in (FORMAT, ORBAX_FORMAT):
+        raise ValueError(f"{path / MODEL_CONFIG}: unknown format {found!r}, expected {FORMAT!r}")
+    return found, config_from_dict(saved.get("model") or {})
