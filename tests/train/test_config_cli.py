@@ -95,7 +95,8 @@ def test_generate_prints_the_model_and_its_settings_without_weights(tmp_path, ca
     assert printed["model"] == json.loads(json.dumps(source.to_dict()["model"]))
     assert printed["generate"]["temperature"] == 0.7 and printed["generate"]["prompt"] is None
     assert exit_code(generate_main, ["--workdir", str(tmp_path / "run")]) == 2
-    assert error_line(capsys) == "error: --prompt TEXT is required"
+    assert error_line(capsys) == ("error: one of --prompt or --prompt-file is required (or "
+                                  "--chat alone for a conversation)")
 
 
 # ---- one spelling per tool -------------------------------------------------------------------
