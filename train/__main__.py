@@ -16,6 +16,8 @@ shared filesystem); process 0 writes the metrics. CPU processes use gloo collect
 """
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -25,6 +27,7 @@ from model.interop.workdir import CheckpointError
 from model.interop.workdir_lock import WorkdirInUse
 from train.config import load_run_config
 from train.experiments.recipe import load_recipe, run_recipe
+from train.init_from import source_model_values
 from train.loop import TrainingError, TrainSummary, train
 from train.parallel.distributed import (
     DEFAULT_TIMEOUT_S,
@@ -43,6 +46,11 @@ def build_parser() -> ArgumentParser:
                         help="staged recipe YAML; overrides apply to every stage")
     parser.add_argument("--workdir", required=True, metavar="DIR",
                         help="where checkpoints and metrics go; an existing run there is resumed")
+    parser.add_argument("--init-from", metavar="SRC", default=None,
+                        help="start from these weights, with a new optimizer state and schedule "
+                             "(fine-tuning): a workdir (its latest step), DIR/checkpoints/<step>, "
+                             "a model directory or a Hugging Face directory; a run YAML without "
+                             "a model: section takes SRC's model (train.init_from)")
     parser.add_argument("--allow-data-change", action="store_true",
                         help="resume although the data files changed since the run started "
                              "(the new data is recorded)")
@@ -74,10 +82,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--config PATH (or --recipe PATH) and --workdir DIR are required")
     args = parser.parse_intermixed_args(argv)
     try:
+        if args.init_from:  # quoted, so a path reads as a string whatever it looks like
+            args.overrides.append(f"train.init_from={json.dumps(os.path.normpath(args.init_from))}")
         if args.recipe:
             recipe = load_recipe(args.recipe, args.overrides)
         else:
-            run = load_run_config(args.config, args.overrides)
+            run = load_run_config(args.config, args.overrides,
+                                  model=args.init_from and source_model_values(args.init_from))
     except ValueError as err:
         parser.error(str(err))
     try:  # before anything touches devices

@@ -109,6 +109,8 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     indexer_loss_coef: float = 1.0
 
     eval_batches: int = 4
+    # The weights a new run starts from (`--init-from`; train/init_from.py); "" = random init
+    init_from: str = ""
     max_consecutive_skips: int = 5  # non-finite loss/grad skips before giving up
     peak_flops: float = 0.0  # per device, for MFU; 0 = measure a float32 matmul at start-up
     data: DataConfig = DataConfig()
@@ -124,6 +126,8 @@ class TrainConfig(OptimizerConfig, LoopConfig):
         check_int("micro_batch_size", self.micro_batch_size, 0)
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("loss_mask", self.loss_mask, LOSS_MASKS)
+        if not isinstance(self.init_from, str):
+            raise ConfigError("init_from", f"must be a checkpoint path or '', got {self.init_from!r}")
         for name in ("min_lr", "mtp_loss_weight", "balance_loss_coef", "router_bias_rate",
                      "sequence_balance_coef", "indexer_loss_coef", "peak_flops"):
             check_nonnegative(name, getattr(self, name))
@@ -295,14 +299,16 @@ def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
                      mesh=build_dataclass(MeshConfig, values.get("mesh") or {}, "mesh."))
 
 
-def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+def load_run_config(path: str | Path, overrides: Sequence[str] = (),
+                    model: Mapping[str, Any] | None = None) -> RunConfig:
     """Reads a run YAML (`model:` / `train:` / `mesh:` sections; a file without them is a model
-    preset; one without a model is refused) and applies `model.x=...` / `train.x=...` /
-    `mesh.x=...` overrides."""
+    preset; one without a model takes `model`, the fields of `--init-from`'s model, or is
+    refused) and applies `model.x=...` / `train.x=...` / `mesh.x=...` overrides."""
     values = read_yaml(path)
     if not (set(SECTIONS) & set(values)):
         values = {"model": values}
-    values["model"] = model_values(values, path)
+    values["model"] = (dict(model) if model is not None and "model" not in values
+                       else model_values(values, path))
     check_override_sections(overrides, SECTIONS)
     fitted = fit_warmup(values, apply_overrides(values, overrides), overrides,
                         {"steps": TrainConfig.steps, "warmup_steps": TrainConfig.warmup_steps})

@@ -18,16 +18,17 @@ from jax.sharding import PartitionSpec as P
 
 from model.interop.workdir import Checkpointer, restore_target
 from model.interop.workdir_lock import claimed_workdir
-from model.lm import split_variables
 from model.parallel.rules import named, replicated, use_mesh
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
+from model.weights import load_model
 from train.anticipatory_routing import AnticipatoryRouting
 from train.checkpoint import check_training_checkpoint
 from train.config import RunConfig, resume_changes
 from train.data.pipeline import make_dataset
 from train.data.sources import check_data, open_data
 from train.eval import evaluate, limited, make_eval_step
+from train.init_from import check_init_source, fitted_variables
 from train.interrupts import stop_requests
 from train.parallel.distributed import (
     any_process,
@@ -108,6 +109,10 @@ class Trainer:
         if run.train.anticipatory_routing.enabled:
             check_anticipatory_routing(run)
         self.tokenizer = load_tokenizer(run.train.data.tokenizer)
+        if self.resume_step is None and run.train.init_from:  # before any data or model work
+            note = check_init_source(run.train.init_from, run.model, self.tokenizer)
+            if note and is_lead():
+                print(note, file=sys.stderr)
         # Opened once (raw documents read, or prepared manifests and shard sizes checked): the
         # train stream and every held-out evaluation read it. Checked here, before any model
         # work, so bad or changed data fails in seconds.
@@ -147,16 +152,27 @@ class Trainer:
         into them (whatever mesh it was saved from). `start_from`: variables {"params",
         "balance"} a fresh state takes instead of a random init (optimizer state new)."""
         seed = self.run.train.seed
-        if self.resume_step is None:
-            model, optimizer = self.training.model, self.training.optimizer
-            if start_from is None:
-                return jax.jit(lambda: create_state(model, optimizer, seed),
-                               out_shardings=self.state_sharding)()
-            self._check_start_variables(start_from)
-            key = jax.random.split(jax.random.key(seed))[1]
-            return jax.jit(lambda v: state_from_variables(v, optimizer, key),
-                           out_shardings=self.state_sharding)(start_from)
-        return self.restore(self.resume_step)
+        if self.resume_step is not None:
+            return self.restore(self.resume_step)
+        model, optimizer = self.training.model, self.training.optimizer
+        if start_from is None:
+            return jax.jit(lambda: create_state(model, optimizer, seed),
+                           out_shardings=self.state_sharding)()
+        target = (self.abstract_state.params, self.abstract_state.balance)
+        start_from = fitted_variables(start_from, target)
+        key = jax.random.split(jax.random.key(seed))[1]
+        return jax.jit(lambda v: state_from_variables(v, optimizer, key),
+                       out_shardings=self.state_sharding)(start_from)
+
+    def start_variables(self, start_from: dict | None) -> dict | None:
+        """What a new run starts from: `start_from`, else `train.init_from`'s weights on the
+        mesh (read outside its context: unboxing there would constrain abstract values)."""
+        source = self.run.train.init_from
+        if self.resume_step is not None or start_from is not None or not source:
+            return start_from
+        if is_lead():
+            print(f"starting from the weights of {source}: new optimizer state, step 0")
+        return load_model(source, self.mesh)[1]
 
     def restore(self, step: int) -> TrainState:
         """The checkpoint of `step` in the state's shardings; the data stream continues from
@@ -176,15 +192,6 @@ class Trainer:
             return None
         self.checkpoints.delete_after(target)
         return self.restore(target), target
-
-    def _check_start_variables(self, variables: dict) -> None:
-        expected = (self.abstract_state.params, self.abstract_state.balance)
-        got = split_variables(variables)
-        if jax.tree.structure(got) != jax.tree.structure(expected) or any(
-                a.shape != b.shape for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))):
-            raise TrainingError("the starting weights do not fit this run's model (a different "
-                                "shape or set of parameters); only shape-preserving model "
-                                "changes can continue from them")
 
     def next_batch(self, step: int) -> tuple[dict, int]:
         """([num_micro, micro, T] global arrays for optimizer step `step` (batch-size warm-up),
@@ -266,6 +273,7 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
     with claimed_workdir(Path(workdir)), stop_requests() as stop:
         trainer = Trainer(run, Path(workdir), allow_data_change)
         try:
+            start_from = trainer.start_variables(start_from)
             with use_mesh(trainer.mesh):
                 return _run_steps(trainer, trainer.initial_state(start_from), stop, stop_after)
         finally:

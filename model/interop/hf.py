@@ -114,16 +114,10 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
     keys) is read as well as transformers' (model/interop/deepseek_v4.py).
     """
     path = Path(path)
-    hf_config = read_json(path / "config.json")
-    family = checkpoint_family(hf_config.get("model_type"))
+    hf_config, family, config, files, stored = _read_layout(path)
     scheme = quantized.scheme_of(hf_config)
-    config = _translated(family, hf_config, path / "config.json")
     if param_dtype is not None:
         config = config.replace(param_dtype=param_dtype)
-    files = _without_ignored(shard_names(path), family.ignored_tensors)
-    stored = read_headers(path, files)
-    if family.stored_config is not None:
-        config = family.stored_config(config, hf_config, stored)
     abstract = nn.meta.unbox(abstract_variables(config))
     entries = _named_as_stored(family.tensor_table(config, abstract), stored,
                                family.alternative_name)
@@ -153,6 +147,25 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
             _insert(variables, entry, _write_slice(stacked, _place(value, slice_sharding),
                                                    np.asarray(entry.index, np.int32)))
     return config, variables
+
+
+def hf_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig `load_hf_checkpoint(path)` returns, from config.json and the safetensors
+    headers only (no tensor is read)."""
+    return _read_layout(Path(path))[2]
+
+
+def _read_layout(path: Path) -> tuple[dict, Family, ModelConfig, dict[str, list[str]], dict]:
+    """(config.json, its family, the ModelConfig of what the files hold, the tensor names of
+    each file, the stored tensors' headers)."""
+    hf_config = read_json(path / "config.json")
+    family = checkpoint_family(hf_config.get("model_type"))
+    config = _translated(family, hf_config, path / "config.json")
+    files = _without_ignored(shard_names(path), family.ignored_tensors)
+    stored = read_headers(path, files)
+    if family.stored_config is not None:
+        config = family.stored_config(config, hf_config, stored)
+    return hf_config, family, config, files, stored
 
 
 def _translated(family: Family, hf_config: dict, where: Path) -> ModelConfig:

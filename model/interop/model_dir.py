@@ -120,9 +120,8 @@ def is_model_dir(path: Path) -> bool:
     return (Path(path) / MODEL_CONFIG).is_file()
 
 
-def load_model_dir(path: Path, mesh: jax.sharding.Mesh | None = None) -> tuple[ModelConfig, dict]:
-    """(config, variables) of a stepjax model directory, on one device or in the training
-    shardings of `mesh`."""
+def model_dir_config(path: Path) -> ModelConfig:
+    """The config of a stepjax model directory (its weights are not read)."""
     path = Path(path)
     try:
         saved = json.loads((path / MODEL_CONFIG).read_text())
@@ -132,7 +131,14 @@ def load_model_dir(path: Path, mesh: jax.sharding.Mesh | None = None) -> tuple[M
         raise ValueError(f"{path / MODEL_CONFIG}: unknown format "
                          f"{saved.get('format') if isinstance(saved, dict) else None!r}, "
                          f"expected {FORMAT!r}")
-    config = config_from_dict(saved.get("model") or {})
+    return config_from_dict(saved.get("model") or {})
+
+
+def load_model_dir(path: Path, mesh: jax.sharding.Mesh | None = None) -> tuple[ModelConfig, dict]:
+    """(config, variables) of a stepjax model directory, on one device or in the training
+    shardings of `mesh`."""
+    path = Path(path)
+    config = model_dir_config(path)
     with ocp.StandardCheckpointer() as checkpointer:
         variables = checkpointer.restore((path / "variables").absolute(),
                                          variables_target(config, mesh))
