@@ -24,16 +24,15 @@ os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("HF_DATASETS_CACHE",
                       str(Path(tempfile.gettempdir()) / f"stepjax-test-hf-datasets-{os.getuid()}"))
 
-pytest.importorskip("lm_eval", reason="the `eval` extra (lm-eval) is not installed")
-
 from model.config import config_from_dict  # noqa: E402
 from model.inference.decode import Decoder  # noqa: E402
-from model.inference.harness import HarnessLM  # noqa: E402
 from model.interop.hf import save_hf_checkpoint  # noqa: E402
 from model.lm import abstract_variables  # noqa: E402
 from model.tokenizers.text import load_tokenizer  # noqa: E402
 from model.weights import load_model  # noqa: E402
 from train.lm_eval import evaluate_tasks, main, task_manager, task_metrics  # noqa: E402
+
+pytestmark = pytest.mark.lm_eval  # the `eval` extra (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[2]
 TASKS_DIR = "tests/lm_eval_tasks"  # its YAMLs name their data relative to the repository
@@ -79,6 +78,8 @@ def by_doc(samples: list[dict]) -> dict[int, list]:
 @pytest.mark.slow
 def test_every_sample_matches_lm_evals_hugging_face_backend(exported):
     from lm_eval.models.huggingface import HFLM
+
+    from model.inference.harness import HarnessLM
 
     manager = task_manager(TASKS, TASKS_DIR)
     reference = HFLM(pretrained=str(exported), dtype="float32", batch_size=BATCH, device="cpu",
