@@ -37,6 +37,7 @@ from train.anticipatory_routing import AnticipatoryRoutingConfig
 from train.data.config import DataConfig
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
 from train.optim.schedules import decay_start
+from train.periodic_config import SampleConfig, TaskEvalConfig, check_periodic
 from train.preset_fit import fit_warmup
 
 SCHEDULES = ("cosine", "constant", "stages")
@@ -109,6 +110,9 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     indexer_loss_coef: float = 1.0
 
     eval_batches: int = 4
+    eval_tasks: TaskEvalConfig = TaskEvalConfig()  # lm-eval tasks at eval_every (train/periodic.py)
+    sample_every: int = 0  # 0 = none; else log greedy generations (`samples`) every N steps
+    samples: SampleConfig = SampleConfig()
     # The weights a new run starts from (`--init-from`; train/init_from.py); "" = random init
     init_from: str = ""
     max_consecutive_skips: int = 5  # non-finite loss/grad skips before giving up
@@ -150,6 +154,7 @@ class TrainConfig(OptimizerConfig, LoopConfig):
                                   "use a cosine with min_lr < lr or a lower lr_stages end")
         if self.trainable == "indexer" and self.router_bias_rate:
             raise ConfigError("router_bias_rate", "must be 0 under train.trainable=indexer")
+        check_periodic(self)
 
     def _validate_batch_warmup(self) -> None:
         previous = -1
@@ -336,6 +341,8 @@ RESUMABLE_CHANGES = {
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
     "train.peak_flops", "train.progress", "train.xla_cache_dir", "train.data.num_workers", "train.loss_chunk_size",
+    "train.sample_every", *(f"train.{section}.{f.name}" for section, config in (
+        ("eval_tasks", TaskEvalConfig), ("samples", SampleConfig)) for f in dataclasses.fields(config)),
     *(f"train.anticipatory_routing.{f.name}"
       for f in dataclasses.fields(AnticipatoryRoutingConfig)),
     *(f"train.{field}" for field in RESUMABLE_OPTIMIZER_CHANGES),

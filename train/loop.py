@@ -13,8 +13,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from model.interop.workdir import Checkpointer, restore_target
 from model.interop.workdir_lock import claimed_workdir
@@ -27,7 +25,6 @@ from train.checkpoint import check_training_checkpoint
 from train.config import RunConfig, resume_changes
 from train.data.pipeline import make_dataset
 from train.data.sources import check_data, open_data
-from train.eval import evaluate, limited, make_eval_step
 from train.init_from import check_init_source, fitted_variables
 from train.interrupts import stop_requests
 from train.parallel.distributed import (
@@ -38,6 +35,7 @@ from train.parallel.distributed import (
     process_state,
 )
 from train.parallel.sharding import batch_spec, check_batch_fits, make_mesh, state_specs
+from train.periodic import PeriodicEvals
 from train.run_record import check_and_record
 from train.state import (
     TrainState,
@@ -117,8 +115,10 @@ class Trainer:
         # train stream and every held-out evaluation read it. Checked here, before any model
         # work, so bad or changed data fails in seconds.
         self.data_source = open_data(run.train.data, self.tokenizer)
+        samples_heldout = run.train.sample_every > 0 and not run.train.samples.prompts
         check_data(self.data_source, run.train.data, self.tokenizer, loss_mask=run.train.loss_mask,
-                   heldout=run.train.eval_every > 0, shard_count=jax.process_count())
+                   heldout=run.train.eval_every > 0 or samples_heldout,
+                   shard_count=jax.process_count())
         chat = chat_tokenizer_for(self.tokenizer) if self.data_source.renders_chats else None
         note = check_and_record(self.workdir, self.tokenizer, run.train.data, chat,
                                 resuming=self.resume_step is not None,
@@ -140,7 +140,8 @@ class Trainer:
             self.anticipatory = AnticipatoryRouting(
                 run.train.anticipatory_routing, self.training.model, self.batch_sharding,
                 self.workdir, is_lead())
-        self._eval_step = None
+        self.evals = PeriodicEvals(run, self.training.model, self.tokenizer, self.data_source,
+                                   self.mesh)
         self.data = make_dataset(
             run.train.data, self.tokenizer, seq_len=run.train.seq_len,
             batch_size=run.train.micro_batch() // jax.process_count(), split="train",
@@ -216,23 +217,6 @@ class Trainer:
         if not self.run.train.data.mixture:
             return {}
         return {f"data/mix/{k}": v for k, v in self.data.mixture_shares().items()}
-
-    def evaluate(self, state: TrainState) -> dict[str, float]:
-        """Held-out loss and perplexity over the first `train.eval_batches` batches of the
-        held-out split (the same batches every time)."""
-        cfg = self.run.train
-        if self._eval_step is None:
-            self._eval_step = make_eval_step(self.training.model, cfg.loss_chunk_size)
-        data = make_dataset(cfg.data, self.tokenizer, seq_len=cfg.seq_len,
-                            batch_size=cfg.micro_batch(), split="heldout", seed=cfg.seed,
-                            data=self.data_source, loss_mask=cfg.loss_mask)
-        # Every process reads the same held-out rows; each device evaluates its share of them.
-        rows = NamedSharding(self.mesh, P(*batch_spec(self.mesh)[1:]))
-        shard = lambda batch: {k: jax.make_array_from_callback(  # noqa: E731
-            v.shape, rows, lambda index, v=v: v[index]) for k, v in batch.items()}
-        result = evaluate(self._eval_step, state.params, state.balance,
-                          map(shard, limited(data, cfg.eval_batches)))
-        return {"eval/loss": result["loss"], "eval/perplexity": result["perplexity"]}
 
     def train_step(self):
         """The jitted step, with the state and batch shardings fixed (trace it under
@@ -366,15 +350,19 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                         continue
             pending = (metrics, timed_tokens)
             evaluate_now = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
-            if step % cfg.log_every == 0 or step == cfg.steps or evaluate_now:
+            sample_now = cfg.sample_every and (step % cfg.sample_every == 0 or step == cfg.steps)
+            if step % cfg.log_every == 0 or step == cfg.steps or evaluate_now or sample_now:
                 rate = clock.tokens_per_sec()
                 record = {**metrics, "tokens_seen": tokens_seen, **trainer.mixture_shares()}
                 if rate is not None:  # None until a step after the compiling one has finished
                     record.update(tokens_per_sec=rate, mfu=rate * flops_per_token / peak)
                     progress.update(first_step + len(losses), tokens_per_sec=rate)
-                if evaluate_now:
-                    record.update(trainer.evaluate(state))
-                    progress.write(f"step {step}: held-out loss {record['eval/loss']:.4f}")
+                if evaluate_now or sample_now:
+                    measured, lines = trainer.evals.run_at(state, step, held_out=evaluate_now,
+                                                           samples=sample_now)
+                    record.update(measured)
+                    for line in lines:
+                        progress.write(line)
                     clock.restart()  # the evaluation waited for this step: leave it untimed
                     pending = (metrics, 0)
                 writer.write(step, record)

@@ -2,12 +2,14 @@
 workdir's latest step or `DIR/checkpoints/<step>`) with a fresh optimizer state and step 0; a
 run YAML without a model takes SRC's; a model with other parameters is refused before anything
 is compiled, naming each field; another tokenizer is refused; resuming never re-reads SRC and a
-workdir of another start is refused. The source is a real 3-step run with the recipe and sweep
-tests' settings (one shared compiled step)."""
+workdir of another start is refused. `python -m train.eval` takes the same sources (`--model`)
+and other corpora (`--data`). The source is a real 3-step run with the recipe and sweep tests'
+settings (one shared compiled step)."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import jax
 import numpy as np
@@ -17,9 +19,10 @@ from train_helpers import SMALL_LOOP, TINY
 
 from model.interop.workdir import latest_run_config
 from model.tokenizers.text import load_tokenizer
-from model.weights import load_model
+from model.weights import load_model, save_model_dir
 from train.__main__ import main as train_main
 from train.config import load_run_config
+from train.eval import main as eval_main
 from train.init_from import check_init_source, model_changes
 from train.loop import Trainer, train
 
@@ -120,3 +123,28 @@ def test_shape_keeping_changes_are_noted_and_other_tokenizers_refused(source):
     with pytest.raises(ValueError, match="train.init_from: .*no checkpoint of step 7; saved "
                                          "steps: 1, 2, 3"):
         check_init_source(str(source / "checkpoints" / "7"), run.model, load_tokenizer("default"))
+
+
+def test_eval_takes_another_corpus_and_any_model(source, tmp_path, capsys):
+    """`--data` with the run's own source reads exactly the run's batches; another corpus is
+    read with the run's tokenizer; a model directory (no data of its own) needs `--data`."""
+    def evaluate(*args):
+        assert eval_main([*args, "--batches", "2", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    own = evaluate("--model", str(source))
+    assert evaluate("--model", str(source / "checkpoints" / "3"), "--data", "stdlib") == {
+        **own, "model": str(source)}
+    corpus = tmp_path / "notes.jsonl"  # 40 documents, read from their train split
+    corpus.write_text("".join(json.dumps({"text": f"note {i}: " + "the cat sat. " * (i + 3)})
+                              + "\n" for i in range(40)))
+    other = evaluate("--model", str(source), "--data", str(corpus), "--split", "train")
+    assert other["data"] == str(corpus) and other["tokens"] > 0 and other["loss"] != own["loss"]
+    config, variables = load_model(source)
+    save_model_dir(config, variables, tmp_path / "model")
+    assert eval_main(["--model", str(tmp_path / "model")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--data: " in err and "is a model directory without" in err
+    result = evaluate("--model", str(tmp_path / "model"), "--data", str(corpus), "--split",
+                      "train", "--tokenizer", "default", "--seq-len", "16", "--batch-size", "4")
+    assert result["step"] is None and math.isfinite(result["loss"])

@@ -26,7 +26,6 @@ from model.interop.workdir_lock import LOCK_FILE
 from model.layers.params import unstack_layers
 from model.layers.router import expert_load, route
 from model.lm import abstract_variables
-from model.weights import load_model, save_model_dir
 from train.__main__ import main as train_main
 from train.balance import update_router_bias
 from train.eval import main as eval_main
@@ -357,31 +356,6 @@ def test_eval_reports_loss_and_perplexity(trained, capsys):
     assert result["step"] == 2 and result["split"] == "heldout" and result["batches"] == 2
     assert 0 < result["loss"] < 2 * math.log(VOCAB)
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
-
-
-def test_eval_takes_another_corpus_and_any_model(trained, tmp_path, capsys):
-    """`--data` with the run's own source reads exactly the run's batches; another corpus is
-    read with the run's tokenizer; a model directory (no data of its own) needs `--data`."""
-    def evaluate(*args):
-        code, out, err = _cli(capsys, eval_main, *args, "--batches", "2", "--json")
-        assert code == 0, err
-        return json.loads(out)
-
-    own = evaluate("--model", str(trained))
-    assert evaluate("--model", str(trained / "checkpoints" / "2"), "--data", "stdlib") == {
-        **own, "model": str(trained)}
-    corpus = tmp_path / "notes.jsonl"  # 40 documents: the held-out 5% holds a few
-    corpus.write_text("".join(json.dumps({"text": f"note {i}: " + "the cat sat. " * (i + 3)})
-                              + "\n" for i in range(40)))
-    other = evaluate("--model", str(trained), "--data", str(corpus), "--split", "train")
-    assert other["data"] == str(corpus) and other["tokens"] > 0 and other["loss"] != own["loss"]
-    config, variables = load_model(trained)
-    save_model_dir(config, variables, tmp_path / "model")
-    code, _, err = _cli(capsys, eval_main, "--model", str(tmp_path / "model"))
-    _one_line_error(code, err, "--data: ", "is a model directory without training data")
-    result = evaluate("--model", str(tmp_path / "model"), "--data", str(corpus), "--split",
-                      "train", "--tokenizer", "default", "--seq-len", "16", "--batch-size", "4")
-    assert result["step"] is None and math.isfinite(result["loss"])
 
 
 def test_finished_run_has_nothing_to_do(trained_copy, capsys):
