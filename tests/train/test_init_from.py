@@ -17,6 +17,7 @@ import pytest
 import yaml
 from train_helpers import SMALL_LOOP, TINY
 
+from model.config import config_to_dict
 from model.interop.workdir import latest_run_config
 from model.tokenizers.text import load_tokenizer
 from model.weights import load_model, save_model_dir
@@ -148,3 +149,12 @@ def test_eval_takes_another_corpus_and_any_model(source, tmp_path, capsys):
     result = evaluate("--model", str(tmp_path / "model"), "--data", str(corpus), "--split",
                       "train", "--tokenizer", "default", "--seq-len", "16", "--batch-size", "4")
     assert result["step"] is None and math.isfinite(result["loss"])
+
+
+def test_the_shipped_fine_tuning_config_takes_the_models_of_its_sources():
+    """configs/finetune/ holds run YAMLs without a model, for `--init-from`."""
+    for path in sorted((TINY.parent / "finetune").glob("*.yaml")):
+        tiny = load_run_config(TINY).model
+        assert load_run_config(path, model=config_to_dict(tiny)).model == tiny, path
+        with pytest.raises(ValueError, match="defines no model"):
+            load_run_config(path)

@@ -1,7 +1,7 @@
 """Evaluations during training (train/periodic.py): `train.eval_tasks` runs an lm-eval task at
 `eval_every` and `train.sample_every` logs greedy generations from held-out rows, both into
 metrics.jsonl and on the terminal, from the weights of that step (the final step's agree with
-the saved checkpoint evaluated afterwards). The run has the recipe and sweep tests' settings,
+the saved checkpoint evaluated afterwards), without changing the training losses. The run has the recipe and sweep tests' settings,
 so it shares their compiled train step."""
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def test_tasks_and_samples_are_logged_from_the_weights_of_their_step(tmp_path, c
 
     monkeypatch.chdir(TINY.parents[1])  # the task's data path is relative to the repository
     workdir = tmp_path / "run"
-    train(load_run_config(TINY, [*SMALL_LOOP, *EVALS]), workdir)
+    losses = train(load_run_config(TINY, [*SMALL_LOOP, *EVALS]), workdir).losses
+    assert train(load_run_config(TINY, SMALL_LOOP), tmp_path / "plain").losses == losses
     final = read_metrics(workdir / "metrics.jsonl")[-1]
     assert final["step"] == 3 and 0.0 <= final[f"eval/{TASK}/acc"] <= 1.0
     out = "".join(capsys.readouterr())
