@@ -6,7 +6,8 @@ as its paper writes it (rl/config.py); on-policy distillation from a
 teacher per task (`task.tasks.<name>.teacher.checkpoint`, rl/distill/) under any of them or
 MiMo's MOPD (`rl.algorithm=mopd`). `--init-from` takes the starting policy: a
 `python -m train` workdir (e.g. the SFT warm start of configs/sft_arith.yaml), a `python -m rl`
-workdir (its actor), a stepjax model directory or a Hugging Face checkpoint. Re-running the
+workdir (its actor), either's step DIR/checkpoints/<step>, a stepjax model directory or a
+Hugging Face checkpoint. Re-running the
 same command resumes from the latest checkpoint in DIR (then --init-from is not needed).
 Writes DIR/metrics.jsonl, DIR/tensorboard/ and DIR/checkpoints/; SIGTERM/SIGINT save a
 checkpoint and exit cleanly.
@@ -33,8 +34,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--workdir", required=True, metavar="DIR",
                         help="where checkpoints and metrics go; an existing run there is resumed")
     parser.add_argument("--init-from", metavar="DIR_or_HF", default=None,
-                        help="starting policy: training or RL workdir, model directory or HF "
-                             "checkpoint")
+                        help="starting policy: training or RL workdir (or its step "
+                             "DIR/checkpoints/<step>), model directory or HF checkpoint")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. rl.algorithm=ppo rl.iterations=20")
     return parser

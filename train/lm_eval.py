@@ -14,7 +14,8 @@ its tasks, or your own YAML tasks in `--include-path`, on a stepjax model
   `--include-path` are used without indexing lm-eval's built-in tasks (about 20 s); built-in
   tasks download their datasets through Hugging Face `datasets` (set HF_DATASETS_OFFLINE=1 and
   HF_HUB_OFFLINE=1 to stay offline on local tasks).
-- `--max-length`: the decoder's cache, the longest context scored or generated from.
+- `--max-length`: the decoder's cache, the longest context scored or generated from (default:
+  the length a training workdir trained at, else 2048).
 Prints lm-eval's table, or with `--json` one object holding lm-eval's `results` (per task
 metric -> value, and its standard error) with `n-samples`, `n-shot` and `versions`.
 `--output-path DIR` writes lm-eval's results file there (and with `--log-samples` every
@@ -31,9 +32,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from model.config.cli import ArgumentParser, report_error
-from model.interop.workdir import CheckpointError
+from model.interop.workdir import CheckpointError, latest_run_config, split_checkpoint_step
 
 BUILTIN_INDEX_NOTE = "indexing lm-eval's built-in tasks (about 20 s)"
+DEFAULT_MAX_LENGTH = 2048  # lm-eval's Hugging Face backend's default
 
 
 def harness_available() -> None:
@@ -100,6 +102,14 @@ def task_metrics(results: dict) -> dict[str, float]:
     return metrics
 
 
+def trained_length(source: str) -> int:
+    """The sequence length a `python -m train` workdir trained at, else DEFAULT_MAX_LENGTH."""
+    workdir, step = split_checkpoint_step(Path(source))
+    if not (workdir / "checkpoints").is_dir():
+        return DEFAULT_MAX_LENGTH
+    return latest_run_config(workdir, step)[1].get("train", {}).get("seq_len", DEFAULT_MAX_LENGTH)
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m train.lm_eval", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,8 +124,9 @@ def build_parser() -> ArgumentParser:
                         help="few-shot examples per prompt (default: each task's own)")
     parser.add_argument("--batch-size", type=int, default=8, metavar="B",
                         help="rows per decoder batch (default 8)")
-    parser.add_argument("--max-length", type=int, default=2048, metavar="L",
-                        help="KV-cache positions: the longest context (default 2048)")
+    parser.add_argument("--max-length", type=int, default=None, metavar="L",
+                        help="KV-cache positions, the longest context (default: a training "
+                             f"workdir's train.seq_len, else {DEFAULT_MAX_LENGTH})")
     parser.add_argument("--max-gen-toks", type=int, default=256, metavar="N",
                         help="new tokens for generation tasks that set none (default 256)")
     parser.add_argument("--prefill-chunk", type=int, default=256, metavar="C",
@@ -138,7 +149,7 @@ def check_args(parser: ArgumentParser, args) -> list[str]:
     if not names:
         parser.error("--tasks: name at least one task")
     for flag in ("batch_size", "max_length", "max_gen_toks", "prefill_chunk"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.limit is not None and args.limit <= 0:
         parser.error(f"--limit must be > 0, got {args.limit:g}")
@@ -161,7 +172,7 @@ def run(args, names: list[str]) -> dict:
     manager = task_manager(names, args.include_path)  # unknown tasks fail before loading
     tokenizer = checkpoint_tokenizer(Path(args.model), args.tokenizer)
     config, variables = load_model(args.model)
-    decoder = Decoder(config, variables, max_len=args.max_length,
+    decoder = Decoder(config, variables, max_len=args.max_length or trained_length(args.model),
                       prefill_chunk=args.prefill_chunk)
     lm = HarnessLM(decoder, tokenizer, batch_size=args.batch_size,
                    max_gen_toks=args.max_gen_toks, seed=args.seed, progress=not args.json)

@@ -12,7 +12,8 @@
   tokens, each conditioned on as much preceding text as fits (lm-eval's own windowing), the
   first on the end-of-text token.
 - `generate_until`: `Decoder.generate` on batches of requests with the same generation
-  settings, greedy unless a task asks to sample; the text is cut at the first stop sequence
+  settings, greedy unless a task asks to sample (its temperature, top-k and top-p, the
+  sampling key seeded by `seed`); the text is cut at the first stop sequence
   (the task's `until` and the end-of-text token); contexts keep their last `max_length -
   max_gen_toks` tokens.
 
@@ -126,8 +127,11 @@ class HarnessLM(TemplateLM):
                              f"in the cache of {self.max_length} positions (--max-length)")
         prompts = [self.tok_encode(c)[-room:] or [self.eot_token_id] for c in contexts]
         padding = [[self.eot_token_id]] * (self.batch_size - len(prompts))
-        sampling = Sampling(temperature=float(kwargs["temperature"]) if kwargs["do_sample"]
-                            else 0.0)
+        sampling = Sampling()  # greedy
+        if kwargs["do_sample"]:
+            sampling = Sampling(float(kwargs["temperature"]), int(kwargs.get("top_k") or 0),
+                                float(kwargs.get("top_p") or 1.0))
+            sampling.validate()
         self.key, key = jax.random.split(self.key)
         out = self.decoder.generate(prompts + padding, new_tokens, sampling=sampling, key=key,
                                     stop_ids=(self.eot_token_id,))
