@@ -81,13 +81,13 @@ class PeriodicEvals:
 
     def benchmarks(self, state) -> dict[str, float]:
         cfg = self.run.train.eval_tasks
+        decoder = self.decoder(state)  # holding the current weights
         if self._harness is None:
             from model.inference.harness import HarnessLM
 
-            self._harness = HarnessLM(self.decoder(state), self.tokenizer,
-                                      batch_size=cfg.batch_size, max_gen_toks=cfg.max_gen_toks,
-                                      seed=self.run.train.seed, progress=False)
-        self.decoder(state)  # the current weights
+            self._harness = HarnessLM(decoder, self.tokenizer, batch_size=cfg.batch_size,
+                                      max_gen_toks=cfg.max_gen_toks, seed=self.run.train.seed,
+                                      progress=False)
         results = evaluate_tasks(self._harness, cfg.tasks, self._tasks, limit=cfg.limit,
                                  num_fewshot=None if cfg.num_fewshot < 0 else cfg.num_fewshot,
                                  bootstrap_iters=0, keep_global_seeds=True)
