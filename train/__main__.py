@@ -7,6 +7,8 @@ stage a training run in DIR/stages/<kk>-<name> starting from the previous stage'
 latest checkpoint in DIR (for a recipe: skips finished stages). Writes DIR/metrics.jsonl,
 DIR/tensorboard/ and DIR/checkpoints/. SIGTERM/SIGINT save a checkpoint after the current step
 and exit cleanly; a second one exits at once (status 130 for Ctrl-C), keeping earlier checkpoints.
+`--init-from SRC` starts a new run (a recipe: its first stage) from SRC's weights with a new
+optimizer state and schedule: fine-tuning (train/init_from.py).
 
 Multi-host: start the same command once per host with --coordinator HOST:PORT (process 0's
 address and a free port), --num-processes N and --process-id 0..N-1 (or the environment variables

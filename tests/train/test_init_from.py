@@ -23,6 +23,7 @@ from model.tokenizers.text import load_tokenizer
 from model.weights import load_model, save_model_dir
 from train.__main__ import main as train_main
 from train.config import load_run_config
+from train.experiments.recipe import load_recipe
 from train.eval import main as eval_main
 from train.init_from import check_init_source, model_changes
 from train.loop import Trainer, train
@@ -158,3 +159,13 @@ def test_the_shipped_fine_tuning_config_takes_the_models_of_its_sources():
         assert load_run_config(path, model=config_to_dict(tiny)).model == tiny, path
         with pytest.raises(ValueError, match="defines no model"):
             load_run_config(path)
+
+
+def test_a_recipe_starts_only_its_first_stage_from_init_from(tmp_path):
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(yaml.safe_dump({"base": str(TINY), "overrides": SMALL_LOOP,
+                                           "stages": [{"name": "a"}, {"name": "b"}]}))
+    extra = ['train.init_from="runs/pretrained"']  # what `--init-from runs/pretrained` adds
+    recipe = load_recipe(recipe_file, extra)
+    assert [recipe.stage_config(i, extra).train.init_from for i in (0, 1)] == [
+        "runs/pretrained", ""]

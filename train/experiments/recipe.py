@@ -23,7 +23,8 @@ A stage overrides anything of the run config: schedule (`train.steps`, `train.lr
 loss switch (`train.data.meta_loss_mask_after_tokens=0` masks metadata for the whole stage).
 Overrides given on the command line apply to every stage, last.
 
-Stage k trains in DIR/stages/<kk>-<name> like a `python -m train` run. It starts from the final
+Stage k trains in DIR/stages/<kk>-<name> like a `python -m train` run. The first stage starts
+from random weights, or from `--init-from SRC` (train/init_from.py). Stage k starts from the final
 params and router biases of stage k-1 with a new optimizer state and its own learning-rate
 schedule from step 0 (optimizer groups change between stages: frozen routers, newly trained MTP
 heads), and reads data with `train.seed + k` so it does not replay the previous stage's order.
