@@ -10,7 +10,7 @@ STAMP := $(VENV)/.stepjax-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,parity]'
+	$(PY) -m pip install --quiet -e '.[dev,parity,eval]'
 	touch $(STAMP)
 
 test: $(STAMP)

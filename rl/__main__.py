@@ -6,7 +6,8 @@ as its paper writes it (rl/config.py); on-policy distillation from a
 teacher per task (`task.tasks.<name>.teacher.checkpoint`, rl/distill/) under any of them or
 MiMo's MOPD (`rl.algorithm=mopd`). `--init-from` takes the starting policy: a
 `python -m train` workdir (e.g. the SFT warm start of configs/sft_arith.yaml), a `python -m rl`
-workdir (its actor), a stepjax model directory or a Hugging Face checkpoint. Re-running the
+workdir (its actor), either's step DIR/checkpoints/<step>, a stepjax model directory or a
+Hugging Face checkpoint. Re-running the
 same command resumes from the latest checkpoint in DIR (then --init-from is not needed).
 Writes DIR/metrics.jsonl, DIR/tensorboard/, DIR/checkpoints/ and DIR/config.yaml (the resolved
 config, which --config reads back); SIGTERM/SIGINT save a checkpoint and exit cleanly.
@@ -39,8 +40,8 @@ def build_parser() -> ArgumentParser:
                         help="print the resolved config as YAML (the model from --init-from, read "
                              "without its weights) and exit; needs no --workdir")
     parser.add_argument("--init-from", metavar="DIR_or_HF", default=None,
-                        help="starting policy: training or RL workdir, model directory or HF "
-                             "checkpoint")
+                        help="starting policy: training or RL workdir (or its step "
+                             "DIR/checkpoints/<step>), model directory or HF checkpoint")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. rl.algorithm=ppo rl.iterations=20")
     return parser

@@ -31,7 +31,6 @@ import numpy as np
 from model.inference.decode import Decoder
 from model.inference.sampling import Sampling
 from model.interop.workdir import Checkpointer, restore_target
-from model.interop.workdir_record import tokenizer_mismatch
 from model.lm import CausalLM, abstract_variables, init_variables, join_variables
 from model.parallel.rules import param_axes, replicated
 from model.tokenizers.text import load_tokenizer
@@ -64,6 +63,7 @@ from rl.staleness import RolloutBuffer
 from rl.task_mix import sample_mix
 from rl.tasks import build_tasks
 from rl.update import make_actor_step, make_critic_step, minibatches
+from train.init_from import source_tokenizer_mismatch
 from train.loop import TrainingError
 from train.optim.optimizer import build_optimizer
 from train.optim.schedules import learning_rate_schedule
@@ -109,7 +109,7 @@ class RLTrainer:
         check_rows_fit(rl, self.mesh)
         self.tokenizer = load_tokenizer(rl.tokenizer)
         # A policy trained with another tokenizer reads the prompts as noise: reward 0 throughout.
-        mismatch = init_from and self.resume_step is None and tokenizer_mismatch(
+        mismatch = init_from and self.resume_step is None and source_tokenizer_mismatch(
             Path(init_from), self.tokenizer)
         if mismatch:
             raise TrainingError(f"--init-from: {mismatch}; set rl.tokenizer to the workdir's "

@@ -9,6 +9,8 @@ latest checkpoint in DIR (for a recipe: skips finished stages). Writes DIR/metri
 DIR/tensorboard/, DIR/checkpoints/ and DIR/config.yaml (the resolved config, which --config
 reads back). SIGTERM/SIGINT save a checkpoint after the current step and exit cleanly; a second
 one exits at once (status 130 for Ctrl-C), keeping earlier checkpoints.
+`--init-from SRC` starts a new run (a recipe: its first stage) from SRC's weights with a new
+optimizer state and schedule: fine-tuning (train/init_from.py).
 
 Multi-host: start the same command once per host with --coordinator HOST:PORT (process 0's
 address and a free port), --num-processes N and --process-id 0..N-1 (or the environment variables
@@ -18,6 +20,8 @@ shared filesystem); process 0 writes the metrics. CPU processes use gloo collect
 """
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -28,6 +32,7 @@ from model.interop.workdir import CheckpointError
 from model.interop.workdir_lock import WorkdirInUse
 from train.config import RunConfig, load_run_config
 from train.experiments.recipe import Recipe, load_recipe, run_recipe
+from train.init_from import source_model_values
 from train.loop import TrainingError, TrainSummary, train
 from train.parallel.distributed import (
     DEFAULT_TIMEOUT_S,
@@ -49,6 +54,11 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config as YAML (a recipe: one document per "
                              "stage) and exit; needs no --workdir and builds nothing")
+    parser.add_argument("--init-from", metavar="SRC", default=None,
+                        help="start from these weights, with a new optimizer state and schedule "
+                             "(fine-tuning): a workdir (its latest step), DIR/checkpoints/<step>, "
+                             "a model directory or a Hugging Face directory; a run YAML without "
+                             "a model: section takes SRC's model (train.init_from)")
     parser.add_argument("--allow-data-change", action="store_true",
                         help="resume although the data files changed since the run started "
                              "(the new data is recorded)")
@@ -80,10 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--config PATH (or --recipe PATH) and --workdir DIR are required")
     args = parser.parse_intermixed_args(argv)
     try:
+        if args.init_from:  # quoted, so a path reads as a string whatever it looks like
+            args.overrides.append(f"train.init_from={json.dumps(os.path.normpath(args.init_from))}")
         if args.recipe:
             recipe = load_recipe(args.recipe, args.overrides)
         else:
-            run = load_run_config(args.config, args.overrides)
+            run = load_run_config(args.config, args.overrides,
+                                  model=args.init_from and source_model_values(args.init_from))
     except ValueError as err:
         parser.error(str(err))
     if args.print_config:

@@ -40,6 +40,7 @@ from train.anticipatory_routing import AnticipatoryRoutingConfig
 from train.data.config import DataConfig
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
 from train.optim.schedules import decay_start
+from train.periodic_config import SampleConfig, TaskEvalConfig, check_periodic
 from train.preset_fit import fit_warmup
 from train.telemetry.wandb_sink import WandbConfig
 
@@ -114,6 +115,11 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     indexer_loss_coef: float = 1.0
 
     eval_batches: int = 4
+    eval_tasks: TaskEvalConfig = TaskEvalConfig()  # lm-eval tasks at eval_every (train/periodic.py)
+    sample_every: int = 0  # 0 = none; else log greedy generations (`samples`) every N steps
+    samples: SampleConfig = SampleConfig()
+    # The weights a new run starts from (`--init-from`; train/init_from.py); "" = random init
+    init_from: str = ""
     max_consecutive_skips: int = 5  # non-finite loss/grad skips before giving up
     peak_flops: float = 0.0  # per device, for MFU; 0 = measure a float32 matmul at start-up
     data: DataConfig = DataConfig()
@@ -129,6 +135,8 @@ class TrainConfig(OptimizerConfig, LoopConfig):
         check_int("micro_batch_size", self.micro_batch_size, 0)
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("loss_mask", self.loss_mask, LOSS_MASKS)
+        if not isinstance(self.init_from, str):
+            raise ConfigError("init_from", f"must be a checkpoint path or '', got {self.init_from!r}")
         for name in ("min_lr", "mtp_loss_weight", "balance_loss_coef", "router_bias_rate",
                      "sequence_balance_coef", "indexer_loss_coef", "peak_flops"):
             check_nonnegative(name, getattr(self, name))
@@ -151,6 +159,7 @@ class TrainConfig(OptimizerConfig, LoopConfig):
                                   "use a cosine with min_lr < lr or a lower lr_stages end")
         if self.trainable == "indexer" and self.router_bias_rate:
             raise ConfigError("router_bias_rate", "must be 0 under train.trainable=indexer")
+        check_periodic(self)
 
     def _validate_batch_warmup(self) -> None:
         previous = -1
@@ -297,14 +306,16 @@ def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
                      mesh=build_dataclass(MeshConfig, values.get("mesh") or {}, "mesh."))
 
 
-def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+def load_run_config(path: str | Path, overrides: Sequence[str] = (),
+                    model: Mapping[str, Any] | None = None) -> RunConfig:
     """Reads a run YAML (`model:` / `train:` / `mesh:` sections; a file without them is a model
-    preset; one without a model is refused) and applies `model.x=...` / `train.x=...` /
-    `mesh.x=...` overrides."""
+    preset; one without a model takes `model`, the fields of `--init-from`'s model, or is
+    refused) and applies `model.x=...` / `train.x=...` / `mesh.x=...` overrides."""
     values = read_yaml(path)
     if not (set(SECTIONS) & set(values)):
         values = {"model": values}
-    values["model"] = model_values(values, path)
+    values["model"] = (dict(model) if model is not None and "model" not in values
+                       else model_values(values, path))
     check_override_sections(overrides, {"model": ModelConfig, "train": TrainConfig,
                                         "mesh": MeshConfig})
     fitted = fit_warmup(values, apply_overrides(values, overrides), overrides,
@@ -338,7 +349,6 @@ def check_override_sections(overrides: Sequence[str],
                              f"{hint}")
 
 
-
 # Fields that may change between a checkpoint and its resumption: implementation switches,
 # run-length/logging knobs and the mesh (checkpoints are restored into any sharding).
 # Everything else shapes the state or the data stream.
@@ -351,8 +361,9 @@ RESUMABLE_CHANGES = {
     "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
     "train.peak_flops", "train.progress", "train.xla_cache_dir", "train.data.num_workers", "train.loss_chunk_size",
     *(f"train.wandb.{f.name}" for f in dataclasses.fields(WandbConfig)),
-    *(f"train.anticipatory_routing.{f.name}"
-      for f in dataclasses.fields(AnticipatoryRoutingConfig)),
+    "train.sample_every", *(f"train.{section}.{f.name}" for section, config in (
+        ("eval_tasks", TaskEvalConfig), ("samples", SampleConfig),
+        ("anticipatory_routing", AnticipatoryRoutingConfig)) for f in dataclasses.fields(config)),
     *(f"train.{field}" for field in RESUMABLE_OPTIMIZER_CHANGES),
 }
 

@@ -13,21 +13,19 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from model.interop.workdir import Checkpointer, restore_target
 from model.interop.workdir_lock import claimed_workdir
-from model.lm import split_variables
 from model.parallel.rules import named, replicated, use_mesh
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
+from model.weights import load_model
 from train.anticipatory_routing import AnticipatoryRouting, check_anticipatory_routing
 from train.checkpoint import check_training_checkpoint
 from train.config import RunConfig, resume_changes
 from train.data.pipeline import make_dataset
 from train.data.sources import check_data, open_data
-from train.eval import evaluate, limited, make_eval_step
+from train.init_from import check_init_source, fitted_variables
 from train.interrupts import stop_requests
 from train.parallel.distributed import (
     any_process,
@@ -37,6 +35,7 @@ from train.parallel.distributed import (
     process_state,
 )
 from train.parallel.sharding import batch_spec, check_batch_fits, make_mesh, state_specs
+from train.periodic import PeriodicEvals
 from train.run_record import check_and_record, write_run_config
 from train.state import (
     TrainState,
@@ -112,12 +111,18 @@ class Trainer:
             except ValueError as err:
                 raise TrainingError(str(err)) from None
         self.tokenizer = load_tokenizer(run.train.data.tokenizer)
+        if self.resume_step is None and run.train.init_from:  # before any data or model work
+            note = check_init_source(run.train.init_from, run.model, self.tokenizer)
+            if note and is_lead():
+                print(note, file=sys.stderr)
         # Opened once (raw documents read, or prepared manifests and shard sizes checked): the
         # train stream and every held-out evaluation read it. Checked here, before any model
         # work, so bad or changed data fails in seconds.
         self.data_source = open_data(run.train.data, self.tokenizer)
+        samples_heldout = run.train.sample_every > 0 and not run.train.samples.prompts
         check_data(self.data_source, run.train.data, self.tokenizer, loss_mask=run.train.loss_mask,
-                   heldout=run.train.eval_every > 0, shard_count=jax.process_count())
+                   heldout=run.train.eval_every > 0 or samples_heldout,
+                   shard_count=jax.process_count())
         chat = chat_tokenizer_for(self.tokenizer) if self.data_source.renders_chats else None
         note = check_and_record(self.workdir, self.tokenizer, run.train.data, chat,
                                 resuming=self.resume_step is not None,
@@ -139,7 +144,8 @@ class Trainer:
             self.anticipatory = AnticipatoryRouting(
                 run.train.anticipatory_routing, self.training.model, self.batch_sharding,
                 self.workdir, is_lead())
-        self._eval_step = None
+        self.evals = PeriodicEvals(run, self.training.model, self.tokenizer, self.data_source,
+                                   self.mesh)
         self.data = make_dataset(
             run.train.data, self.tokenizer, seq_len=run.train.seq_len,
             batch_size=run.train.micro_batch() // jax.process_count(), split="train",
@@ -151,16 +157,27 @@ class Trainer:
         into them (whatever mesh it was saved from). `start_from`: variables {"params",
         "balance"} a fresh state takes instead of a random init (optimizer state new)."""
         seed = self.run.train.seed
-        if self.resume_step is None:
-            model, optimizer = self.training.model, self.training.optimizer
-            if start_from is None:
-                return jax.jit(lambda: create_state(model, optimizer, seed),
-                               out_shardings=self.state_sharding)()
-            self._check_start_variables(start_from)
-            key = jax.random.split(jax.random.key(seed))[1]
-            return jax.jit(lambda v: state_from_variables(v, optimizer, key),
-                           out_shardings=self.state_sharding)(start_from)
-        return self.restore(self.resume_step)
+        if self.resume_step is not None:
+            return self.restore(self.resume_step)
+        model, optimizer = self.training.model, self.training.optimizer
+        if start_from is None:
+            return jax.jit(lambda: create_state(model, optimizer, seed),
+                           out_shardings=self.state_sharding)()
+        target = (self.abstract_state.params, self.abstract_state.balance)
+        start_from = fitted_variables(start_from, target)
+        key = jax.random.split(jax.random.key(seed))[1]
+        return jax.jit(lambda v: state_from_variables(v, optimizer, key),
+                       out_shardings=self.state_sharding)(start_from)
+
+    def start_variables(self, start_from: dict | None) -> dict | None:
+        """What a new run starts from: `start_from`, else `train.init_from`'s weights on the
+        mesh (read outside its context: unboxing there would constrain abstract values)."""
+        source = self.run.train.init_from
+        if self.resume_step is not None or start_from is not None or not source:
+            return start_from
+        if is_lead():
+            print(f"starting from the weights of {source}: new optimizer state, step 0")
+        return load_model(source, self.mesh)[1]
 
     def restore(self, step: int) -> TrainState:
         """The checkpoint of `step` in the state's shardings; the data stream continues from
@@ -180,15 +197,6 @@ class Trainer:
             return None
         self.checkpoints.delete_after(target)
         return self.restore(target), target
-
-    def _check_start_variables(self, variables: dict) -> None:
-        expected = (self.abstract_state.params, self.abstract_state.balance)
-        got = split_variables(variables)
-        if jax.tree.structure(got) != jax.tree.structure(expected) or any(
-                a.shape != b.shape for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))):
-            raise TrainingError("the starting weights do not fit this run's model (a different "
-                                "shape or set of parameters); only shape-preserving model "
-                                "changes can continue from them")
 
     def next_batch(self, step: int) -> tuple[dict, int]:
         """([num_micro, micro, T] global arrays for optimizer step `step` (batch-size warm-up),
@@ -213,23 +221,6 @@ class Trainer:
         if not self.run.train.data.mixture:
             return {}
         return {f"data/mix/{k}": v for k, v in self.data.mixture_shares().items()}
-
-    def evaluate(self, state: TrainState) -> dict[str, float]:
-        """Held-out loss and perplexity over the first `train.eval_batches` batches of the
-        held-out split (the same batches every time)."""
-        cfg = self.run.train
-        if self._eval_step is None:
-            self._eval_step = make_eval_step(self.training.model, cfg.loss_chunk_size)
-        data = make_dataset(cfg.data, self.tokenizer, seq_len=cfg.seq_len,
-                            batch_size=cfg.micro_batch(), split="heldout", seed=cfg.seed,
-                            data=self.data_source, loss_mask=cfg.loss_mask)
-        # Every process reads the same held-out rows; each device evaluates its share of them.
-        rows = NamedSharding(self.mesh, P(*batch_spec(self.mesh)[1:]))
-        shard = lambda batch: {k: jax.make_array_from_callback(  # noqa: E731
-            v.shape, rows, lambda index, v=v: v[index]) for k, v in batch.items()}
-        result = evaluate(self._eval_step, state.params, state.balance,
-                          map(shard, limited(data, cfg.eval_batches)))
-        return {"eval/loss": result["loss"], "eval/perplexity": result["perplexity"]}
 
     def train_step(self):
         """The jitted step, with the state and batch shardings fixed (trace it under
@@ -259,6 +250,7 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
     with claimed_workdir(Path(workdir)), stop_requests() as stop:
         trainer = Trainer(run, Path(workdir), allow_data_change)
         try:
+            start_from = trainer.start_variables(start_from)
             with use_mesh(trainer.mesh):
                 return _run_steps(trainer, trainer.initial_state(start_from), stop, stop_after)
         finally:
@@ -357,15 +349,19 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                         continue
             pending = (metrics, timed_tokens)
             evaluate_now = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
-            if step % cfg.log_every == 0 or step == cfg.steps or evaluate_now:
+            sample_now = cfg.sample_every and (step % cfg.sample_every == 0 or step == cfg.steps)
+            if step % cfg.log_every == 0 or step == cfg.steps or evaluate_now or sample_now:
                 rate = clock.tokens_per_sec()
                 record = {**metrics, "tokens_seen": tokens_seen, **trainer.mixture_shares()}
                 if rate is not None:  # None until a step after the compiling one has finished
                     record.update(tokens_per_sec=rate, mfu=rate * flops_per_token / peak)
                     progress.update(first_step + len(losses), {"tok/s": rate})
-                if evaluate_now:
-                    record.update(trainer.evaluate(state))
-                    progress.notice(f"step {step}: held-out loss {record['eval/loss']:.4f}")
+                if evaluate_now or sample_now:
+                    measured, lines = trainer.evals.run_at(state, step, held_out=evaluate_now,
+                                                           samples=sample_now)
+                    record.update(measured)
+                    for line in lines:
+                        progress.notice(line)
                     clock.restart()  # the evaluation waited for this step: leave it untimed
                     pending = (metrics, 0)
                 writer.write(step, record)

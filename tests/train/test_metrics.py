@@ -65,13 +65,24 @@ def test_histograms_reach_tensorboard(tmp_path):
     assert hists["moe_hist/layer1/load"][0] == 3 and hists["moe_hist/layer1/load"][1].num == 4
 
 
+def test_texts_reach_the_file_and_tensorboard(tmp_path):
+    """A string value (a generated sample) is kept as text, beside the numbers."""
+    text = "def main():\n    return"
+    with MetricsWriter(tmp_path) as writer:
+        writer.write(5, {"loss": 2.0, "samples/0": text})
+    assert lines(tmp_path) == [{"step": 5, "loss": 2.0, "samples/0": text}]
+    texts = [(v.tag, e.step, v.tensor.string_val) for e in read_events(tmp_path / "tensorboard")
+             for v in e.summary.value if v.HasField("tensor")]
+    assert texts == [("samples/0/text_summary", 5, [text.encode()])]
+
+
 def test_background_error_surfaces(tmp_path):
     writer = MetricsWriter(tmp_path, tensorboard=False)
     writer.write(1, {"loss": object()})  # not a number: fails in the thread
     with pytest.raises(RuntimeError, match="metrics writer failed"):
         writer.flush()
     writer.write(2, {"loss": 1.0})  # the writer keeps going after reporting
-    writer.write(3, {"bad": "x"})
+    writer.write(3, {"bad": [1.0, "x"]})
     with pytest.raises(RuntimeError, match="metrics writer failed"):
         writer.close()
     assert lines(tmp_path) == [{"step": 2, "loss": 1.0}]
@@ -81,7 +92,7 @@ def test_background_error_surfaces(tmp_path):
 
 def test_error_raised_by_next_write(tmp_path):
     writer = MetricsWriter(tmp_path, tensorboard=False)
-    writer.write(1, {"loss": "nope"})
+    writer.write(1, {"loss": None})
     writer._queue.join()  # let the thread fail without raising here
     with pytest.raises(RuntimeError, match="metrics writer failed"):
         writer.write(2, {"loss": 1.0})

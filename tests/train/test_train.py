@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 from pathlib import Path
-from types import SimpleNamespace
 
 import chex
 import flax.linen as nn
@@ -31,6 +30,7 @@ from model.lm import abstract_variables
 from train.__main__ import main as train_main
 from train.balance import update_router_bias
 from train.eval import main as eval_main
+from train.init_from import InitFromError, fitted_variables
 from train.loop import Trainer, TrainingError, meta_loss_masked, train
 from train.state import abstract_state, build_training, create_state
 from train.step import make_train_step
@@ -377,19 +377,19 @@ def test_metrics_lines_have_the_promised_fields(trained):
 
 
 def test_starting_weights_must_fit_the_model():
-    """A stage's starting variables are checked against the run's state before training: a
-    missing or extra collection, parameter or a changed shape is refused."""
+    """A stage's (or `train.init_from`'s) starting variables are checked against the run's state
+    before training: a missing or extra collection, parameter or a changed shape is refused;
+    other dtypes are cast to the run's."""
     params = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}
     bias = {"b": jax.ShapeDtypeStruct((3,), jnp.float32)}
-    check = Trainer._check_start_variables  # needs only the trainer's abstract state
-    without_bias = SimpleNamespace(abstract_state=SimpleNamespace(params=params, balance={}))
-    check(without_bias, {"params": {"w": jnp.zeros((2, 3))}})  # no `balance`: same as empty
+    fitted = fitted_variables({"params": {"w": jnp.ones((2, 3), jnp.bfloat16)}}, (params, {}))
+    assert fitted["params"]["w"].dtype == jnp.float32 and "balance" not in fitted  # none: empty
     for bad in ({"params": {"w": jnp.zeros((2, 4))}},
                 {"params": {"w": jnp.zeros((2, 3)), "v": jnp.zeros(1)}},
                 {"params": {"w": jnp.zeros((2, 3))}, "balance": {"b": jnp.zeros(3)}}):
-        with pytest.raises(TrainingError, match="do not fit this run's model"):
-            check(without_bias, bad)
-    with_bias = SimpleNamespace(abstract_state=SimpleNamespace(params=params, balance=bias))
-    check(with_bias, {"params": {"w": jnp.zeros((2, 3))}, "balance": {"b": jnp.zeros(3)}})
-    with pytest.raises(TrainingError, match="do not fit this run's model"):
-        check(with_bias, {"params": {"w": jnp.zeros((2, 3))}})
+        with pytest.raises(InitFromError, match="do not fit this run's model"):
+            fitted_variables(bad, (params, {}))
+    fitted_variables({"params": {"w": jnp.zeros((2, 3))}, "balance": {"b": jnp.zeros(3)}},
+                     (params, bias))
+    with pytest.raises(InitFromError, match="do not fit this run's model"):
+        fitted_variables({"params": {"w": jnp.zeros((2, 3))}}, (params, bias))

@@ -23,7 +23,8 @@ A stage overrides anything of the run config: schedule (`train.steps`, `train.lr
 loss switch (`train.data.meta_loss_mask_after_tokens=0` masks metadata for the whole stage).
 Overrides given on the command line apply to every stage, last.
 
-Stage k trains in DIR/stages/<kk>-<name> like a `python -m train` run. It starts from the final
+Stage k trains in DIR/stages/<kk>-<name> like a `python -m train` run. The first stage starts
+from random weights, or from `--init-from SRC` (train/init_from.py). Stage k starts from the final
 params and router biases of stage k-1 with a new optimizer state and its own learning-rate
 schedule from step 0 (optimizer groups change between stages: frozen routers, newly trained MTP
 heads), and reads data with `train.seed + k` so it does not replay the previous stage's order.
@@ -38,19 +39,18 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
-import flax.linen as nn
 import jax
 
-from model.config import ModelConfig, config_to_dict
+from model.config import ModelConfig
 from model.interop.workdir import latest_checkpoint_step
 from model.interop.workdir_lock import workdir_lock
-from model.lm import abstract_variables
 from model.tokenizers.text import load_tokenizer
 from model.weights import load_model
 from train.checkpoint import changed_since_checkpoint
-from train.config import RESUMABLE_CHANGES, RunConfig, flatten, load_run_config
+from train.config import RunConfig, load_run_config
 from train.data.sources import check_data, open_data
 from train.experiments.spec import override_list, read_spec
+from train.init_from import model_changes
 from train.loop import TrainingError, TrainSummary, train
 
 RECIPE_KEYS = ("stages",)  # besides spec.COMMON_KEYS
@@ -73,10 +73,13 @@ class Recipe:
 
     def stage_config(self, index: int, extra: Sequence[str] = ()) -> RunConfig:
         """Run config of stage `index` (0-based): base, recipe overrides, the stage's, `extra`;
-        the data seed is offset by the stage index."""
+        the data seed is offset by the stage index; only the first stage keeps
+        `train.init_from`."""
         run = load_run_config(self.base, [*self.overrides, *self.stages[index].overrides, *extra])
+        # A later stage starts from the previous one's weights, whatever `train.init_from` says
         return dataclasses.replace(run, train=dataclasses.replace(
-            run.train, seed=run.train.seed + index))
+            run.train, seed=run.train.seed + index,
+            init_from=run.train.init_from if index == 0 else ""))
 
     def stage_dir(self, workdir: Path, index: int) -> Path:
         return Path(workdir) / "stages" / f"{index + 1:02d}-{self.stages[index].name}"
@@ -124,29 +127,14 @@ def _check_continues(before: ModelConfig, after: ModelConfig, before_name: str,
                      name: str) -> None:
     """Stage `name` starts from stage `before_name`'s weights, so its model must have the same
     parameters and shapes (ValueError naming the model fields that change them). Changes of
-    RoPE settings, windows and implementation switches keep them; anything else is checked on
-    the parameter shapes (traced, nothing allocated)."""
-    old, new = flatten(config_to_dict(before)), flatten(config_to_dict(after))
-    changed = [k for k in old if old[k] != new.get(k)]
-    suspects = [k for k in changed if not _keeps_shapes(k)]
-    if not suspects or _variable_shapes(before) == _variable_shapes(after):
-        return
-    shown = ", ".join(f"model.{k} ({old[k]} -> {new[k]})" for k in suspects[:3])
-    raise ValueError(f"recipe stage {name}: {shown} change the model's parameters from stage "
-                     f"{before_name}'s; a stage continues the previous stage's weights, so only "
-                     "changes that keep every parameter shape are possible (RoPE settings, "
-                     "windows, kernels, ...)")
-
-
-def _keeps_shapes(field: str) -> bool:
-    """Model fields (dotted, below `model.`) that never change a parameter's shape."""
-    return (f"model.{field}" in RESUMABLE_CHANGES or "rope" in field
-            or field.split(".")[-1] == "window")
-
-
-def _variable_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    leaves = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(abstract_variables(config)))[0]
-    return {jax.tree_util.keystr(path): leaf.shape for path, leaf in leaves}
+    RoPE settings, windows and implementation switches keep them (`train.init_from`'s check)."""
+    changed, _ = model_changes(before, after)
+    if changed:
+        shown = ", ".join(map(str, changed[:3]))
+        raise ValueError(f"recipe stage {name}: {shown} change the model's parameters from "
+                         f"stage {before_name}'s; a stage continues the previous stage's "
+                         "weights, so only changes that keep every parameter shape are possible "
+                         "(RoPE settings, windows, kernels, ...)")
 
 
 def clone_mtp_heads(params: dict) -> dict:

@@ -6,8 +6,9 @@
 A background thread fetches the values (`jax.device_get`) and writes
 - `workdir/metrics.jsonl`: one JSON object per `write`, `{"step": int, name: float, ...}` for
   every scalar; non-finite values (NaN, ±inf) are written as `null` so every line is valid JSON;
-- `workdir/tensorboard/`: TensorBoard scalars, and a histogram for every array with more than
-  one element (e.g. `moe_hist/...`; those never go to metrics.jsonl);
+  a string value (a generated sample) is written as it is;
+- `workdir/tensorboard/`: TensorBoard scalars and texts, and a histogram for every array with
+  more than one element (e.g. `moe_hist/...`; those never go to metrics.jsonl);
 - every further sink given (`sinks`, e.g. Weights & Biases, train/telemetry/wandb_sink.py): the
   scalars of each record, `sink.log(step, scalars)`, and `sink.close()` at the end.
 An exception in the thread is re-raised by the next `write`, `flush` or `close`.
@@ -172,8 +173,10 @@ class MetricsWriter:
                 self._queue.task_done()
 
     def _write_record(self, step: int, metrics: dict) -> None:
-        scalars, arrays = split_metrics(jax.device_get(metrics))
-        record = {"step": step, **{k: _json_float(v) for k, v in scalars.items()}}
+        texts = {k: v for k, v in metrics.items() if isinstance(v, str)}
+        scalars, arrays = split_metrics(jax.device_get(
+            {k: v for k, v in metrics.items() if k not in texts}))
+        record = {"step": step, **{k: _json_float(v) for k, v in scalars.items()}, **texts}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         for sink in self._sinks:
@@ -186,6 +189,8 @@ class MetricsWriter:
                                      purge_step=self._purge_step)
         for name, value in scalars.items():
             self._tb.add_scalar(name, value, step)
+        for name, text in texts.items():
+            self._tb.add_text(name, text, step)
         for name, values in arrays.items():
             finite = values[np.isfinite(values)]
             if finite.size:
