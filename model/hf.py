@@ -27,7 +27,8 @@ DeepSeek-V4's MXFP4 experts: model/interop/quantized.py) are dequantized on impo
 parameter dtype; other quantization layouts are refused by key. Export writes no quantization,
 except DeepSeek-V4's MXFP4 routed experts on request (`--expert-dtype fp4`: the values FP4
 quantization-aware training computes with, `qat.expert_weights: mxfp4`), optionally under the
-release's own tensor names (`--names release`).
+release's own tensor names (`--names release`). The model's QAT switches (`model.qat`) travel
+in config.json under `stepjax_qat` (model/interop/qat_json.py) and come back on import.
 Config keys that do not change the network (token ids, max_position_embeddings, torch_dtype,
 ...) are ignored on import.
 """

@@ -32,12 +32,14 @@ from model.config import (
     model_values,
     read_yaml,
 )
+from model.config.model_config import INT32_MAX
 from model.parallel.rules import MESH_AXES
 from train.anticipatory_routing import AnticipatoryRoutingConfig
 from train.data.config import DataConfig
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
 from train.optim.schedules import decay_start
 from train.preset_fit import fit_warmup
+from train.yaml_kinds import RUN_SECTIONS, check_run_yaml
 
 SCHEDULES = ("cosine", "constant", "stages")
 # Which targets a chat document trains on (train/data/chat.py): its assistant turns, all its
@@ -269,6 +271,13 @@ class RunConfig(Config):
             raise ConfigError("train.mtp_offset_weights", f"{len(self.train.mtp_offset_weights)} "
                               f"weights but the model has model.mtp.num_heads="
                               f"{self.model.mtp.num_heads}")
+        # A micro-batch's tokens, and their routed expert slots, are indexed with int32.
+        micro, length, top_k = self.train.micro_batch(), self.train.seq_len, self.model.moe.top_k
+        if micro * length * top_k > INT32_MAX:
+            raise ConfigError("train.seq_len", f"{micro} x {length} tokens per micro-batch x "
+                              f"model.moe.top_k={top_k} = {micro * length * top_k:,} routed slots "
+                              f"exceed int32 indexing ({INT32_MAX:,}); lower train.seq_len or "
+                              "the micro-batch (train.micro_batch_size)")
 
     def to_dict(self) -> dict:
         return {"model": config_to_dict(self.model), "train": config_to_dict(self.train),
@@ -282,7 +291,7 @@ class RunConfig(Config):
         return max((i + 1 for i, w in enumerate(weights) if w > 0), default=0)
 
 
-SECTIONS = ("model", "train", "mesh")
+SECTIONS = RUN_SECTIONS
 
 
 def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
@@ -300,6 +309,7 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfi
     preset; one without a model is refused) and applies `model.x=...` / `train.x=...` /
     `mesh.x=...` overrides."""
     values = read_yaml(path)
+    check_run_yaml(values, path)
     if not (set(SECTIONS) & set(values)):
         values = {"model": values}
     values["model"] = model_values(values, path)

@@ -40,6 +40,7 @@ from model.interop.safetensors_io import (
     write_tensors,
 )
 from model.interop.io_errors import os_reason
+from model.interop.qat_json import qat_to_hf, with_qat_from_hf
 from model.interop.tensor_names import Entry, lookup
 from model.lm import abstract_variables
 from model.tokenizers.chat import write_tokenizer_files
@@ -111,13 +112,14 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
     never holds more than one tensor beyond the open shard. A quantized release (FP8 block-wise,
     MXFP4 experts: `quantized.py`) is dequantized tensor by tensor as it streams, through
     float32 to `param_dtype`. DeepSeek-V4's own release layout (its tensor names and config
-    keys) is read as well as transformers' (model/interop/deepseek_v4.py).
+    keys) is read as well as transformers' (model/interop/deepseek_v4.py). The QAT switches an
+    export recorded (`stepjax_qat`, model/interop/qat_json.py) are set again.
     """
     path = Path(path)
     hf_config = read_json(path / "config.json")
     family = checkpoint_family(hf_config.get("model_type"))
     scheme = quantized.scheme_of(hf_config)
-    config = _translated(family, hf_config, path / "config.json")
+    config = with_qat_from_hf(_translated(family, hf_config, path / "config.json"), hf_config)
     if param_dtype is not None:
         config = config.replace(param_dtype=param_dtype)
     files = _without_ignored(shard_names(path), family.ignored_tensors)
@@ -257,7 +259,8 @@ def save_hf_checkpoint(config: ModelConfig, variables: dict, path: str | Path, *
     the reference keeps them. `names`: "transformers" (what save_pretrained writes) or
     "release" (the family's own release names: DeepSeek-V4). `expert_dtype` "fp4": the routed
     experts in the MXFP4 layout of DeepSeek-V4's release (`quantized.mxfp4_pack`: the values
-    FP4 QAT computes with), announced in config.json as the release does. `tokenizer`: written
+    FP4 QAT computes with), announced in config.json as the release does. `config.qat` goes
+    into config.json (`qat_json.qat_to_hf`), so an import computes as this model does. `tokenizer`: written
     beside them (tokenizer.json and tokenizer_config.json, `write_tokenizer_files`), so the
     directory is a complete model.
     `path` must be new or empty; on failure nothing is left there.
@@ -276,7 +279,7 @@ def save_hf_checkpoint(config: ModelConfig, variables: dict, path: str | Path, *
     if expert_dtype and family.expert_tensors is None:
         raise ValueError(f"expert_dtype: 'fp4' (MXFP4 experts) is DeepSeek-V4's release format; "
                          f"this model exports as {model_type}")
-    hf_config = family.config_to_hf(config)
+    hf_config = {**family.config_to_hf(config), **qat_to_hf(config)}
     abstract = nn.meta.unbox(abstract_variables(config))
     _check_variables(variables, abstract)
     entries = family.tensor_table(config, abstract)
