@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Sequence
 
 from model.config import DTYPES, ModelConfig
-from model.config.cli import ArgumentParser, report_error
+from model.config.cli import ArgumentParser, finite_float, report_error
 from model.interop.hf import load_hf_checkpoint, save_hf_checkpoint
 from model.interop.model_dir import locked_output, save_model_dir
 from model.interop.workdir import CheckpointError, latest_run_config, saved_tokenizer
@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     exports.add_argument("--expert-dtype", choices=("fp4",), default=None,
                          help="DeepSeek-V4: routed experts in the release's MXFP4 layout "
                               "(default: --dtype like every other weight)")
-    exports.add_argument("--max-shard-gib", type=float, default=5.0, metavar="GIB",
+    exports.add_argument("--max-shard-gib", type=finite_float, default=5.0, metavar="GIB",
                          help="largest shard file (default 5)")
     exports.add_argument("--drop-mtp", action="store_true",
                          help="leave the MTP heads out (MiMo-V2-Flash's format has none; "
@@ -95,8 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "tokenizer.json")
     args = parser.parse_args(argv)
     try:
-        if args.command == "export" and args.max_shard_gib <= 0:
-            raise ValueError(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
+        if args.command == "export" and int(args.max_shard_gib * 2**30) < 1:
+            raise ValueError(f"--max-shard-gib must be at least one byte (2^-30), got "
+                             f"{args.max_shard_gib}")
         with locked_output(Path(args.out)):  # before the long load: nothing is overwritten
             if args.command == "import":
                 config, variables = load_hf_checkpoint(args.source, param_dtype=args.param_dtype)
