@@ -383,9 +383,9 @@ def rl_config_from_dict(values: Mapping[str, Any]) -> RLRunConfig:
     section = values.get("model") or {}
     alone = isinstance(section, Mapping) and set(section) == {"qat"}  # no model of their own
     model = build_dataclass(ModelConfig, section, "model.") if section and not alone else None
+    qat = build_dataclass(QATConfig, section["qat"], "model.qat.") if alone else None
     return RLRunConfig(model=model, rl=build_dataclass(RLConfig, values.get("rl") or {}, "rl."),
-                       task=task_config_from_dict(values.get("task")),
-                       qat=build_dataclass(QATConfig, section["qat"], "model.qat.") if alone else None)
+                       task=task_config_from_dict(values.get("task")), qat=qat)
 
 
 def load_rl_config(path: str | Path, overrides: Sequence[str] = ()) -> RLRunConfig:

@@ -38,7 +38,8 @@ class QATConfig(Config):
         lacks = "the CSA lightning indexer, but the layout has no CSA ('C') layer"
         for name, default, present, part in (
                 ("expert_weights", "none", experts, "the routed experts, but the model has none"),
-                ("indexer_qk", "none", indexer, lacks), ("index_scores", "float32", indexer, lacks)):
+                ("indexer_qk", "none", indexer, lacks),
+                ("index_scores", "float32", indexer, lacks)):
             value = getattr(self, name)
             if value != default and not present:
                 raise ConfigError(f"qat.{name}", f"{value!r} applies to {part}; leave it "

@@ -240,7 +240,8 @@ def test_a_resume_refuses_other_model_fields_by_name(tmp_path):
                                              ("layout", "SF"), ("num_dense_layers", 1))}
     own = load_rl_config(RL_ARITH, sorted(section))
     saved = own.to_dict()
-    wider = load_rl_config(RL_ARITH, sorted(section - {"model.d_model=256"}) + ["model.d_model=512"])
+    wider = load_rl_config(RL_ARITH, [*sorted(section - {"model.d_model=256"}),
+                                      "model.d_model=512"])
     with pytest.raises(TrainingError, match=r"differs from the checkpoint's in model\.d_model;"):
         resumed_config(wider, saved, tmp_path)
     # with --init-from only the switches of a model: section apply, as when the run started
