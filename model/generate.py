@@ -37,11 +37,11 @@ from typing import Sequence
 
 import jax
 
-from model.config import config_to_dict, config_yaml
-from model.config.cli import ArgumentParser, report_error
+from model.config import ConfigError, config_to_dict, config_yaml
+from model.config.cli import ArgumentParser, finite_float, report_error
 from model.conversation import Conversation, Renderer, decoding_context, read_prompt_file, talk
 from model.inference.decode import Decoder, required_length
-from model.inference.sampling import Sampling
+from model.inference.sampling import GREEDY_BELOW, Sampling
 from model.interop.model_dir import is_model_dir
 from model.interop.workdir import CheckpointError, latest_run_config, saved_tokenizer
 from model.interop.workdir_record import read_record, tokenizer_mismatch
@@ -195,10 +195,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m model.gene
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="tokenizer.json or a directory with tokenizer(_config).json")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0 = greedy (default)")
+    parser.add_argument("--temperature", type=finite_float, default=0.0,
+                        help=f"0 = greedy (default; so is any below {GREEDY_BELOW:.2g})")
     parser.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 = off")
+    parser.add_argument("--top-p", type=finite_float, default=1.0, metavar="P", help="1 = off")
     parser.add_argument("--speculative", action="store_true", help="MTP speculative decoding")
     parser.add_argument("--draft", type=int, default=None, metavar="D",
                         help="drafted tokens per step (default: all MTP heads)")
@@ -239,6 +239,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m model.gene
         parser.error(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     try:
         Sampling(args.temperature, args.top_k, args.top_p).validate()
+    except ConfigError as err:  # named as the flag
+        return report_error(ValueError(f"--{err.field.replace('_', '-')}: {err.problem}"))
+    try:
         if chatting:
             converse(args)
             return 0

@@ -28,7 +28,8 @@ DeepSeek-V4's MXFP4 experts: model/interop/quantized.py) are dequantized on impo
 parameter dtype; other quantization layouts are refused by key. Export writes no quantization,
 except DeepSeek-V4's MXFP4 routed experts on request (`--expert-dtype fp4`: the values FP4
 quantization-aware training computes with, `qat.expert_weights: mxfp4`), optionally under the
-release's own tensor names (`--names release`).
+release's own tensor names (`--names release`). The model's QAT switches (`model.qat`) travel
+in config.json under `stepjax_qat` (model/interop/qat_json.py) and come back on import.
 Config keys that do not change the network (token ids, max_position_embeddings, torch_dtype,
 ...) are ignored on import. An import writes bfloat16 params by default (`--dtype float32` on
 request), streaming tensor by tensor (host memory holds a few copies of one tensor, not the
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Sequence
 
 from model.config import DTYPES, ModelConfig
-from model.config.cli import ArgumentParser, report_error
+from model.config.cli import ArgumentParser, finite_float, report_error
 from model.interop.hf import load_hf_checkpoint, save_hf_checkpoint
 from model.interop.hf_import import import_release
 from model.interop.hub import check_repo_id, download_release
@@ -98,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     exports.add_argument("--expert-dtype", choices=("fp4",), default=None,
                          help="DeepSeek-V4: routed experts in the release's MXFP4 layout "
                               "(default: --dtype like every other weight)")
-    exports.add_argument("--max-shard-gib", type=float, default=5.0, metavar="GIB",
+    exports.add_argument("--max-shard-gib", type=finite_float, default=5.0, metavar="GIB",
                          help="largest shard file (default 5)")
     exports.add_argument("--drop-mtp", action="store_true",
                          help="leave the MTP heads out (MiMo-V2-Flash's format has none; "
@@ -117,8 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(str(err))
     summary = None
     try:
-        if args.command == "export" and args.max_shard_gib <= 0:
-            raise ValueError(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
+        if args.command == "export" and int(args.max_shard_gib * 2**30) < 1:
+            raise ValueError(f"--max-shard-gib must be at least one byte (2^-30), got "
+                             f"{args.max_shard_gib}")
         with locked_output(Path(args.out)):  # before the long load: nothing is overwritten
             if args.command == "import":
                 source = (download_release(args.hf, args.revision) if args.hf else args.source)

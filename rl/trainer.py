@@ -98,7 +98,7 @@ class RLTrainer:
         self.budgets: BudgetTable | None = None  # Toggle's, set by initial_state()
         if self.resume_step is not None:
             run = resumed_config(run, self.checkpoints.read_config(self.resume_step),
-                                 self.workdir)
+                                 self.workdir, init_from=bool(init_from))
         elif init_from:  # float32 masters, whatever the checkpoint stores (a bfloat16 import)
             config, self.initial_variables = load_model(init_from, self.mesh, param_dtype="float32")
             run = run.with_model(config, checkpoint=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from model.config import config_yaml
-from model.config.cli import ArgumentParser, report_error
+from model.config.cli import ArgumentParser, finite_float, report_error
 from model.interop.workdir import CheckpointError
 from model.interop.workdir_lock import WorkdirInUse
 from train.config import RunConfig, load_run_config
@@ -73,7 +73,7 @@ def build_parser() -> ArgumentParser:
                             "(env JAX_NUM_PROCESSES; 1 = single process, no cluster detection)")
     multi.add_argument("--process-id", type=int, metavar="I", default=None,
                        help="this process's index in [0, N) (env JAX_PROCESS_ID)")
-    multi.add_argument("--coordinator-timeout", type=float, metavar="S",
+    multi.add_argument("--coordinator-timeout", type=finite_float, metavar="S",
                        default=DEFAULT_TIMEOUT_S,
                        help="seconds every process has to reach the coordinator before the "
                             f"run stops with an error (default {DEFAULT_TIMEOUT_S:g})")

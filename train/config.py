@@ -13,7 +13,6 @@ same YAML keys. Every config validates on construction (model/config/core.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -35,14 +34,17 @@ from model.config import (
     model_values,
     read_yaml,
 )
+from model.config.model_config import INT32_MAX
 from model.parallel.rules import MESH_AXES
 from train.anticipatory_routing import AnticipatoryRoutingConfig
 from train.data.config import DataConfig
-from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
+from train.optim.config import OptimizerConfig
 from train.optim.schedules import decay_start
 from train.periodic_config import SampleConfig, TaskEvalConfig, check_periodic
 from train.preset_fit import fit_warmup
+from train.resume_fields import incompatible_fields
 from train.telemetry.wandb_sink import WandbConfig
+from train.yaml_kinds import RUN_SECTIONS, check_run_yaml
 
 SCHEDULES = ("cosine", "constant", "stages")
 # Which targets a chat document trains on (train/data/chat.py): its assistant turns, all its
@@ -283,6 +285,13 @@ class RunConfig(Config):
             raise ConfigError("train.mtp_offset_weights", f"{len(self.train.mtp_offset_weights)} "
                               f"weights but the model has model.mtp.num_heads="
                               f"{self.model.mtp.num_heads}")
+        # A micro-batch's tokens, and their routed expert slots, are indexed with int32.
+        micro, length, top_k = self.train.micro_batch(), self.train.seq_len, self.model.moe.top_k
+        if micro * length * top_k > INT32_MAX:
+            raise ConfigError("train.seq_len", f"{micro} x {length} tokens per micro-batch x "
+                              f"model.moe.top_k={top_k} = {micro * length * top_k:,} routed slots "
+                              f"exceed int32 indexing ({INT32_MAX:,}); lower train.seq_len or "
+                              "the micro-batch (train.micro_batch_size)")
 
     def to_dict(self) -> dict:
         return {"model": config_to_dict(self.model), "train": config_to_dict(self.train),
@@ -296,7 +305,7 @@ class RunConfig(Config):
         return max((i + 1 for i, w in enumerate(weights) if w > 0), default=0)
 
 
-SECTIONS = ("model", "train", "mesh")
+SECTIONS = RUN_SECTIONS
 
 
 def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
@@ -312,6 +321,7 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = (),
     preset; one without a model takes `model`, the fields of `--init-from`'s model, or is
     refused) and applies `model.x=...` / `train.x=...` / `mesh.x=...` overrides."""
     values = read_yaml(path)
+    check_run_yaml(values, path)
     if not (set(SECTIONS) & set(values)):
         values = {"model": values}
     values["model"] = (dict(model) if model is not None and "model" not in values
@@ -349,52 +359,9 @@ def check_override_sections(overrides: Sequence[str],
                              f"{hint}")
 
 
-# Fields that may change between a checkpoint and its resumption: implementation switches,
-# run-length/logging knobs and the mesh (checkpoints are restored into any sharding).
-# Everything else shapes the state or the data stream.
-RESUMABLE_CHANGES = {
-    "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "mesh.pipeline", "mesh.zero1",
-    "model.ep_collective", "model.pipeline_microbatches", "model.pipeline_virtual_stages",
-    "model.attention_impl", "model.moe_impl", "model.moe.block_size", "model.remat_policy",
-    "model.compute_dtype",
-    "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-    "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
-    "train.peak_flops", "train.progress", "train.xla_cache_dir", "train.data.num_workers", "train.loss_chunk_size",
-    *(f"train.wandb.{f.name}" for f in dataclasses.fields(WandbConfig)),
-    "train.sample_every", *(f"train.{section}.{f.name}" for section, config in (
-        ("eval_tasks", TaskEvalConfig), ("samples", SampleConfig),
-        ("anticipatory_routing", AnticipatoryRoutingConfig)) for f in dataclasses.fields(config)),
-    *(f"train.{field}" for field in RESUMABLE_OPTIMIZER_CHANGES),
-}
-
-
-def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, Mapping):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
-def incompatible_fields(saved: Mapping[str, Any], current: Mapping[str, Any],
-                        resumable: frozenset[str] | set[str] = frozenset(RESUMABLE_CHANGES)
-                        ) -> list[str]:
-    """Dotted names of fields whose saved value differs from `current` (a run's `to_dict()`,
-    compared after a JSON round trip, as the checkpoint stores it) and that a resumed run may
-    not change (`resumable` lists those it may: by default a training run's)."""
-    old, new = flatten(saved), flatten(_json_roundtrip(current))
-    return sorted(k for k in set(old) | set(new) if k not in resumable and old.get(k) != new.get(k))
-
-
 def resume_changes(saved: Mapping[str, Any], run: RunConfig) -> list[str]:
     """Dotted fields in which `run` differs from the config a checkpoint was saved with and
     that a resumed run may not change. `saved` is read as this version reads it, so a field
     added since the checkpoint was written counts at its default (e.g. train.loss_mask: auto,
     which is `all` on the text data such a run could have)."""
     return incompatible_fields(run_config_from_dict(saved).to_dict(), run.to_dict())
-
-
-def _json_roundtrip(values: Any) -> Any:
-    return json.loads(json.dumps(values))

@@ -34,7 +34,7 @@ from model.interop.workdir_record import describe_tokenizer, tokenizer_identity,
 from model.lm import abstract_variables, join_variables, split_variables
 from model.tokenizers.text import TextTokenizer, load_tokenizer
 from model.weights import load_model_config
-from train.config import RESUMABLE_CHANGES, flatten
+from train.resume_fields import RESUMABLE_CHANGES, flatten
 
 
 class InitFromError(ValueError):

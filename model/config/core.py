@@ -191,9 +191,14 @@ def build_dataclass(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     try:
         return cls(**kwargs)
     except ConfigError as err:
-        if getattr(cls, "section", ""):  # already named by its fixed place
-            raise
-        raise err.within(prefix.rstrip(".")) from None
+        section, path = getattr(cls, "section", ""), prefix.rstrip(".")
+        if not section:
+            raise err.within(path) from None
+        # Named by the section it has on its own (`moe.top_k`): renamed to where it sits in
+        # what the user wrote (`model.moe.top_k` in a run YAML).
+        if err.field == section or err.field.startswith(f"{section}."):
+            raise ConfigError(path + err.field[len(section):], err.problem) from None
+        raise
 
 
 def dotted_names(cls: type, prefix: str = "") -> list[str]:

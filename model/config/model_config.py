@@ -277,11 +277,9 @@ class ModelConfig(Config):
         if self.moe.hash_layers > self.num_moe_layers:
             raise ConfigError("moe.hash_layers", f"{self.moe.hash_layers} exceeds the "
                               f"{self.num_moe_layers} MoE layers")
-        index_dim = self.shared_kv_attention.index_head_dim
-        if self.qat.indexer_qk != "none" and index_dim & (index_dim - 1):
-            raise ConfigError("qat.indexer_qk", f"rotates the indexer's queries and keys with a "
-                              f"Hadamard matrix: shared_kv_attention.index_head_dim must be a "
-                              f"power of two, got {index_dim}")
+        self.qat.check_model(
+            experts=bool(self.num_moe_layers or (self.mtp.num_heads and self.mtp.block == "layer")),
+            indexer="C" in self.layout, index_head_dim=self.shared_kv_attention.index_head_dim)
         check_positive("norm_eps", self.norm_eps)
         check_positive("init_std", self.init_std)
         check_choice("param_dtype", self.param_dtype, DTYPES)

@@ -32,6 +32,7 @@ from model.interop.families import checkpoint_family, model_type_of
 from model.interop.hf_stream import open_hf_checkpoint
 from model.interop.io_errors import os_reason
 from model.interop.model_dir import fresh_directory, variable_shardings
+from model.interop.qat_json import qat_to_hf
 from model.interop.safetensors_io import CheckpointFormatError, write_tensors
 from model.interop.tensor_names import Entry, lookup
 from model.lm import abstract_variables
@@ -59,7 +60,8 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
     quantized release (FP8 block-wise, MXFP4 experts: `quantized.py`) is dequantized tensor by
     tensor as it streams, through float32 to `param_dtype`. DeepSeek-V4's own release layout
     (its tensor names and config keys) is read as well as transformers'
-    (model/interop/deepseek_v4.py).
+    (model/interop/deepseek_v4.py). The QAT switches an export recorded (`stepjax_qat`,
+    model/interop/qat_json.py) are set again.
     """
     source = open_hf_checkpoint(path, param_dtype=param_dtype)
     shardings = variable_shardings(source.config, mesh)
@@ -137,7 +139,8 @@ def save_hf_checkpoint(config: ModelConfig, variables: dict, path: str | Path, *
     the reference keeps them. `names`: "transformers" (what save_pretrained writes) or
     "release" (the family's own release names: DeepSeek-V4). `expert_dtype` "fp4": the routed
     experts in the MXFP4 layout of DeepSeek-V4's release (`quantized.mxfp4_pack`: the values
-    FP4 QAT computes with), announced in config.json as the release does. `tokenizer`: written
+    FP4 QAT computes with), announced in config.json as the release does. `config.qat` goes
+    into config.json (`qat_json.qat_to_hf`), so an import computes as this model does. `tokenizer`: written
     beside them (tokenizer.json and tokenizer_config.json, `write_tokenizer_files`), so the
     directory is a complete model.
     `path` must be new or empty; on failure nothing is left there.
@@ -156,7 +159,7 @@ def save_hf_checkpoint(config: ModelConfig, variables: dict, path: str | Path, *
     if expert_dtype and family.expert_tensors is None:
         raise ValueError(f"expert_dtype: 'fp4' (MXFP4 experts) is DeepSeek-V4's release format; "
                          f"this model exports as {model_type}")
-    hf_config = family.config_to_hf(config)
+    hf_config = {**family.config_to_hf(config), **qat_to_hf(config)}
     abstract = nn.meta.unbox(abstract_variables(config))
     _check_variables(variables, abstract)
     entries = family.tensor_table(config, abstract)

@@ -22,6 +22,7 @@ import numpy as np
 from model.config import ModelConfig
 from model.interop import quantized
 from model.interop.families import Family, checkpoint_family
+from model.interop.qat_json import with_qat_from_hf
 from model.interop.safetensors_io import (
     CheckpointFormatError,
     TensorInfo,
@@ -98,7 +99,7 @@ def read_hf_config(path: str | Path) -> HFConfig:
     path = Path(path)
     hf_config = read_json(path / "config.json")
     family = checkpoint_family(hf_config.get("model_type"))
-    config = _translated(family, hf_config, path / "config.json")
+    config = with_qat_from_hf(_translated(family, hf_config, path / "config.json"), hf_config)
     files = _without_ignored(shard_names(path), family.ignored_tensors)
     stored = read_headers(path, files)
     if family.stored_config is not None:

@@ -19,7 +19,7 @@ import math
 import sys
 from typing import Sequence
 
-from model.config.cli import ArgumentParser, format_table
+from model.config.cli import ArgumentParser, finite_float, format_table
 from model.parallel.device_mesh import parse_mesh as parse_axis_sizes
 from model.parallel.rules import MESH_AXES
 from train.config import RunConfig, load_run_config
@@ -139,7 +139,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--micro-batch-size", type=int, metavar="N",
                         help="train.micro_batch_size")
     parser.add_argument("--seq-len", type=int, metavar="N", help="train.seq_len")
-    parser.add_argument("--device-memory", type=float, default=80.0, metavar="GiB",
+    parser.add_argument("--device-memory", type=finite_float, default=80.0, metavar="GiB",
                         help="memory budget per device (default: 80)")
     parser.add_argument("--strict", action="store_true",
                         help="exit with code 1 when over budget")
