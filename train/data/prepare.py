@@ -44,18 +44,8 @@ from train.data.documents import heldout_score
 from train.data.encoder import DocumentEncoder
 from train.data.prepare_plan import UNIT_BYTES, describe_inputs, plan_units
 from train.data.readers import Span, read_file
-from train.data.shards import (
-    FORMAT,
-    MANIFEST,
-    SHARDS,
-    VERSION,
-    ShardWriter,
-    check_shards,
-    read_manifest,
-    token_dtype,
-    verify_shards,
-)
-from train.data.sources import SPLITS
+from train.data.manifest import FORMAT, MANIFEST, SPLITS, VERSION, manifest_problem, read_manifest
+from train.data.shards import SHARDS, ShardWriter, check_shards, token_dtype, verify_shards
 
 PLAN = "plan.json"
 REPORT_BYTES = 4 << 20  # a worker reports its progress every this many input bytes
@@ -151,10 +141,7 @@ def _existing(out: Path, settings: dict, inputs: list[dict], force: bool) -> dic
     stored = None
     for name in (MANIFEST, PLAN):
         if (out / name).is_file():
-            try:
-                stored = json.loads((out / name).read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-                stored = {"unreadable": name}
+            stored = _stored(out / name)
             break
     if stored is None:
         if out.exists() and any(out.iterdir()):
@@ -168,7 +155,7 @@ def _existing(out: Path, settings: dict, inputs: list[dict], force: bool) -> dic
         old = {i.get("path", i["entry"]): i for i in stored.get("inputs", [])}
         new = {i.get("path", i["entry"]): i for i in inputs}
         changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-        what = (f"its {stored['unreadable']} is unreadable" if "unreadable" in stored else
+        what = (stored["unreadable"] if "unreadable" in stored else
                 f"input changed: {', '.join(changed[:3])}" if changed else "settings changed")
         raise ValueError(f"--out {out} holds a preparation of other data ({what}); pass "
                          "--force to replace it or choose another --out")
@@ -177,6 +164,24 @@ def _existing(out: Path, settings: dict, inputs: list[dict], force: bool) -> dic
     for path in (out / SHARDS).glob("*") if (out / SHARDS).is_dir() else ():
         path.unlink()
     return None
+
+
+def _stored(path: Path) -> dict:
+    """The manifest or plan in `path`, or {"unreadable": why} if it is not one prepare wrote
+    (edited or damaged: such a directory is prepared again only with --force)."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {"unreadable": f"its {path.name} is unreadable"}
+    inputs = stored.get("inputs") if isinstance(stored, dict) else None
+    if not (isinstance(inputs, list) and all(isinstance(i, dict) and "entry" in i
+                                               for i in inputs)):
+        problem = "inputs: not a list of inputs"
+    elif path.name == MANIFEST:
+        problem = manifest_problem(stored)
+    else:
+        problem = None if isinstance(stored.get("units"), list) else "units: missing"
+    return {"unreadable": f"its {path.name} is damaged ({problem})"} if problem else stored
 
 
 def run_units(out: Path, settings: dict, inputs: list[dict], units: list[dict], workers: int,
