@@ -18,11 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 from pathlib import Path
 
 FORMAT = "stepjax-token-shards"
 VERSION = 1
 MANIFEST = "manifest.json"
+PLAN = "plan.json"  # what an unfinished preparation is doing (train/data/prepare.py)
 SPLITS = ("train", "heldout")
 TOKEN_DTYPES = ("<u2", "<u4")  # shards.token_dtype's choices
 COUNTS = ("records", "documents", "tokens")  # a split's totals, the sums of its shards'
@@ -33,6 +35,25 @@ UNIT = r"(\d{5}|[1-9]\d{5,})"  # a unit number as prepare writes it, `{number:05
 def is_prepared(entry: str) -> bool:
     """Whether a `train.data.source` entry is a prepared directory."""
     return (Path(entry) / MANIFEST).is_file()
+
+
+def unfinished_preparation(directory: Path) -> str | None:
+    """If `directory` is a preparation that has not finished (a plan, no manifest yet): how to
+    finish it, in one line; else None."""
+    try:
+        plan = json.loads((Path(directory) / PLAN).read_text())
+        settings, entries = plan["settings"], [i["entry"] for i in plan["inputs"]]
+        command = shlex.join([
+            "python", "-m", "train.data.prepare", "--source", ",".join(dict.fromkeys(entries)),
+            "--out", str(directory), "--tokenizer", settings["tokenizer"]["name"],
+            "--heldout-fraction", str(settings["heldout_fraction"]),
+            "--unit-mb", str(settings["unit_bytes"] / 2**20)])  # exact: a power of 2
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):  # a damaged plan: no command to offer
+        command = "python -m train.data.prepare with the --source and --out it was started with"
+    return (f"{directory} is a preparation that did not finish (no {MANIFEST} yet); finish it "
+            f"by running `{command}` again")
 
 
 def read_manifest(root: Path) -> dict:

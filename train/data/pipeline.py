@@ -42,6 +42,8 @@ from train.data.sources import SPLITS, TrainingData, open_data
 
 SHUFFLE_WINDOW_TOKENS = 1 << 18  # packed rows are shuffled within windows of this many tokens
 MIXTURE = "mixture"  # a mixture's rows carry their source's index under this key
+# What grain appends to the message of an exception raised in its pipeline (its traceback note).
+GRAIN_NOTE = "\n--------------------\n"
 
 
 def host_records(records: grain.MapDataset, split: str, shard_index: int = 0,
@@ -124,12 +126,27 @@ class DataIterator:
         self._iterator = iter(dataset)
         self.mixture = mixture or []
         self.rows = [0] * len(self.mixture)  # rows read so far, by mixture source
+        self._peeked = None  # (state before it, batch) of a batch `peek` read
 
     def __iter__(self):
         return self
 
+    def peek(self) -> dict:
+        """The next batch, read now and returned again by the next `next()`: a run reads its
+        first batch, and so meets bad data, before anything compiles."""
+        if self._peeked is None:
+            state = self.get_state()
+            self._peeked = (state, next(self))
+        return self._peeked[1]
+
     def __next__(self) -> dict:
-        batch = next(self._iterator)
+        if self._peeked is not None:
+            batch, self._peeked = self._peeked[1], None
+            return batch
+        try:
+            batch = next(self._iterator)
+        except ValueError as err:  # a record that could not be read, named where it was read
+            raise ValueError(str(err).split(GRAIN_NOTE)[0]) from None
         sources = batch.pop(MIXTURE, None)
         if sources is not None:
             counts = np.bincount(sources, minlength=len(self.mixture))
@@ -144,6 +161,8 @@ class DataIterator:
 
     def get_state(self) -> dict:
         """JSON-serialisable (plain dicts, lists, ints, strings)."""
+        if self._peeked is not None:
+            return self._peeked[0]
         return json.loads(json.dumps({"pipeline": self.pipeline, "mixture_rows": self.rows,
                                       "grain": self._iterator.get_state()}))
 
@@ -155,6 +174,7 @@ class DataIterator:
             raise ValueError("data state belongs to another pipeline: "
                              + ", ".join(f"{k} {saved.get(k)!r} -> {self.pipeline.get(k)!r}"
                                          for k in changed))
+        self._peeked = None
         self._iterator.set_state(_restore_tuples(state["grain"]))
         self.rows = list(state.get("mixture_rows", self.rows))
 

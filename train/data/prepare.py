@@ -44,10 +44,17 @@ from train.data.documents import heldout_score
 from train.data.encoder import DocumentEncoder
 from train.data.prepare_plan import UNIT_BYTES, describe_inputs, plan_units
 from train.data.readers import Span, read_file
-from train.data.manifest import FORMAT, MANIFEST, SPLITS, VERSION, manifest_problem, read_manifest
+from train.data.manifest import (
+    FORMAT,
+    MANIFEST,
+    PLAN,
+    SPLITS,
+    VERSION,
+    manifest_problem,
+    read_manifest,
+)
 from train.data.shards import SHARDS, ShardWriter, check_shards, token_dtype, verify_shards
 
-PLAN = "plan.json"
 REPORT_BYTES = 4 << 20  # a worker reports its progress every this many input bytes
 
 
