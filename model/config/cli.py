@@ -6,6 +6,7 @@ of `load_config`, which name the offending field.
 """
 
 import argparse
+import math
 import sys
 from typing import NoReturn, Sequence
 
@@ -17,6 +18,19 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {' '.join(message.split())}\n")
+
+
+def finite_float(text: str) -> float:
+    """argparse `type` of a float flag: refuses `inf` and `nan` (which float() accepts, and
+    which reach an int() or a range check as a traceback or an error without the flag's name);
+    argparse names the flag in its one-line error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def report_error(err: BaseException) -> int:

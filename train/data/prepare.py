@@ -18,11 +18,8 @@ so a run from the prepared directory reads what the same run from the files woul
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
-import multiprocessing
 import os
-import queue
 import sys
 import time
 from pathlib import Path
@@ -32,8 +29,10 @@ import numpy as np
 from tqdm import tqdm
 
 from model.config import check_open_fraction
-from model.config.cli import ArgumentParser, report_error
+from model.config.cli import ArgumentParser, finite_float, report_error
 from model.interop.atomic_file import write_text_atomically
+from model.interop.io_errors import os_reason
+from model.interop.workdir_lock import LOCK_FILE, WorkdirInUse, claimed_workdir
 from model.interop.workdir_record import tokenizer_identity
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
@@ -42,8 +41,6 @@ from train.data.chat import templates_sha256
 from train.data.corpus import PROCEDURAL_SOURCES, stdlib_documents
 from train.data.documents import heldout_score
 from train.data.encoder import DocumentEncoder
-from train.data.prepare_plan import UNIT_BYTES, describe_inputs, plan_units
-from train.data.readers import Span, read_file
 from train.data.manifest import (
     FORMAT,
     MANIFEST,
@@ -53,6 +50,9 @@ from train.data.manifest import (
     manifest_problem,
     read_manifest,
 )
+from train.data.prepare_plan import UNIT_BYTES, describe_inputs, plan_units
+from train.data.prepare_pool import run_in_processes
+from train.data.readers import Span, read_file
 from train.data.shards import SHARDS, ShardWriter, check_shards, token_dtype, verify_shards
 
 REPORT_BYTES = 4 << 20  # a worker reports its progress every this many input bytes
@@ -151,9 +151,7 @@ def _existing(out: Path, settings: dict, inputs: list[dict], force: bool) -> dic
             stored = _stored(out / name)
             break
     if stored is None:
-        if out.exists() and any(out.iterdir()):
-            raise ValueError(f"--out {out} is not empty and holds no prepared corpus; choose a "
-                             "new or empty directory")
+        _check_empty(out)
         return None
     same = stored.get("settings") == settings and stored.get("inputs") == inputs
     if same:
@@ -171,6 +169,12 @@ def _existing(out: Path, settings: dict, inputs: list[dict], force: bool) -> dic
     for path in (out / SHARDS).glob("*") if (out / SHARDS).is_dir() else ():
         path.unlink()
     return None
+
+
+def _check_empty(out: Path) -> None:
+    if out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir()):
+        raise ValueError(f"--out {out} is not empty and holds no prepared corpus; choose a "
+                         "new or empty directory")
 
 
 def _stored(path: Path) -> dict:
@@ -193,8 +197,8 @@ def _stored(path: Path) -> dict:
 
 def run_units(out: Path, settings: dict, inputs: list[dict], units: list[dict], workers: int,
               show: Callable[[int, int], None]) -> None:
-    """Tokenizes every unit without a `.done` note, in `workers` processes (1: in this one);
-    `show(input_bytes, tokens)` sees progress."""
+    """Tokenizes every unit without a `.done` note, in `workers` processes (1: in this one,
+    train/data/prepare_pool.py); `show(input_bytes, tokens)` sees progress."""
     pending = [(n, inputs[u["input"]], u) for n, u in enumerate(units)
                if not (out / SHARDS / f"{n:05d}.done").is_file()]
     if workers <= 1 or len(pending) <= 1:
@@ -202,27 +206,7 @@ def run_units(out: Path, settings: dict, inputs: list[dict], units: list[dict], 
         for args in pending:
             prepare_unit(*args)
         return
-    context = multiprocessing.get_context("spawn")
-    progress = context.Queue()
-    with concurrent.futures.ProcessPoolExecutor(
-            min(workers, len(pending)), mp_context=context, initializer=_init_worker,
-            initargs=(settings, str(out), progress)) as pool:
-        futures = [pool.submit(prepare_unit, *args) for args in pending]
-        try:
-            while not all(f.done() for f in futures):
-                try:
-                    show(*progress.get(timeout=0.2))
-                except queue.Empty:
-                    pass
-                for f in futures:
-                    if f.done() and f.exception() is not None:
-                        raise f.exception()
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
-    while not progress.empty():
-        show(*progress.get())
+    run_in_processes(prepare_unit, pending, workers, _init_worker, (settings, str(out)), show)
 
 
 def write_manifest(out: Path, source: str, settings: dict, inputs: list[dict],
@@ -273,11 +257,22 @@ def verify(root: Path, log: Callable[[str], None] = print) -> None:
 
 
 def prepare(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
-    """Prepares (or finishes, or confirms) `args.out`; returns its manifest."""
+    """Prepares (or finishes, or confirms) `args.out`, holding its lock (one preparation at a
+    time: model/interop/workdir_lock.py); returns its manifest."""
     out = args.out
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; name a new or empty directory")
+    if not any((out / name).is_file() for name in (MANIFEST, PLAN)):
+        _check_empty(out)  # before the lock file is written there
     tokenizer = load_tokenizer(args.tokenizer)
     inputs = describe_inputs(args.source)
     settings = _settings(args, tokenizer)
+    with claimed_workdir(out, option="--out"):
+        return _prepare(args, out, tokenizer, inputs, settings, log)
+
+
+def _prepare(args, out: Path, tokenizer, inputs: list[dict], settings: dict,
+             log: Callable[[str], None]) -> dict:
     stored = _existing(out, settings, inputs, args.force)
     if stored is not None and "splits" in stored:
         log(f"{out} is up to date ({_summary(stored)})")
@@ -329,10 +324,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="as train.data.tokenizer (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
                         help="tokenizing processes (default: the cores available, %(default)s)")
-    parser.add_argument("--heldout-fraction", type=float, default=DataConfig.heldout_fraction,
+    parser.add_argument("--heldout-fraction", type=finite_float,
+                        default=DataConfig.heldout_fraction,
                         help="share of documents held out, by key (default: %(default)s; a run "
                              "must set the same train.data.heldout_fraction)")
-    parser.add_argument("--unit-mb", type=float, default=UNIT_BYTES / 2**20,
+    parser.add_argument("--unit-mb", type=finite_float, default=UNIT_BYTES / 2**20,
                         help="input MiB per unit of work and shard (default: %(default)s)")
     parser.add_argument("--force", action="store_true",
                         help="replace a preparation of other input in --out")
@@ -340,20 +336,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--verify", type=Path, metavar="DIR",
                         help="re-hash every shard of a prepared DIR against its manifest")
     args = parser.parse_args(argv)
+    if args.verify is None and (not args.source or args.out is None):
+        parser.error("--source and --out are required (or --verify DIR)")
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    args.unit_bytes = int(args.unit_mb * 2**20)
+    if args.unit_bytes < 1:
+        parser.error(f"--unit-mb must be at least one byte (1/1048576), got {args.unit_mb}")
     try:
         if args.verify is not None:
             verify(args.verify)
             return 0
-        if not args.source or args.out is None:
-            parser.error("--source and --out are required (or --verify DIR)")
-        if args.workers < 1 or args.unit_mb <= 0:
-            parser.error(f"--workers must be >= 1 and --unit-mb > 0, got {args.workers}, "
-                         f"{args.unit_mb}")
         check_open_fraction("--heldout-fraction", args.heldout_fraction)
-        args.unit_bytes = int(args.unit_mb * 2**20)
         prepare(args)
-    except ValueError as err:
+    except (ValueError, WorkdirInUse) as err:
         return report_error(err)
+    except OSError as err:  # disk full, read-only filesystem, ...: the finished units are kept
+        where = err.filename or args.verify or args.out
+        return report_error(f"{where}: {os_reason(err)}" if err.errno else err)
+    except KeyboardInterrupt:
+        print("error: interrupted; the units prepared so far are kept: run the same command "
+              "again to finish", file=sys.stderr)
+        return 130
     return 0
 
 
