@@ -10,9 +10,11 @@ by random access, with memory that grows with neither the files nor the corpus.
 pyarrow). Files are streamed in blocks and cut into units of work (train/data/prepare_plan.py),
 tokenized in parallel by `--workers` processes, each writing its unit's shards
 (train/data/shards.py) and a `.done` note; `manifest.json` comes last. A re-run over unchanged
-input does nothing; after an interruption it tokenizes only the unfinished units. Documents and
-their held-out split (by document key, `--heldout-fraction`) are exactly those of the raw path,
-so a run from the prepared directory reads what the same run from the files would.
+input does nothing; after an interruption (Ctrl-C, a full disk, a kill) the same command
+tokenizes only the unfinished units. One preparation at a time holds an --out (its `.lock`, as a
+training workdir's). Documents and their held-out split (by document key, `--heldout-fraction`)
+are exactly those of the raw path, so a run from the prepared directory reads what the same run
+from the files would.
 """
 
 from __future__ import annotations
