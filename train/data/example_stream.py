@@ -27,6 +27,7 @@ from absl import flags
 # tears its modules down: a grain iterator left to its finaliser then prints "Exception
 # ignored" tracebacks at exit.
 CHUNK = 64  # examples a worker sends at a time
+LENGTHS = "lengths"  # a chunk's example lengths, next to its concatenated features
 _WITH_WORKERS: weakref.WeakSet = weakref.WeakSet()
 atexit.register(lambda: [stream.close() for stream in list(_WITH_WORKERS)])
 
@@ -62,9 +63,22 @@ class _Chunk:
     def __init__(self, examples: grain.MapDataset):
         self.examples = examples
 
-    def __call__(self, c: int) -> list[dict]:
-        return [self.examples[i]
-                for i in range(c * CHUNK, min((c + 1) * CHUNK, len(self.examples)))]
+    def __call__(self, c: int) -> dict:
+        """The chunk's examples concatenated, feature by feature, with their lengths: a few
+        arrays to move between processes, however many examples."""
+        chunk = [self.examples[i]
+                 for i in range(c * CHUNK, min((c + 1) * CHUNK, len(self.examples)))]
+        joined = {k: np.concatenate([e[k] for e in chunk]) for k in chunk[0]}
+        return {**joined, LENGTHS: np.array([len(e["tokens"]) for e in chunk], np.int64)}
+
+
+def _split(chunk: dict) -> list[dict]:
+    """A chunk back into its examples (in this process's memory, not grain's shared memory:
+    the packer keeps an example across rows, and a shared-memory array still alive at exit
+    prints tracebacks from its finaliser)."""
+    ends = np.cumsum(chunk.pop(LENGTHS))[:-1]
+    parts = {k: np.split(np.array(v), ends) for k, v in chunk.items()}
+    return [dict(zip(parts, values)) for values in zip(*parts.values())]
 
 
 class _ExampleStreamIterator(grain.DatasetIterator):
@@ -82,10 +96,8 @@ class _ExampleStreamIterator(grain.DatasetIterator):
             example = next(self._iterator)
         else:
             if not self._chunk:
-                self._chunk = next(self._iterator)[::-1]
-            # Out of grain's shared memory: the packer keeps an example across rows, and a
-            # shared-memory array still alive at exit prints tracebacks from its finaliser.
-            example = {k: np.array(v) for k, v in self._chunk.pop().items()}
+                self._chunk = _split(next(self._iterator))[::-1]
+            example = self._chunk.pop()
         self._next += 1
         return example
 
