@@ -81,8 +81,8 @@ def _stop(pool: concurrent.futures.ProcessPoolExecutor) -> None:
 
 def run_in_processes(task: Callable, tasks: Sequence[tuple], workers: int,
                      initializer: Callable, initargs: tuple,
-                     show: Callable[..., None]) -> list:
-    """[task(*t) for t in tasks] computed in `workers` spawned processes, each set up by
+                     show: Callable[..., None]) -> None:
+    """Calls task(*t) for every t in `tasks` in `workers` spawned processes, each set up by
     `initializer(*initargs, progress_queue)`; `show(*item)` sees every item a worker puts on
     the queue while they run. A worker's exception is raised here, after the workers stop;
     so is a Ctrl-C (KeyboardInterrupt)."""
@@ -102,11 +102,9 @@ def run_in_processes(task: Callable, tasks: Sequence[tuple], workers: int,
             for f in futures:
                 if f.done() and f.exception() is not None:
                     raise f.exception()
-        results = [f.result() for f in futures]
     except BaseException:
         _stop(pool)
         raise
     pool.shutdown(wait=True)
     while not progress.empty():
         show(*progress.get())
-    return results
