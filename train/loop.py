@@ -151,6 +151,8 @@ class Trainer:
             batch_size=run.train.micro_batch() // jax.process_count(), split="train",
             seed=run.train.seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
             data=self.data_source, loss_mask=run.train.loss_mask)
+        if self.resume_step is None:  # the first batch read, and bad data met, before compiling
+            self.data.peek()
 
     def initial_state(self, start_from: dict | None = None) -> TrainState:
         """A fresh state, created directly in its shardings, or the latest checkpoint restored
