@@ -48,7 +48,7 @@ def test_bad_flags_and_failing_disks_are_one_line_and_the_work_stays_resumable(
         assert (code, err) == (2, f"error: argument --unit-mb: must be a finite number, got "
                                   f"{value!r}")
     code, err = run_main(capsys, *base, "--heldout-fraction=nan")
-    assert code == 2 and err.startswith("error: argument --heldout-fraction: expected a finite")
+    assert code == 2 and err.startswith("error: argument --heldout-fraction: must be a finite")
     assert not out.exists()
     # A full disk in the middle: one line naming the file and the reason; the units written
     # before it are kept and the next run finishes the rest.
