@@ -32,6 +32,10 @@ class TwoShards:
         parts = [next(s) for s in self.shards]
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
+    def peek(self):
+        parts = [s.peek() for s in self.shards]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
     def get_state(self):
         return {"shards": [s.get_state() for s in self.shards]}
 

@@ -24,12 +24,12 @@ ACK = "received SIGINT: will save a checkpoint and stop after the current step; 
       "press Ctrl-C again to exit now"
 
 
-class Stderr:
-    """Collects a subprocess's stderr as it comes."""
+class Output:
+    """Collects a subprocess's stdout and stderr (merged) as they come."""
 
     def __init__(self, process: subprocess.Popen):
         self.text = ""
-        threading.Thread(target=self._read, args=(process.stderr,), daemon=True).start()
+        threading.Thread(target=self._read, args=(process.stdout,), daemon=True).start()
 
     def _read(self, stream) -> None:
         while chunk := os.read(stream.fileno(), 4096):
@@ -50,20 +50,20 @@ def test_ctrl_c_during_compile_is_acknowledged_and_a_second_exits_now(tmp_path):
     command = [sys.executable, "-m", "train", "--config", str(TINY), "--workdir", str(tmp_path),
                *OVERRIDES, f"train.xla_cache_dir={tmp_path / 'fresh-cache'}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": ""}
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)
     try:
-        stderr = Stderr(process)
-        stderr.wait_for("train:", timeout=300)  # the progress bar: the first step compiles next
+        output = Output(process)
+        output.wait_for("train:", timeout=300)  # the start-up line: the first step compiles next
         time.sleep(0.5)
         process.send_signal(signal.SIGINT)
-        stderr.wait_for(ACK, timeout=5)
+        output.wait_for(ACK, timeout=5)
         process.send_signal(signal.SIGINT)
         start = time.monotonic()
         assert process.wait(timeout=10) == 130
         assert time.monotonic() - start < 5
-        assert "compiled and ran the first train step" not in stderr.text  # it was compiling
-        assert "Traceback" not in stderr.text
+        assert "compiled and ran the first train step" not in output.text  # it was compiling
+        assert "Traceback" not in output.text
     finally:
         process.kill()
         process.wait()
