@@ -79,8 +79,10 @@ def test_deepseek_v4_recipes_follow_the_reports_schedule(name):
     assert (decay.mtp_loss_weight, decay.mtp_loss_weight_at_decay) == (0.3, 0.1)
     assert runs[4].train.mtp_loss_weight == 0.1
     for run in runs:
-        assert run.train.muon.orthogonalizer == "hybrid_newton_schulz"
-        assert (run.train.muon.update_rms, run.train.adam_eps) == (0.18, 1e-20)
+        muon = run.train.muon
+        assert (muon.orthogonalizer, muon.steps, muon.update_rms) == (
+            "hybrid_newton_schulz", 10, 0.18)
+        assert muon.finish_steps in (None, 2) and run.train.adam_eps == 1e-20
         assert (run.train.balance_loss_coef, run.train.sequence_balance_coef) == (0.0, 1e-4)
 
 

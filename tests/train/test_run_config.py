@@ -143,15 +143,31 @@ def test_a_field_added_since_a_checkpoint_counts_at_its_default():
                                                  ["train.steps=700"])) == []
 
 
-def test_family_presets_train_with_their_reports_optimizer_and_losses():
-    """DeepSeek-V4 (report 2.4 / 4.2.2): Muon with the hybrid Newton-Schulz (10 iterations, the
-    last 2 finishing), update RMS 0.18, AdamW eps 1e-20, sequence-wise loss 1e-4; MiMo (its
-    pre-training hyper-parameters): sequence auxiliary loss 1e-5. Neither has Step 3.5's
-    EP-group loss."""
-    v4 = load_run_config(REPO / "configs" / "tiny_deepseek_v4.yaml").train
-    assert (v4.muon.orthogonalizer, v4.muon.steps, v4.muon.finish_steps) == (
-        "hybrid_newton_schulz", 10, 2)
-    assert (v4.muon.update_rms, v4.adam_eps) == (0.18, 1e-20)
-    assert (v4.balance_loss_coef, v4.sequence_balance_coef) == (0.0, 1e-4)
-    mimo = load_run_config(REPO / "configs" / "tiny_mimo.yaml").train
-    assert (mimo.balance_loss_coef, mimo.sequence_balance_coef) == (0.0, 1e-5)
+def _family_settings(train) -> dict:
+    """The optimizer and balance settings a family's presets share."""
+    muon = train.muon
+    return {"optimizer": train.optimizer, "muon": (muon.orthogonalizer, muon.steps,
+                                                   muon.finish_steps, muon.update_rms),
+            "adam": (train.adam_b1, train.adam_b2, train.adam_eps, train.weight_decay),
+            "balance": (train.balance_loss_coef, train.sequence_balance_coef,
+                        train.router_bias_rate)}
+
+
+@pytest.mark.parametrize("family, presets, expected", [
+    # DeepSeek-V4 (report 2.4 / 4.2.2): Muon with the hybrid Newton-Schulz (10 iterations, the
+    # last 2 finishing by default), update RMS 0.18, AdamW eps 1e-20, sequence-wise loss 1e-4.
+    ("deepseek_v4", ("tiny_deepseek_v4", "gpu_1b_deepseek_v4"),
+     {"optimizer": "muon", "muon": ("hybrid_newton_schulz", 10, None, 0.18),
+      "adam": (0.9, 0.95, 1e-20, 0.1), "balance": (0.0, 1e-4, 1e-3)}),
+    # MiMo (its pre-training hyper-parameters): sequence auxiliary loss 1e-5; the presets keep
+    # stepjax's Muon (the recipes train with the report's AdamW).
+    ("mimo", ("tiny_mimo", "gpu_1b_mimo"),
+     {"optimizer": "muon", "muon": ("polar_express", 6, None, 0.2),
+      "adam": (0.9, 0.95, 1e-8, 0.1), "balance": (0.0, 1e-5, 1e-3)}),
+])
+def test_family_presets_train_with_their_reports_optimizer_and_losses(family, presets, expected):
+    """Every preset of a family, the ~1B ones included, trains with its family's settings;
+    neither V4 nor MiMo has Step 3.5's EP-group loss."""
+    for preset in presets:
+        assert _family_settings(load_run_config(REPO / "configs" / f"{preset}.yaml").train) \
+            == expected, preset
