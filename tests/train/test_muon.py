@@ -134,6 +134,10 @@ def test_the_hybrid_orthogonalizer_alone_runs_deepseek_v4s_eight_plus_two_at_rms
     explicit = load_run_config(REPO / "configs" / "tiny.yaml", [
         "train.muon.update_rms=0.3", "train.muon.orthogonalizer=hybrid_newton_schulz"])
     assert (explicit.train.muon.steps, explicit.train.muon.update_rms) == (10, 0.3)
+    from rl.config import load_rl_config  # a config two defaults deep (rl -> actor -> muon)
+    rl = load_rl_config(REPO / "configs" / "rl_arith.yaml",
+                        ["rl.actor.muon.orthogonalizer=hybrid_newton_schulz"]).rl
+    assert (rl.actor.muon.steps, rl.critic.muon.steps) == (10, 6)
 
 
 @pytest.mark.parametrize("method, steps", [("hybrid_newton_schulz", 10), ("polar_express", 6)])
