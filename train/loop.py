@@ -142,10 +142,11 @@ class Trainer:
             seed=run.train.seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
             data=self.data_source, loss_mask=run.train.loss_mask)
 
-    def initial_state(self, start_from: dict | None = None) -> TrainState:
+    def initial_state(self, start_from: dict | None = None, carry=None) -> TrainState:
         """A fresh state, created directly in its shardings, or the latest checkpoint restored
         into them (whatever mesh it was saved from). `start_from`: variables {"params",
-        "balance"} a fresh state takes instead of a random init (optimizer state new)."""
+        "balance"} a fresh state takes instead of a random init; `carry(self)`: {optimizer-state
+        leaf index: array} replacing those of the new optimizer state (else all new)."""
         seed = self.run.train.seed
         if self.resume_step is None:
             model, optimizer = self.training.model, self.training.optimizer
@@ -153,9 +154,9 @@ class Trainer:
                 return jax.jit(lambda: create_state(model, optimizer, seed),
                                out_shardings=self.state_sharding)()
             self._check_start_variables(start_from)
-            key = jax.random.split(jax.random.key(seed))[1]
-            return jax.jit(lambda v: state_from_variables(v, optimizer, key),
-                           out_shardings=self.state_sharding)(start_from)
+            key, entries = jax.random.split(jax.random.key(seed))[1], carry(self) if carry else {}
+            return jax.jit(lambda v, e: state_from_variables(v, optimizer, key, e),
+                           out_shardings=self.state_sharding, donate_argnums=1)(start_from, entries)
         return self.restore(self.resume_step)
 
     def restore(self, step: int) -> TrainState:
@@ -253,13 +254,14 @@ def check_anticipatory_routing(run: RunConfig) -> None:
 
 
 def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
-          start_from: dict | None = None, allow_data_change: bool = False) -> TrainSummary:
+          start_from: dict | None = None, carry=None, allow_data_change: bool = False
+          ) -> TrainSummary:
     """Trains to `run.train.steps`, resuming from `workdir` if it holds checkpoints.
     `stop_after`: leave (with a checkpoint) after this many steps of this invocation, as a
-    SIGTERM would; used to test resumption. `start_from`: unboxed variables {"params",
-    "balance"} a run without checkpoints starts from instead of a random init (a recipe stage
-    continuing the previous one, train/experiments/recipe.py). `allow_data_change`: resume
-    even though the data files changed since the run started (train/run_record.py)."""
+    SIGTERM would; used to test resumption. `start_from`, `carry`: see Trainer.initial_state
+    (a recipe stage continuing the previous ones, train/experiments/recipe.py).
+    `allow_data_change`: resume even though the data files changed since the run started
+    (train/run_record.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)
     # Stop requests from here on: a Ctrl-C while the state is built or restored is acknowledged
     # and honoured after the first step, a second one exits at once (train/interrupts.py).
@@ -267,7 +269,8 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
         trainer = Trainer(run, Path(workdir), allow_data_change)
         try:
             with use_mesh(trainer.mesh):
-                return _run_steps(trainer, trainer.initial_state(start_from), stop, stop_after)
+                return _run_steps(trainer, trainer.initial_state(start_from, carry), stop,
+                                  stop_after)
         finally:
             trainer.checkpoints.close()
 

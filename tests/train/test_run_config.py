@@ -41,6 +41,12 @@ def test_bad_value_raises_on_construction(make, message):
     ("train.trainable=indexer train.router_bias_rate=0",
      "train.trainable: 'indexer' needs a C layer in model.layout"),
     ("train.trainable=indexer", "train.router_bias_rate: must be 0 under train.trainable=indexer"),
+    # the warm-up and the stages must cover the run: no decay cut short, no silent hold
+    ("train.schedule=stages train.lr_stages=[[10,0.001,linear],[20,0.0,cosine]]",
+     "train.lr_stages: train.warmup_steps=24 + the stages' 10 + 20 = 54 steps, but "
+     "train.steps=240; make them add up"),
+    ("train.schedule=stages train.lr_stages=[[300,0.001,linear]]",
+     "train.lr_stages: train.warmup_steps=24 + the stages' 300 = 324 steps, but train.steps=240"),
     ("train.schedule=constant train.mtp_loss_weight_at_decay=0.1",
      "train.mtp_loss_weight_at_decay: the learning rate never decays"),
     ("train.data.heldout_fraction=1.0", "train.data.heldout_fraction: must be a number strictly"),
@@ -117,7 +123,7 @@ def test_a_directory_is_not_a_config_file():
 
 
 def test_min_lr_above_lr_is_accepted_where_no_cosine_uses_it():
-    stages = ["train.schedule=stages", "train.lr_stages=[[10, 1.0e-4, linear]]"]
+    stages = ["train.schedule=stages", "train.lr_stages=[[216, 1.0e-4, linear]]"]
     assert load_run_config(TINY, ["train.min_lr=0.01", *stages]).train.min_lr == 0.01
 
 
