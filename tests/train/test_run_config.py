@@ -149,6 +149,23 @@ def test_a_field_added_since_a_checkpoint_counts_at_its_default():
                                                  ["train.steps=700"])) == []
 
 
+def test_muon_settings_follow_the_orthogonalizer_unless_given():
+    """`steps` / `update_rms` left unset take the orthogonalizer's defaults (DeepSeek-V4 report
+    eq. 28 and 4.2.2 for the hybrid: 10 at 0.18; Step 3.5 report 4.1.1: 6 at 0.2; Keller
+    Jordan's 5), also through the defaults of a section two configs deep; a given value wins."""
+    assert (MuonConfig().steps, MuonConfig().update_rms) == (6, 0.2)
+    assert MuonConfig(orthogonalizer="newton_schulz").steps == 5
+    for overrides, expected in ((["train.muon.orthogonalizer=hybrid_newton_schulz"], (10, 0.18)),
+                                (["train.muon.update_rms=0.3",
+                                  "train.muon.orthogonalizer=hybrid_newton_schulz"], (10, 0.3))):
+        muon = load_run_config(TINY, overrides).train.muon
+        assert (muon.steps, muon.update_rms) == expected
+    from rl.config import load_rl_config  # rl -> actor -> muon
+    rl = load_rl_config(REPO / "configs" / "rl_arith.yaml",
+                        ["rl.actor.muon.orthogonalizer=hybrid_newton_schulz"]).rl
+    assert (rl.actor.muon.steps, rl.critic.muon.steps) == (10, 6)
+
+
 def _family_settings(train) -> dict:
     """The optimizer and balance settings a family's presets share."""
     muon = train.muon
