@@ -157,7 +157,7 @@ class RLConfig(LoopConfig):
     # The switches below: null = the algorithm's preset (module docstring).
     group_std: bool | None = None  # divide group advantages by the group's std
     loss_aggregation: str | None = None  # token_mean | sequence_mean | token_sum
-    dynamic_sampling: bool | None = None  # DAPO: drop groups of equal rewards, draw more
+    dynamic_sampling: bool | None = None  # DAPO: keep groups of 0 < #correct < G, draw more
     max_draws: int = 8  # dynamic sampling's draws per iteration at most (rl.dynamic_sampling)
     overlong_buffer: int | None = None  # DAPO's L_cache in tokens; 0 = no overlong shaping
     gamma: float = 1.0
