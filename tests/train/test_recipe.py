@@ -266,7 +266,7 @@ def test_recipe_freezes_clones_and_resumes_in_the_right_stage(tmp_path, capsys):
     # router's entries are not in the new state).
     carried = [line for line in lines if "optimizer state" in line]
     assert len(carried) == 1 and carried[0].startswith("[stage 2/2] mtp: optimizer state "
-                                                       "carried: ") and "from pre (" in carried[0]
+                                                       "carried: ") and "from pre;" in carried[0]
     assert "new (no earlier stage trained their params" in carried[0] and "mtp_1" in carried[0]
 
     # MTP-2 starts as a copy of the pre-training stage's MTP-1.

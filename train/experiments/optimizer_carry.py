@@ -57,6 +57,8 @@ def carried_entries(abstract: Any, shardings: Any, sources: Sequence[tuple[str, 
     for name, stage_dir in sources:
         if not missing:
             break
+        if not (Path(stage_dir) / "checkpoints").is_dir():  # moved away: nothing to carry
+            continue
         step, saved_config = latest_run_config(stage_dir)
         saved = abstract_state(build_training(run_config_from_dict(saved_config)), 0).opt_state
 
@@ -85,7 +87,8 @@ def describe(taken: dict[str, int], new: list[tuple], total: int) -> str:
     if not taken:
         return (f"optimizer state new: none of its {total} entries is in an earlier stage's "
                 "(no param trained there in the same optimizer group and shape)")
-    sources = " and ".join(f"{name} ({n})" for name, n in taken.items())
+    sources = (next(iter(taken)) if len(taken) == 1 else
+               " and ".join(f"{name} ({n})" for name, n in taken.items()))
     line = f"optimizer state carried: {sum(taken.values())} of {total} entries from {sources}"
     if new:
         shown = ", ".join(".".join(map(str, key)) for key in new[:2])
