@@ -153,7 +153,9 @@ def test_entries_missing_from_the_previous_stage_come_from_an_earlier_one(tmp_pa
         np.testing.assert_array_equal(value, from_b[key] if key in from_b else from_a[key])
     assert taken == {"b": len(found) - len(routers), "a": len(routers)}
     assert new and all("mtp_1" in k for k in new)  # MTP-2 trains for the first time
-    assert "new (no earlier stage trained their params" in describe(taken, new, 99)
+    line = describe(taken, new, 99, {"mtp_0", "mtp_1", "layers"})
+    assert line.endswith(f"; {len(new)} new, of mtp_1 ({len(new)}): no earlier stage trained "
+                         "them in this optimizer group and shape")
 
 
 def test_another_optimizer_carries_nothing_of_the_other(tmp_path):

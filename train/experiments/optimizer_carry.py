@@ -82,8 +82,9 @@ def carried_entries(abstract: Any, shardings: Any, sources: Sequence[tuple[str, 
     return found, taken, sorted(missing, key=str)
 
 
-def describe(taken: dict[str, int], new: list[tuple], total: int) -> str:
-    """One line on what a stage's optimizer state carried and what starts new, and why."""
+def describe(taken: dict[str, int], new: list[tuple], total: int, roots=()) -> str:
+    """One line on what a stage's optimizer state carried and what starts new, and why; the
+    new entries are counted by the top-level param (of `roots`) they belong to."""
     if not taken:
         return (f"optimizer state new: none of its {total} entries is in an earlier stage's "
                 "(no param trained there in the same optimizer group and shape)")
@@ -91,9 +92,13 @@ def describe(taken: dict[str, int], new: list[tuple], total: int) -> str:
                " and ".join(f"{name} ({n})" for name, n in taken.items()))
     line = f"optimizer state carried: {sum(taken.values())} of {total} entries from {sources}"
     if new:
-        shown = ", ".join(".".join(map(str, key)) for key in new[:2])
-        line += (f"; {len(new)} new (no earlier stage trained their params in this optimizer "
-                 f"group and shape: {shown}{', ...' if len(new) > 2 else ''})")
+        owners: dict[str, int] = {}
+        for key in new:
+            owner = next((str(k) for k in key if k in roots), ".".join(map(str, key)))
+            owners[owner] = owners.get(owner, 0) + 1
+        shown = ", ".join(f"{owner} ({n})" for owner, n in list(owners.items())[:3])
+        line += (f"; {len(new)} new, of {shown}{', ...' if len(owners) > 3 else ''}: no earlier "
+                 "stage trained them in this optimizer group and shape")
     return line
 
 
@@ -105,6 +110,6 @@ def optimizer_carry(sources: Sequence[tuple[str, Path]], log: Callable[[str], No
         abstract = trainer.abstract_state.opt_state
         found, taken, new = carried_entries(abstract, trainer.state_sharding.opt_state, sources)
         total = len(jax.tree.leaves(abstract)) - len(_schedule_counts(abstract))
-        log(describe(taken, new, total))
+        log(describe(taken, new, total, set(trainer.abstract_state.params)))
         return found
     return carry
