@@ -5,12 +5,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stepjax-installed
 
-.PHONY: test train rl rl-compare rl-toggle mopd sweep bench bench-torch gpu-check clean-venv
+.PHONY: test train notebook rl rl-compare rl-toggle mopd sweep bench bench-torch gpu-check clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,parity]'
+	$(PY) -m pip install --quiet -e '.[dev,parity,eval]'
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -20,6 +20,11 @@ test: $(STAMP)
 TRAIN_DIR ?= runs/tiny
 train: $(STAMP)
 	$(PY) -m train --config configs/tiny.yaml --workdir $(TRAIN_DIR) $(ARGS)
+
+# The quickstart notebook run headless in a fresh kernel (nbconvert, the dev extra); its stored
+# outputs are replaced by this run's.
+notebook: $(STAMP)
+	$(PY) -m jupyter nbconvert --to notebook --execute --inplace notebooks/quickstart.ipynb
 
 # RL run (docs/post_training.md, "Reinforcement learning"): SFT warm start on the arithmetic task,
 # then MIS-PO; ARGS go to `python -m rl` (e.g. ARGS="rl.algorithm=ppo" RL_DIR=runs/ppo_arith).
@@ -117,7 +122,7 @@ bench-torch: $(STAMP)
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 GPU_OUT ?= benchmarks/results
 gpu-check:
-	$(GPU_PYTHON) -m benchmarks.gpu_suite --out $(GPU_OUT) $(ARGS)
+	$(GPU_PYTHON) -m benchmarks.gpu.suite --out $(GPU_OUT) $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -13,6 +13,7 @@ import json
 import time
 
 from benchmarks.common import markdown_table, save
+from model.config.cli import finite_float
 from model.tokenizers.text import load_tokenizer
 from train.config import DataConfig
 from train.data.corpus import load_documents
@@ -27,8 +28,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="batches before timing")
     parser.add_argument("--batches", type=int, default=400, help="timed batches")
     parser.add_argument("--num-workers", type=int, default=0)
-    parser.add_argument("--consumer-tokens-per-s", type=float, default=30_000.0)
+    parser.add_argument("--consumer-tokens-per-s", type=finite_float, default=30_000.0)
     args = parser.parse_args()
+    if args.consumer_tokens_per_s <= 0:
+        parser.error(f"--consumer-tokens-per-s must be > 0, got {args.consumer_tokens_per_s}")
 
     cfg = DataConfig(num_workers=args.num_workers)
     tokenizer = load_tokenizer(cfg.tokenizer)

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config.cli import ArgumentParser, format_table, report_error
+from model.config.model_config import INT32_MAX
 from model.inference.decode import Decoder
 from model.inference.sampling import Sampling
 from model.lm import abstract_variables
@@ -230,8 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag, key in (("batch_size", "train.batch_size"), ("seq_len", "train.seq_len")):
         if getattr(args, flag) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")
-    if args.decode_len < 1:
-        return report_error(ValueError(f"--decode-len: must be >= 1, got {args.decode_len}"))
+    if not 1 <= args.decode_len <= INT32_MAX:  # positions are int32
+        return report_error(ValueError(f"--decode-len: must be in [1, {INT32_MAX}] (positions "
+                                       f"are int32), got {args.decode_len}"))
     major, dot, minor = args.gpu_capability.partition(".")
     if not (major.isdigit() and dot and minor.isdigit()):
         return report_error(ValueError(f"--gpu-capability: expected MAJOR.MINOR such as 9.0, "

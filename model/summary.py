@@ -30,12 +30,11 @@ from typing import Sequence
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from flax.traverse_util import flatten_dict
 
 from model.config import ModelConfig
 from model.config.cli import config_parser, format_table, human, parse_config
-from model.lm import CausalLM
+from model.lm import abstract_variables
 
 GROUPS = ("embeddings", "attention", "dense_ffn", "moe_routed", "moe_shared", "router", "norms",
           "hyper_connections", "lm_head", "mtp", "other")
@@ -47,14 +46,13 @@ _EXCLUDED_FROM_EXCL_EMBEDDINGS = ("embeddings", "lm_head")
 
 
 def param_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Flattened param path -> shape of `CausalLM(cfg).init`, traced abstractly (no memory).
+    """Flattened param path -> shape of `CausalLM(cfg)`'s params, traced abstractly (no memory).
 
     Scanned segments carry their leading `layers` axis, so sizes include every repeat.
     """
-    # Any length gives the same shapes; T > mtp.num_heads keeps every MTP token shift in range.
-    tokens = jax.ShapeDtypeStruct((1, cfg.mtp.num_heads + 1), jnp.int32)
-    variables = jax.eval_shape(CausalLM(cfg).init, jax.random.key(0), tokens)
-    params = nn.meta.unbox(variables["params"])
+    # The boxes' values, not `nn.meta.unbox`, which would constrain them to a mesh in use.
+    params = jax.tree.map(lambda leaf: leaf.value, abstract_variables(cfg)["params"],
+                          is_leaf=lambda leaf: isinstance(leaf, nn.meta.AxisMetadata))
     return {path: tuple(leaf.shape) for path, leaf in flatten_dict(params).items()}
 
 
@@ -83,10 +81,11 @@ def param_group(path: tuple[str, ...]) -> str:
     return "other"
 
 
-def count_params(cfg: ModelConfig) -> dict:
-    """Parameter counts of `cfg` (see the module docstring for every key). All values are ints."""
+def count_params(cfg: ModelConfig, shapes: dict | None = None) -> dict:
+    """Parameter counts of `cfg` (see the module docstring for every key). All values are ints.
+    `shapes`: `param_shapes(cfg)` when the caller has them already."""
     breakdown = {group: {"total": 0, "active": 0} for group in GROUPS}
-    for path, shape in param_shapes(cfg).items():
+    for path, shape in (param_shapes(cfg) if shapes is None else shapes).items():
         group, size = param_group(path), math.prod(shape)
         breakdown[group]["total"] += size
         # Each routed-expert leaf has an [E] expert axis, so its size is a multiple of E.

@@ -49,6 +49,7 @@ from rl.config import RLConfig
 from rl.draw import Draw
 from rl.objectives.toggle import phase, toggle_metrics, toggle_rewards, within_budget
 from train.loop import TrainingError
+from train.telemetry.progress import on_terminal
 
 BUDGETS_FILE = "toggle_budgets.json"
 KEY_STREAM = 2 ** 32 - 1  # the estimation's keys: fold_in(key(seed), KEY_STREAM, batch)
@@ -91,8 +92,9 @@ def estimate_budgets(sample: Callable[[list, jax.Array], Draw], tasks: Sequence,
     per_batch = rows // samples
     budgets: dict[str, dict[str, float | None]] = {task.name: {} for task in tasks}
     starts = range(0, len(pairs), per_batch)
+    # A bar on a terminal only, as a run's progress: a log file would fill with its redraws.
     for batch, start in enumerate(tqdm(starts, desc="toggle budgets", unit="batch",
-                                       disable=not progress, leave=False)):
+                                       disable=not (progress and on_terminal()), leave=False)):
         chunk = pairs[start:start + per_batch]
         padded = chunk + [chunk[-1]] * (per_batch - len(chunk))
         drawn = sample([pair for pair in padded for _ in range(samples)],
@@ -119,11 +121,10 @@ def budget_table(workdir: Path, resumed: bool, rl: RLConfig, tasks: Sequence,
     table = estimate_budgets(sample, tasks, samples=rl.budget_samples, rows=rl.batch_size,
                              percentile=rl.toggle.percentile, seed=rl.seed, progress=rl.progress)
     table.save(path, percentile=rl.toggle.percentile, budget_samples=rl.budget_samples)
-    if rl.progress:
-        values = [b for budgets in table.budgets.values() for b in budgets.values()]
-        tqdm.write(f"toggle: budgets of {len(values)} training problems from "
-                   f"{rl.budget_samples} samples each in {time.perf_counter() - started:.0f} s; "
-                   f"{values.count(None)} without a correct sample have none")
+    values = [b for budgets in table.budgets.values() for b in budgets.values()]
+    print(f"toggle: budgets of {len(values)} training problems from {rl.budget_samples} samples "
+          f"each in {time.perf_counter() - started:.0f} s; {values.count(None)} without a correct "
+          "sample have none", flush=True)  # a notice: printed whatever rl.progress says
     return table
 
 

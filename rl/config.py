@@ -2,7 +2,8 @@
 read from one YAML.
 
 A run YAML has an `rl:` section, a `task:` section and optionally a `model:` section (with
-`--init-from`, only its FP4 QAT switches `qat` apply, to the checkpoint's model). Dotted overrides
+`--init-from`, only its FP4 QAT switches `qat` apply, to the checkpoint's model; a section of
+`qat` alone is no model of its own). Dotted overrides
 `rl.algorithm=ppo rl.actor.lr=1e-5 task.max_operand=49` work as in `python -m train`; the
 device mesh is `rl.mesh` (`rl.mesh.data=2 rl.mesh.expert=2`, training's `mesh:` fields).
 Defaults are the report's (5.2.1, 5.2.3): MIS-PO with token bounds [0.5, 2] and trajectory
@@ -48,6 +49,7 @@ from model.config import (
     Config,
     ConfigError,
     ModelConfig,
+    QATConfig,
     apply_overrides,
     build_dataclass,
     check_bool,
@@ -60,11 +62,13 @@ from model.config import (
     read_yaml,
 )
 from rl.distill.config import DistillConfig, task_teachers
+from rl.mesh_config import RLMeshConfig
 from rl.objectives.kl import KL_ESTIMATORS
 from rl.objectives.losses import AGGREGATIONS, KIMI_BOUNDS, KIMI_TAU
+from rl.rollout_bounds import check_sampling, check_staleness
 from rl.task_config import TaskMixConfig, task_config_from_dict
 from rl.task_mix import allocate_prompts
-from train.config import LoopConfig, MeshConfig, check_override_sections
+from train.config import LoopConfig, check_override_sections, check_sections
 from train.optim.config import OptimizerConfig
 
 ALGORITHMS = ("mis_po", "ppo", "grpo", "gspo", "dapo", "dr_grpo", "kimi_k25", "mopd")
@@ -82,22 +86,6 @@ PRESETS = {
 }
 ADVANTAGES = ("gae", "group")
 INFERENCE_DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclasses.dataclass(frozen=True)
-class RLMeshConfig(MeshConfig):
-    """`rl.mesh`: the training mesh (`mesh:` of a training run, docs/parallelism.md) for the
-    actor, critic, reference policy and rollouts (rl/parallel.py). No pipeline axis: the
-    decoder runs whole layers (model/layers/stack.py refuses KV caches under one)."""
-
-    section = "rl.mesh"
-
-    def validate(self) -> None:
-        super().validate()
-        if self.pipeline != 1:
-            raise ConfigError("pipeline", f"RL does not pipeline (rollouts decode with KV caches, "
-                              f"which need whole layers), got {self.pipeline}; use data, fsdp, "
-                              "expert or tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,9 +253,7 @@ class RLConfig(LoopConfig):
                      "max_new_tokens", "actor_minibatches", "critic_minibatches"):
             check_int(name, getattr(self, name), 1)
         check_int("eval_prompts", self.eval_prompts, 0)
-        check_positive("temperature", self.temperature)
-        if not 0 < self.top_p <= 1:
-            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        check_sampling(self.temperature, self.top_p)
         check_fraction("gamma", self.gamma)
         check_fraction("lam", self.lam)
         for name in ("token_bounds", "traj_bounds", "ppo_clip", "grpo_clip", "dapo_clip",
@@ -289,7 +275,7 @@ class RLConfig(LoopConfig):
         check_bool("truncation_bootstrap", self.truncation_bootstrap)
         check_choice("inference_dtype", self.inference_dtype, INFERENCE_DTYPES)
         check_bool("routing_replay", self.routing_replay)
-        check_int("max_staleness", self.max_staleness, 0)
+        check_staleness(self.max_staleness, self.iterations)
         if self.tis is not None:
             check_bool("tis", self.tis)
         check_positive("tis_cap", self.tis_cap)
@@ -352,6 +338,7 @@ class RLRunConfig(Config):
     model: ModelConfig | None  # None: taken from the --init-from checkpoint
     rl: RLConfig
     task: TaskMixConfig
+    qat: QATConfig | None = None  # a model: section of `qat` alone, for --init-from's model
 
     def validate(self) -> None:
         counts = allocate_prompts(self.task.weights, self.rl.prompts_per_iteration)
@@ -371,8 +358,13 @@ class RLRunConfig(Config):
 
     def with_model(self, model: ModelConfig, *, checkpoint: bool = False) -> "RLRunConfig":
         """`checkpoint`: --init-from's model, taking this run's `model.qat` (not architecture)."""
-        qat = checkpoint and self.model is not None
-        return dataclasses.replace(self, model=model.replace(qat=self.model.qat) if qat else model)
+        qat = self.qat if self.qat is not None else getattr(self.model, "qat", None)
+        if not checkpoint or qat is None:
+            return dataclasses.replace(self, model=model)
+        try:
+            return dataclasses.replace(self, model=model.replace(qat=qat))
+        except ConfigError as err:  # a switch for a part the checkpoint's model lacks
+            raise err.within("model") from None
 
 
 SECTIONS = ("model", "rl", "task")
@@ -385,16 +377,17 @@ def _check_pair(name: str, value: Any) -> None:
 
 
 def rl_config_from_dict(values: Mapping[str, Any]) -> RLRunConfig:
-    unknown = set(values) - set(SECTIONS)
-    if unknown:
-        raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; expected "
-                         f"{', '.join(SECTIONS)}")
-    model = build_dataclass(ModelConfig, values["model"], "model.") if values.get("model") else None
+    check_sections(values, SECTIONS)
+    section = values.get("model") or {}
+    alone = isinstance(section, Mapping) and set(section) == {"qat"}  # no model of their own
+    model = build_dataclass(ModelConfig, section, "model.") if section and not alone else None
+    qat = build_dataclass(QATConfig, section["qat"], "model.qat.") if alone else None
     return RLRunConfig(model=model, rl=build_dataclass(RLConfig, values.get("rl") or {}, "rl."),
-                       task=task_config_from_dict(values.get("task")))
+                       task=task_config_from_dict(values.get("task")), qat=qat)
 
 
 def load_rl_config(path: str | Path, overrides: Sequence[str] = ()) -> RLRunConfig:
     values = read_yaml(path)
-    check_override_sections(overrides, ("rl", "task", "model"))
+    check_override_sections(overrides, {"rl": RLConfig, "task": TaskMixConfig,
+                                        "model": ModelConfig})
     return rl_config_from_dict(apply_overrides(values, overrides))

@@ -3,7 +3,8 @@ held-out evaluations, metrics, checkpoints, resume and stop signals.
 
     summary = run_rl(run, workdir, init_from="runs/sft_arith")
 
-Metrics go to `DIR/metrics.jsonl` and TensorBoard; checkpoints (actor and critic with
+Metrics go to `DIR/metrics.jsonl`, TensorBoard and W&B if configured (`rl.wandb.project`), the
+resolved config to `DIR/config.yaml`; checkpoints (actor and critic with
 optimizer states, the reference policy) to `DIR/checkpoints/<iteration>/`. Re-running the same
 command resumes. Everything runs under `rl.mesh` with training's layouts (rl/parallel.py).
 """
@@ -13,15 +14,16 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tqdm import tqdm
-
 from model.interop.workdir_lock import claimed_workdir
 from model.parallel.rules import use_mesh
 from rl.config import RLRunConfig
 from rl.trainer import RLState, RLTrainer
 from train.interrupts import stop_requests
 from train.loop import enable_compilation_cache
-from train.telemetry.metrics import METRICS_FILE, MetricsWriter, read_metrics
+from train.run_record import write_run_config
+from train.telemetry.metrics import METRICS_FILE, read_metrics
+from train.telemetry.outputs import run_outputs, startup_line, token_count_line
+from train.telemetry.wandb_sink import check_wandb
 
 
 @dataclasses.dataclass
@@ -48,11 +50,17 @@ def run_rl(run: RLRunConfig, workdir: Path, *, init_from: str | None = None,
     leave (with a checkpoint) after this many iterations, as SIGTERM would (tests). `devices`:
     those `rl.mesh` spans (default: all). Everything runs under the mesh (rl/parallel.py)."""
     enable_compilation_cache(run.rl.xla_cache_dir)
+    check_wandb(run.rl.wandb, "rl")
     with claimed_workdir(Path(workdir)):
         trainer = RLTrainer(run, Path(workdir), init_from, devices)
         try:
             with use_mesh(trainer.mesh):
-                return _iterate(trainer, trainer.initial_state(), stop_after)
+                state = trainer.initial_state()
+                # The model resolved (--init-from's or the checkpoint's), a resume's checkpoint
+                # restored, and iterations left: only a run that trains rewrites its record.
+                if int(state.iteration) < trainer.run.rl.iterations:
+                    write_run_config(trainer.workdir, trainer.run.to_dict(), "python -m rl")
+                return _iterate(trainer, state, stop_after)
         finally:
             trainer.checkpoints.close()
 
@@ -62,15 +70,17 @@ def _iterate(trainer: RLTrainer, state: RLState, stop_after: int | None) -> RLSu
     first = iteration = saved = int(state.iteration)
     before = after = None
     interrupted = False
-    bar = tqdm(total=rl.iterations, initial=first, desc="rl", unit="it", dynamic_ncols=True,
-               disable=not rl.progress)
-    with MetricsWriter(trainer.workdir) as writer, stop_requests() as stop, bar:
+    outputs = run_outputs(trainer.workdir, rl, trainer.run.to_dict(), total=rl.iterations,
+                          initial=first, desc="rl", unit="it")
+    with outputs as (writer, progress), stop_requests() as stop:
+        progress.notice(startup_line("rl", trainer.run.model, trainer.mesh, token_count_line(
+            [rl.batch_size], rl.max_new_tokens, "iteration", "generated at most")))
         writer.truncate_after(first)
         if first == 0:
             scores = trainer.evaluate(state)
             writer.write(0, scores)
-            bar.write(f"iteration 0: held-out accuracy {scores['eval/accuracy']:.3f} (greedy), "
-                      f"{scores['eval/sample_accuracy']:.3f} (sampled)")
+            progress.notice(f"iteration 0: held-out accuracy {scores['eval/accuracy']:.3f} "
+                            f"(greedy), {scores['eval/sample_accuracy']:.3f} (sampled)")
         before = _initial_accuracy(trainer.workdir) if first else scores["eval/accuracy"]
         while iteration < rl.iterations:
             state, metrics = trainer.iteration(state, iteration)
@@ -78,13 +88,12 @@ def _iterate(trainer: RLTrainer, state: RLState, stop_after: int | None) -> RLSu
             if rl.eval_every and iteration % rl.eval_every == 0 or iteration == rl.iterations:
                 metrics.update(trainer.evaluate(state))
                 after = metrics["eval/accuracy"]
-                bar.write(f"iteration {iteration}: held-out accuracy {after:.3f} (greedy), "
-                          f"{metrics['eval/sample_accuracy']:.3f} (sampled)")
+                progress.notice(f"iteration {iteration}: held-out accuracy {after:.3f} (greedy), "
+                                f"{metrics['eval/sample_accuracy']:.3f} (sampled)")
             if iteration % rl.log_every == 0 or "eval/accuracy" in metrics:
                 writer.write(iteration, metrics)
-            bar.set_postfix(reward=f"{metrics['reward']:.3f}",
-                            keep=f"{metrics['token_keep_frac']:.3f}", refresh=False)
-            bar.update(1)
+            progress.update(iteration, {"reward": metrics["reward"],
+                                        "keep": metrics["token_keep_frac"]})
             if stop["signal"] is not None or (stop_after is not None
                                               and iteration - first >= stop_after):
                 interrupted = True

@@ -31,7 +31,6 @@ import numpy as np
 from model.inference.decode import Decoder
 from model.inference.sampling import Sampling
 from model.interop.workdir import Checkpointer, restore_target
-from model.interop.workdir_record import tokenizer_mismatch
 from model.lm import CausalLM, abstract_variables, init_variables, join_variables
 from model.parallel.rules import param_axes, replicated
 from model.tokenizers.text import load_tokenizer
@@ -64,6 +63,7 @@ from rl.staleness import RolloutBuffer
 from rl.task_mix import sample_mix
 from rl.tasks import build_tasks
 from rl.update import make_actor_step, make_critic_step, minibatches
+from train.init_from import source_tokenizer_mismatch
 from train.loop import TrainingError
 from train.optim.optimizer import build_optimizer
 from train.optim.schedules import learning_rate_schedule
@@ -98,9 +98,9 @@ class RLTrainer:
         self.budgets: BudgetTable | None = None  # Toggle's, set by initial_state()
         if self.resume_step is not None:
             run = resumed_config(run, self.checkpoints.read_config(self.resume_step),
-                                 self.workdir)
-        elif init_from:
-            config, self.initial_variables = load_model(init_from, self.mesh)
+                                 self.workdir, init_from=bool(init_from))
+        elif init_from:  # float32 masters, whatever the checkpoint stores (a bfloat16 import)
+            config, self.initial_variables = load_model(init_from, self.mesh, param_dtype="float32")
             run = run.with_model(config, checkpoint=True)
         elif run.model is None:
             raise TrainingError("no policy to start from: pass --init-from (a training workdir, "
@@ -109,7 +109,7 @@ class RLTrainer:
         check_rows_fit(rl, self.mesh)
         self.tokenizer = load_tokenizer(rl.tokenizer)
         # A policy trained with another tokenizer reads the prompts as noise: reward 0 throughout.
-        mismatch = init_from and self.resume_step is None and tokenizer_mismatch(
+        mismatch = init_from and self.resume_step is None and source_tokenizer_mismatch(
             Path(init_from), self.tokenizer)
         if mismatch:
             raise TrainingError(f"--init-from: {mismatch}; set rl.tokenizer to the workdir's "

@@ -5,9 +5,10 @@
 - one persistent compilation cache shared by the test processes, so a step function compiled by
   one test is not compiled again by another. Cache keys cover the HLO, the JAX version and the
   compile options, so a stale entry is never used;
-- the `parity` tests (against Hugging Face transformers, the `.[parity]` extra) need torch and
-  transformers: without them they are deselected and the run ends with a loud list of what did
-  not run; under CI (CI=true), where `make test` installs the extra, their absence is an error.
+- the `parity` tests (against Hugging Face transformers, the `.[parity]` extra) need torch,
+  transformers and accelerate, the `lm_eval` tests lm-evaluation-harness (the `.[eval]` extra):
+  without them they are deselected and the run ends with a loud list of what did not run; under
+  CI (CI=true), where `make test` installs the extras, their absence is an error.
 """
 
 import importlib.util
@@ -28,35 +29,43 @@ def pytest_configure(config):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _parity_available() -> bool:
-    return all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
+# marker -> (the modules its tests import, the extra that installs them)
+EXTRAS = {"parity": (("torch", "transformers", "accelerate"), "parity"),
+          "lm_eval": (("lm_eval",), "eval")}
+
+
+def _missing_extras() -> dict[str, str]:
+    """{marker: extra} of the markers whose modules are not installed."""
+    return {marker: extra for marker, (modules, extra) in EXTRAS.items()
+            if not all(importlib.util.find_spec(name) is not None for name in modules)}
 
 
 def pytest_collection_modifyitems(config, items):
-    if _parity_available():
+    missing = _missing_extras()
+    unrunnable = [item for item in items
+                  if any(item.get_closest_marker(marker) for marker in missing)]
+    if not unrunnable:
         return
-    parity = [item for item in items if item.get_closest_marker("parity")]
-    if not parity:
-        return
+    extras = ", ".join(f".[{extra}]" for extra in missing.values())
     if os.environ.get("CI") == "true":
         raise pytest.UsageError(
-            f"{len(parity)} parity tests need torch and transformers, which CI installs with "
-            "the .[parity] extra (`make test` does); they are missing")
-    items[:] = [item for item in items if not item.get_closest_marker("parity")]
-    config.hook.pytest_deselected(items=parity)
-    config.stash[_NOT_RUN] = [item.nodeid for item in parity]
+            f"{len(unrunnable)} tests need the {extras} extra(s), which CI installs (`make test` "
+            "does); they are missing")
+    items[:] = [item for item in items if item not in unrunnable]
+    config.hook.pytest_deselected(items=unrunnable)
+    config.stash[_NOT_RUN] = ([item.nodeid for item in unrunnable], extras)
 
 
-_NOT_RUN = pytest.StashKey[list]()
+_NOT_RUN = pytest.StashKey[tuple]()
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    not_run = config.stash.get(_NOT_RUN, [])
+    not_run, extras = config.stash.get(_NOT_RUN, ([], ""))
     if not_run:
-        terminalreporter.section("PARITY TESTS NOT RUN", sep="!", red=True, bold=True)
-        terminalreporter.line(f"{len(not_run)} tests against Hugging Face transformers did not "
-                              "run: torch / transformers are not installed. Install them with "
-                              "`pip install -e '.[parity]'` (torch 2.13.0, the CPU wheel).",
-                              red=True, bold=True)
+        terminalreporter.section("TESTS NOT RUN", sep="!", red=True, bold=True)
+        terminalreporter.line(f"{len(not_run)} tests against Hugging Face transformers or "
+                              f"lm-evaluation-harness did not run: install {extras} "
+                              "(`pip install -e '.[parity,eval]'`; torch 2.13.0 is the CPU "
+                              "wheel).", red=True, bold=True)
         for nodeid in not_run:
             terminalreporter.line(f"  not run: {nodeid}", red=True)

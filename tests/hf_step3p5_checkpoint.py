@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
+import chex
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
@@ -156,24 +156,22 @@ def assert_same_tensors(expected: dict, got: dict) -> None:
 
 
 def assert_same_variables(expected: dict, got: dict) -> None:
-    assert jax.tree.structure(got) == jax.tree.structure(expected)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(expected)[0],
-                            jax.tree.leaves(got)):
-        assert a.shape == b.shape and a.dtype == b.dtype, jax.tree_util.keystr(path)
-        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+    """The same tree, every leaf of the same shape and dtype and bit-equal (chex names the
+    first path that differs)."""
+    chex.assert_trees_all_equal(expected, got, strict=True)
 
 
 def refusal_before_reads(path: Path, monkeypatch, reading_modules=()) -> str:
     """The one-line error `load_hf_checkpoint(path)` refuses with while every tensor-data read
-    fails the test (`read_tensors` of model.interop.hf, `read_tensor` of each module in
+    fails the test (`read_tensors` of model.interop.hf_stream, `read_tensor` of each module in
     `reading_modules`): the checks must name the problem from the headers alone."""
-    from model.interop import hf
+    from model.interop import hf, hf_stream
     from model.interop.safetensors_io import CheckpointFormatError
 
     def no_reads(*args, **kwargs):
         raise AssertionError("tensor data read before the checks")
 
-    monkeypatch.setattr(hf, "read_tensors", no_reads)
+    monkeypatch.setattr(hf_stream, "read_tensors", no_reads)
     for module in reading_modules:
         monkeypatch.setattr(module, "read_tensor", no_reads)
     try:

@@ -124,6 +124,46 @@ def test_python_m_commands_exist_with_their_flags(page):
     assert not problems, f"{page_id(page)}: " + "; ".join(problems)
 
 
+# The override spelling of each tool (`python -m train model.layout=...`, `python -m model.summary
+# layout=...`) and the config classes its keys name fields of.
+def _override_fields() -> dict[str, list[str]]:
+    from model.config import ModelConfig, dotted_names
+    from rl.config import RLConfig
+    from rl.task_config import TaskMixConfig
+    from train.config import MeshConfig, TrainConfig
+    run = [*dotted_names(ModelConfig, "model."), *dotted_names(TrainConfig, "train."),
+           *dotted_names(MeshConfig, "mesh.")]
+    rl = [*dotted_names(RLConfig, "rl."), *dotted_names(TaskMixConfig, "task."),
+          *dotted_names(ModelConfig, "model."), "task.max_operand", "task.ops", "task.name"]
+    model = dotted_names(ModelConfig)
+    return {"train": run, "train.sweep": run, "rl": rl, "model.summary": model,
+            "model.flops": model}
+
+
+def _names_a_field(key: str, known: list[str]) -> bool:
+    """`key` is a field, or lies inside a field that holds a mapping (`task.tasks.add.weight`,
+    `train.data.mixture.code`): the longest known prefix is not a group of fields."""
+    groups = {name.rsplit(".", 1)[0] for name in known if "." in name}
+    parts = key.split(".")
+    prefixes = [".".join(parts[:n]) for n in range(len(parts), 0, -1)]
+    longest = next((p for p in prefixes if p in known), None)
+    return longest is not None and (longest == key or longest not in groups)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_overrides_in_commands_name_fields_in_their_tools_spelling(page):
+    tools = _override_fields()
+    problems = []
+    for module, args in commands(page):
+        if module not in tools:
+            continue
+        for key, value in re.findall(r"(?<![\w.=/-])([a-z_]\w*(?:\.\w+)*)=(\S*)", args):
+            placeholder = value.rstrip("]") in ("...", "value")  # `[train.x=...]`, `key=value`
+            if not placeholder and not _names_a_field(key, tools[module]):
+                problems.append(f"python -m {module} ... {key}=")
+    assert not problems, f"{page_id(page)}: overrides that name no field: {problems}"
+
+
 def test_make_targets_exist():
     makefile = (REPO / "Makefile").read_text()
     targets = set(re.findall(r"^([\w.-]+):", makefile, flags=re.M))

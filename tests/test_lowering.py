@@ -74,8 +74,22 @@ def test_bad_input_exits_2_before_tracing(capsys):
                  "expert=3"]) == 2
     assert main(["--platform", "cuda", "--config", "configs/tiny.yaml", "--gpu-capability",
                  "sm90"]) == 2
+    # a micro-batch beyond int32 indexing, named before anything is traced
+    assert main(["--platform", "tpu", "--config", "configs/tiny.yaml", "--seq-len",
+                 "100000000000"]) == 2
+    # a recipe or an RL YAML is named as what it is
+    assert main(["--platform", "tpu", "--config", "configs/recipes/tiny_staged.yaml"]) == 2
+    assert main(["--platform", "tpu", "--config", "configs/rl_arith.yaml"]) == 2
+    assert main(["--platform", "tpu", "--config", "configs/tiny.yaml", "--decode-len",
+                 "100000000000"]) == 2
     errors = capsys.readouterr().err.splitlines()
-    assert len(errors) == 4 and all(e.startswith("error: ") for e in errors), errors
+    assert errors[7] == ("error: --decode-len: must be in [1, 2147483647] (positions are "
+                         "int32), got 100000000000"), errors[7]
+    assert len(errors) == 8 and all(e.startswith("error: ") for e in errors), errors
+    assert errors[4].startswith("error: train.seq_len: 8 x 100000000000 tokens"), errors[4]
+    assert "is a staged recipe (stages:)" in errors[5] and "its base, configs/tiny.yaml" in \
+        errors[5], errors[5]
+    assert "is an RL run config (rl:)" in errors[6], errors[6]
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])

@@ -12,7 +12,7 @@ import pytest
 DOCUMENTED = {
     ("model", "CausalLM"): ("model.lm", "CausalLM"),
     ("model", "ModelConfig"): ("model.config.model_config", "ModelConfig"),
-    ("model", "load_config"): ("model.config.model_config", "load_config"),
+    ("model", "load_config"): ("model.config.files", "load_config"),
     ("model.config", "ModelConfig"): ("model.config.model_config", "ModelConfig"),
     ("model.hf", "load_hf_checkpoint"): ("model.interop.hf", "load_hf_checkpoint"),
     ("model.weights", "load_model"): ("model.weights", "load_model"),

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.config import Config, ConfigError, check_bool, check_int
+from model.config import Config, ConfigError, ModelConfig, check_bool, check_int
 from model.interop.atomic_file import write_text_atomically
 from model.lm import CausalLM, join_variables
 
@@ -70,6 +70,17 @@ class AnticipatoryRoutingConfig(Config):
         if isinstance(self.spike_factor, bool) or not isinstance(self.spike_factor, (int, float)) \
                 or not self.spike_factor > 1:
             raise ConfigError("spike_factor", f"must be a number > 1, got {self.spike_factor!r}")
+
+
+def check_anticipatory_routing(model: ModelConfig, pipeline: int) -> None:
+    """Anticipatory routing replays an expert choice: it needs learned-routing MoE layers and
+    whole layers (`pipeline`: the mesh's pipeline axis, 1)."""
+    if all(model.is_hash_layer(i) for i in model.moe_layer_indices()):
+        raise ValueError("train.anticipatory_routing: the model has no MoE layer with learned "
+                         "routing; set train.anticipatory_routing.enabled=false")
+    if pipeline != 1:
+        raise ValueError("train.anticipatory_routing: replayed routing needs whole layers; "
+                         "use mesh.pipeline=1")
 
 
 class SpikeDetector:

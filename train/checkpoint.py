@@ -7,7 +7,7 @@ other formats a model loads from.
 from pathlib import Path
 
 from model.interop.workdir import WORKDIR_KINDS, CheckpointError, latest_run_config, workdir_kind
-from train.config import incompatible_fields
+from train.resume_fields import incompatible_fields
 
 
 def check_training_checkpoint(saved: dict, workdir: Path, hint: str) -> None:

@@ -13,7 +13,6 @@ same YAML keys. Every config validates on construction (model/config/core.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -27,17 +26,25 @@ from model.config import (
     check_choice,
     check_int,
     check_nonnegative,
+    config_from_dict,
     config_to_dict,
+    did_you_mean,
+    dotted_names,
     expand_layout,
     model_values,
     read_yaml,
 )
+from model.config.model_config import INT32_MAX
 from model.parallel.rules import MESH_AXES
 from train.anticipatory_routing import AnticipatoryRoutingConfig
 from train.data.config import DataConfig
-from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES, OptimizerConfig
+from train.optim.config import OptimizerConfig
 from train.optim.schedules import decay_start
+from train.periodic_config import SampleConfig, TaskEvalConfig, check_periodic
 from train.preset_fit import fit_warmup
+from train.resume_fields import incompatible_fields
+from train.telemetry.wandb_sink import WandbConfig
+from train.yaml_kinds import RUN_SECTIONS, check_run_yaml
 
 SCHEDULES = ("cosine", "constant", "stages")
 # Which targets a chat document trains on (train/data/chat.py): its assistant turns, all its
@@ -49,7 +56,7 @@ STAGE_SHAPES = ("cosine", "linear", "constant")
 @dataclasses.dataclass(frozen=True)
 class LoopConfig(Config):
     """What a training loop does besides the math, shared by `train:` and `rl:` (which sets
-    other defaults): seed, logging, evaluation and checkpoint cadence, progress bar, and
+    other defaults): seed, logging (W&B too), evaluation and checkpoint cadence, progress, and
     JAX's persistent compilation cache (a re-run skips the ~40 s compile of the tiny model's
     step on CPU; "" turns it off)."""
 
@@ -60,6 +67,7 @@ class LoopConfig(Config):
     keep_checkpoints: int = 3
     progress: bool = True
     xla_cache_dir: str = "~/.cache/stepjax/xla"
+    wandb: WandbConfig = WandbConfig()  # Weights & Biases logging, off while its project is ""
 
     def validate(self) -> None:
         super().validate()
@@ -113,6 +121,11 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     indexer_loss_coef: float = 1.0
 
     eval_batches: int = 4
+    eval_tasks: TaskEvalConfig = TaskEvalConfig()  # lm-eval tasks at eval_every (train/periodic.py)
+    sample_every: int = 0  # 0 = none; else log greedy generations (`samples`) every N steps
+    samples: SampleConfig = SampleConfig()
+    # The weights a new run starts from (`--init-from`; train/init_from.py); "" = random init
+    init_from: str = ""
     max_consecutive_skips: int = 5  # non-finite loss/grad skips before giving up
     peak_flops: float = 0.0  # per device, for MFU; 0 = measure a float32 matmul at start-up
     data: DataConfig = DataConfig()
@@ -129,6 +142,8 @@ class TrainConfig(OptimizerConfig, LoopConfig):
             check_int(name, getattr(self, name), 0)
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("loss_mask", self.loss_mask, LOSS_MASKS)
+        if not isinstance(self.init_from, str):
+            raise ConfigError("init_from", f"must be a checkpoint path or '', got {self.init_from!r}")
         for name in ("min_lr", "mtp_loss_weight", "balance_loss_coef", "router_bias_rate",
                      "sequence_balance_coef", "indexer_loss_coef", "peak_flops"):
             check_nonnegative(name, getattr(self, name))
@@ -148,6 +163,7 @@ class TrainConfig(OptimizerConfig, LoopConfig):
                                   "use a cosine with min_lr < lr or a lower lr_stages end")
         if self.trainable == "indexer" and self.router_bias_rate:
             raise ConfigError("router_bias_rate", "must be 0 under train.trainable=indexer")
+        check_periodic(self)
 
     def _validate_batch_warmup(self) -> None:
         previous = -1
@@ -295,6 +311,13 @@ class RunConfig(Config):
             raise ConfigError("train.mtp_offset_weights", f"{len(self.train.mtp_offset_weights)} "
                               f"weights but the model has model.mtp.num_heads="
                               f"{self.model.mtp.num_heads}")
+        # A micro-batch's tokens, and their routed expert slots, are indexed with int32.
+        micro, length, top_k = self.train.micro_batch(), self.train.seq_len, self.model.moe.top_k
+        if micro * length * top_k > INT32_MAX:
+            raise ConfigError("train.seq_len", f"{micro} x {length} tokens per micro-batch x "
+                              f"model.moe.top_k={top_k} = {micro * length * top_k:,} routed slots "
+                              f"exceed int32 indexing ({INT32_MAX:,}); lower train.seq_len or "
+                              "the micro-batch (train.micro_batch_size)")
 
     def to_dict(self) -> dict:
         return {"model": config_to_dict(self.model), "train": config_to_dict(self.train),
@@ -308,78 +331,58 @@ class RunConfig(Config):
         return max((i + 1 for i, w in enumerate(weights) if w > 0), default=0)
 
 
-SECTIONS = ("model", "train", "mesh")
+SECTIONS = RUN_SECTIONS
 
 
 def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
-    unknown = set(values) - set(SECTIONS)
-    if unknown:
-        raise ValueError(f"config: unknown top-level section(s) {sorted(unknown)}; "
-                         f"expected {', '.join(SECTIONS)}")
-    return RunConfig(model=build_dataclass(ModelConfig, values.get("model") or {}, "model."),
+    check_sections(values, SECTIONS)
+    return RunConfig(model=config_from_dict(values.get("model") or {}, "model."),
                      train=build_dataclass(TrainConfig, values.get("train") or {}, "train."),
                      mesh=build_dataclass(MeshConfig, values.get("mesh") or {}, "mesh."))
 
 
-def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+def load_run_config(path: str | Path, overrides: Sequence[str] = (),
+                    model: Mapping[str, Any] | None = None) -> RunConfig:
     """Reads a run YAML (`model:` / `train:` / `mesh:` sections; a file without them is a model
-    preset; one without a model is refused) and applies `model.x=...` / `train.x=...` /
-    `mesh.x=...` overrides."""
+    preset; one without a model takes `model`, the fields of `--init-from`'s model, or is
+    refused) and applies `model.x=...` / `train.x=...` / `mesh.x=...` overrides."""
     values = read_yaml(path)
+    check_run_yaml(values, path)
     if not (set(SECTIONS) & set(values)):
         values = {"model": values}
-    values["model"] = model_values(values, path)
-    check_override_sections(overrides, SECTIONS)
+    values["model"] = (dict(model) if model is not None and "model" not in values
+                       else model_values(values, path))
+    check_override_sections(overrides, {"model": ModelConfig, "train": TrainConfig,
+                                        "mesh": MeshConfig})
     fitted = fit_warmup(values, apply_overrides(values, overrides), overrides,
                         {"steps": TrainConfig.steps, "warmup_steps": TrainConfig.warmup_steps})
     return run_config_from_dict(fitted)
 
 
-def check_override_sections(overrides: Sequence[str], sections: Sequence[str]) -> None:
-    """Every dotted override must start with one of the run YAML's `sections`."""
+def check_sections(values: Mapping[str, Any], sections: Sequence[str]) -> None:
+    """A run YAML holds only the top-level `sections`."""
+    unknown = sorted(set(values) - set(sections), key=str)
+    if unknown:
+        raise ValueError(f"config: unknown top-level section(s) {unknown}"
+                         f"{did_you_mean(str(unknown[0]), sections)}; "
+                         f"expected {', '.join(sections)}")
+
+
+def check_override_sections(overrides: Sequence[str],
+                            sections: Mapping[str, type] | Sequence[str]) -> None:
+    """Every dotted override must start with one of the run YAML's sections; given as {name:
+    its config class}, a key without one is told its spelling (`use model.layout=... here`)."""
+    known = [name for section, cls in sections.items()
+             for name in dotted_names(cls, f"{section}.")] if isinstance(sections, Mapping) else []
     for override in overrides:
-        key = override.partition("=")[0].strip()
+        key, _, value = (part.strip() for part in override.partition("="))
         if key.split(".")[0] not in sections:
             prefixes = ", ".join(f"'{s}.'" for s in sections)
-            raise ValueError(f"override {override!r}: prefix the key with one of {prefixes}, "
-                             f"e.g. {sections[0]}.{key}=...")
-
-
-# Fields that may change between a checkpoint and its resumption: implementation switches,
-# run-length/logging knobs and the mesh (checkpoints are restored into any sharding).
-# Everything else shapes the state or the data stream.
-RESUMABLE_CHANGES = {
-    "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "mesh.pipeline", "mesh.zero1",
-    "model.ep_collective", "model.pipeline_microbatches", "model.pipeline_virtual_stages",
-    "model.attention_impl", "model.moe_impl", "model.moe.block_size", "model.remat_policy",
-    "model.compute_dtype",
-    "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-    "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
-    "train.peak_flops", "train.progress", "train.xla_cache_dir", "train.data.num_workers", "train.loss_chunk_size",
-    *(f"train.anticipatory_routing.{f.name}"
-      for f in dataclasses.fields(AnticipatoryRoutingConfig)),
-    *(f"train.{field}" for field in RESUMABLE_OPTIMIZER_CHANGES),
-}
-
-
-def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, Mapping):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
-def incompatible_fields(saved: Mapping[str, Any], current: Mapping[str, Any],
-                        resumable: frozenset[str] | set[str] = frozenset(RESUMABLE_CHANGES)
-                        ) -> list[str]:
-    """Dotted names of fields whose saved value differs from `current` (a run's `to_dict()`,
-    compared after a JSON round trip, as the checkpoint stores it) and that a resumed run may
-    not change (`resumable` lists those it may: by default a training run's)."""
-    old, new = flatten(saved), flatten(_json_roundtrip(current))
-    return sorted(k for k in set(old) | set(new) if k not in resumable and old.get(k) != new.get(k))
+            held = [f"{s}.{key}" for s in sections if f"{s}.{key}" in known]
+            hint = (f"; use {held[0]}={value} here" if held else
+                    did_you_mean(key, known) or f", e.g. {next(iter(sections))}.{key}=...")
+            raise ValueError(f"override {override!r}: prefix the key with one of {prefixes}"
+                             f"{hint}")
 
 
 def resume_changes(saved: Mapping[str, Any], run: RunConfig) -> list[str]:
@@ -388,7 +391,3 @@ def resume_changes(saved: Mapping[str, Any], run: RunConfig) -> list[str]:
     added since the checkpoint was written counts at its default (e.g. train.loss_mask: auto,
     which is `all` on the text data such a run could have)."""
     return incompatible_fields(run_config_from_dict(saved).to_dict(), run.to_dict())
-
-
-def _json_roundtrip(values: Any) -> Any:
-    return json.loads(json.dumps(values))

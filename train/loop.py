@@ -13,21 +13,19 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from model.interop.workdir import Checkpointer, restore_target
 from model.interop.workdir_lock import claimed_workdir
-from model.lm import split_variables
 from model.parallel.rules import named, replicated, use_mesh
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
-from train.anticipatory_routing import AnticipatoryRouting
+from model.weights import load_model
+from train.anticipatory_routing import AnticipatoryRouting, check_anticipatory_routing
 from train.checkpoint import check_training_checkpoint
 from train.config import RunConfig, resume_changes
 from train.data.pipeline import make_dataset
 from train.data.sources import check_data, open_data
-from train.eval import evaluate, limited, make_eval_step
+from train.init_from import check_init_source, fitted_variables
 from train.interrupts import stop_requests
 from train.parallel.distributed import (
     any_process,
@@ -37,7 +35,8 @@ from train.parallel.distributed import (
     process_state,
 )
 from train.parallel.sharding import batch_spec, check_batch_fits, make_mesh, state_specs
-from train.run_record import check_and_record
+from train.periodic import PeriodicEvals
+from train.run_record import check_and_record, write_run_config
 from train.state import (
     TrainState,
     abstract_state,
@@ -46,9 +45,10 @@ from train.state import (
     state_from_variables,
 )
 from train.step import make_train_step
-from train.telemetry.metrics import DiscardingWriter, MetricsWriter, ProgressBar
 from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
+from train.telemetry.outputs import run_outputs, startup_line, token_count_line
 from train.telemetry.throughput import CompletedSteps
+from train.telemetry.wandb_sink import check_wandb
 
 
 # What grain appends to the message of an exception raised in its pipeline (its traceback note).
@@ -106,14 +106,23 @@ class Trainer:
         self.mesh = make_mesh(run.mesh)
         check_batch_fits(run, self.mesh)
         if run.train.anticipatory_routing.enabled:
-            check_anticipatory_routing(run)
+            try:
+                check_anticipatory_routing(run.model, run.mesh.pipeline)
+            except ValueError as err:
+                raise TrainingError(str(err)) from None
         self.tokenizer = load_tokenizer(run.train.data.tokenizer)
+        if self.resume_step is None and run.train.init_from:  # before any data or model work
+            note = check_init_source(run.train.init_from, run.model, self.tokenizer)
+            if note and is_lead():
+                print(note, file=sys.stderr)
         # Opened once (raw documents read, or prepared manifests and shard sizes checked): the
         # train stream and every held-out evaluation read it. Checked here, before any model
         # work, so bad or changed data fails in seconds.
         self.data_source = open_data(run.train.data, self.tokenizer)
+        samples_heldout = run.train.sample_every > 0 and not run.train.samples.prompts
         check_data(self.data_source, run.train.data, self.tokenizer, loss_mask=run.train.loss_mask,
-                   heldout=run.train.eval_every > 0, shard_count=jax.process_count())
+                   heldout=run.train.eval_every > 0 or samples_heldout,
+                   shard_count=jax.process_count())
         chat = chat_tokenizer_for(self.tokenizer) if self.data_source.renders_chats else None
         note = check_and_record(self.workdir, self.tokenizer, run.train.data, chat,
                                 resuming=self.resume_step is not None,
@@ -135,12 +144,15 @@ class Trainer:
             self.anticipatory = AnticipatoryRouting(
                 run.train.anticipatory_routing, self.training.model, self.batch_sharding,
                 self.workdir, is_lead())
-        self._eval_step = None
+        self.evals = PeriodicEvals(run, self.training.model, self.tokenizer, self.data_source,
+                                   self.mesh)
         self.data = make_dataset(
             run.train.data, self.tokenizer, seq_len=run.train.seq_len,
             batch_size=run.train.micro_batch() // jax.process_count(), split="train",
             seed=run.train.seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
             data=self.data_source, loss_mask=run.train.loss_mask)
+        if self.resume_step is None:  # the first batch read, and bad data met, before compiling
+            self.data.peek()
 
     def initial_state(self, start_from: dict | None = None, carry=None) -> TrainState:
         """A fresh state, created directly in its shardings, or the latest checkpoint restored
@@ -148,16 +160,27 @@ class Trainer:
         "balance"} a fresh state takes instead of a random init; `carry(self)`: {optimizer-state
         leaf index: array} replacing those of the new optimizer state (else all new)."""
         seed = self.run.train.seed
-        if self.resume_step is None:
-            model, optimizer = self.training.model, self.training.optimizer
-            if start_from is None:
-                return jax.jit(lambda: create_state(model, optimizer, seed),
-                               out_shardings=self.state_sharding)()
-            self._check_start_variables(start_from)
-            key, entries = jax.random.split(jax.random.key(seed))[1], carry(self) if carry else {}
-            return jax.jit(lambda v, e: state_from_variables(v, optimizer, key, e),
-                           out_shardings=self.state_sharding, donate_argnums=1)(start_from, entries)
-        return self.restore(self.resume_step)
+        if self.resume_step is not None:
+            return self.restore(self.resume_step)
+        model, optimizer = self.training.model, self.training.optimizer
+        if start_from is None:
+            return jax.jit(lambda: create_state(model, optimizer, seed),
+                           out_shardings=self.state_sharding)()
+        target = (self.abstract_state.params, self.abstract_state.balance)
+        start_from = fitted_variables(start_from, target)
+        key, entries = jax.random.split(jax.random.key(seed))[1], carry(self) if carry else {}
+        return jax.jit(lambda v, e: state_from_variables(v, optimizer, key, e),
+                       out_shardings=self.state_sharding, donate_argnums=1)(start_from, entries)
+
+    def start_variables(self, start_from: dict | None) -> dict | None:
+        """What a new run starts from: `start_from`, else `train.init_from`'s weights on the
+        mesh (read outside its context: unboxing there would constrain abstract values)."""
+        source = self.run.train.init_from
+        if self.resume_step is not None or start_from is not None or not source:
+            return start_from
+        if is_lead():
+            print(f"starting from the weights of {source}: new optimizer state, step 0")
+        return load_model(source, self.mesh)[1]
 
     def restore(self, step: int) -> TrainState:
         """The checkpoint of `step` in the state's shardings; the data stream continues from
@@ -177,15 +200,6 @@ class Trainer:
             return None
         self.checkpoints.delete_after(target)
         return self.restore(target), target
-
-    def _check_start_variables(self, variables: dict) -> None:
-        expected = (self.abstract_state.params, self.abstract_state.balance)
-        got = split_variables(variables)
-        if jax.tree.structure(got) != jax.tree.structure(expected) or any(
-                a.shape != b.shape for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))):
-            raise TrainingError("the starting weights do not fit this run's model (a different "
-                                "shape or set of parameters); only shape-preserving model "
-                                "changes can continue from them")
 
     def next_batch(self, step: int) -> tuple[dict, int]:
         """([num_micro, micro, T] global arrays for optimizer step `step` (batch-size warm-up),
@@ -211,23 +225,6 @@ class Trainer:
             return {}
         return {f"data/mix/{k}": v for k, v in self.data.mixture_shares().items()}
 
-    def evaluate(self, state: TrainState) -> dict[str, float]:
-        """Held-out loss and perplexity over the first `train.eval_batches` batches of the
-        held-out split (the same batches every time)."""
-        cfg = self.run.train
-        if self._eval_step is None:
-            self._eval_step = make_eval_step(self.training.model, cfg.loss_chunk_size)
-        data = make_dataset(cfg.data, self.tokenizer, seq_len=cfg.seq_len,
-                            batch_size=cfg.micro_batch(), split="heldout", seed=cfg.seed,
-                            data=self.data_source, loss_mask=cfg.loss_mask)
-        # Every process reads the same held-out rows; each device evaluates its share of them.
-        rows = NamedSharding(self.mesh, P(*batch_spec(self.mesh)[1:]))
-        shard = lambda batch: {k: jax.make_array_from_callback(  # noqa: E731
-            v.shape, rows, lambda index, v=v: v[index]) for k, v in batch.items()}
-        result = evaluate(self._eval_step, state.params, state.balance,
-                          map(shard, limited(data, cfg.eval_batches)))
-        return {"eval/loss": result["loss"], "eval/perplexity": result["perplexity"]}
-
     def train_step(self):
         """The jitted step, with the state and batch shardings fixed (trace it under
         `use_mesh(self.mesh)`)."""
@@ -241,18 +238,6 @@ class Trainer:
                               self.run.to_dict())
 
 
-def check_anticipatory_routing(run: RunConfig) -> None:
-    """Anticipatory routing replays an expert choice: it needs learned-routing MoE layers and
-    whole layers (no pipeline axis)."""
-    model = run.model
-    if all(model.is_hash_layer(i) for i in model.moe_layer_indices()):
-        raise TrainingError("train.anticipatory_routing: the model has no MoE layer with learned "
-                            "routing; set train.anticipatory_routing.enabled=false")
-    if run.mesh.pipeline != 1:
-        raise TrainingError("train.anticipatory_routing: replayed routing needs whole layers; "
-                            "use mesh.pipeline=1")
-
-
 def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
           start_from: dict | None = None, carry=None, allow_data_change: bool = False
           ) -> TrainSummary:
@@ -263,11 +248,13 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
     `allow_data_change`: resume even though the data files changed since the run started
     (train/run_record.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)
+    check_wandb(run.train.wandb, "train")
     # Stop requests from here on: a Ctrl-C while the state is built or restored is acknowledged
     # and honoured after the first step, a second one exits at once (train/interrupts.py).
     with claimed_workdir(Path(workdir)), stop_requests() as stop:
         trainer = Trainer(run, Path(workdir), allow_data_change)
         try:
+            start_from = trainer.start_variables(start_from)
             with use_mesh(trainer.mesh):
                 return _run_steps(trainer, trainer.initial_state(start_from, carry), stop,
                                   stop_after)
@@ -290,6 +277,8 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                 "from an earlier one, or train again with a lower train.lr in a new --workdir")
         return TrainSummary(workdir=trainer.workdir, first_step=first_step, last_step=first_step,
                             losses=[], skipped=int(state.skipped), interrupted=False)
+    if is_lead():  # the resume checked and its checkpoint restored: this run trains
+        write_run_config(trainer.workdir, run.to_dict(), "python -m train")
     flops_per_token = train_flops_per_token(run.model, cfg.seq_len, run.trained_mtp_heads())
     peak = (cfg.peak_flops or measure_matmul_peak()) * jax.device_count()
     tokens_seen = tokens_before(run, first_step)
@@ -299,7 +288,7 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
         """Reads a finished step's metrics (one step late, so dispatch never waits on it)."""
         losses.append(float(metrics["loss"]))
         clock.finished(timed_tokens)
-        progress.update(first_step + len(losses), loss=losses[-1])
+        progress.update(first_step + len(losses), {"loss/lm": metrics["loss/lm"]})
         raise_if_diverged(metrics, first_step + len(losses))
 
     def raise_if_diverged(metrics, last: int) -> None:
@@ -316,9 +305,12 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                 f"without saving its state; {kept}")
 
     anticipatory = trainer.anticipatory  # DeepSeek-V4's switch, or None
-    lead = is_lead()  # one process writes metrics and shows progress
-    writer = MetricsWriter(trainer.workdir) if lead else DiscardingWriter()
-    with writer, ProgressBar(cfg.steps, first_step, enabled=cfg.progress and lead) as progress:
+    # One process writes metrics and prints.
+    with run_outputs(trainer.workdir, cfg, run.to_dict(), total=cfg.steps, initial=first_step,
+                     desc="train", unit="step", lead=is_lead()) as (writer, progress):
+        sizes = [size for _, size in cfg.batch_warmup] + [cfg.batch_size]  # warm-up first
+        progress.notice(startup_line("train", run.model, trainer.mesh,
+                                     token_count_line(sizes, cfg.seq_len, "step")))
         writer.truncate_after(first_step)
         step_fn = trainer.train_step()
         clock, pending = CompletedSteps(), None
@@ -336,8 +328,8 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                 jax.block_until_ready(metrics)
                 clock.restart()  # throughput counts the steps after this one
                 timed_tokens = 0
-                progress.write(f"compiled and ran the first train step in "
-                               f"{time.perf_counter() - call_start:.1f}s")
+                progress.notice(f"compiled and ran the first train step in "
+                                f"{time.perf_counter() - call_start:.1f}s")
             step += 1
             tokens_seen += batch_tokens
             if pending is not None:
@@ -347,9 +339,10 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                     rollback = trainer.roll_back(spiked + 1)
                     event = anticipatory.start_window(spiked + 1, losses[-1],
                                                       rollback[1] if rollback else step)
-                    progress.write(f"loss spike at step {spiked + 1} ({event['loss']:.4g}, median "
-                                   f"{event['median']:.4g}): anticipatory routing from step "
-                                   f"{event['rollback_to']} to {event['active_until']}")
+                    progress.notice(f"loss spike at step {spiked + 1} ({event['loss']:.4g}, "
+                                    f"median {event['median']:.4g}): anticipatory routing "
+                                    f"from step {event['rollback_to']} to "
+                                    f"{event['active_until']}")
                     if rollback is not None:  # re-train from the checkpoint
                         state, step = rollback
                         writer.truncate_after(step)
@@ -361,15 +354,19 @@ def _run_steps(trainer: Trainer, state: TrainState, stop: dict,
                         continue
             pending = (metrics, timed_tokens)
             evaluate_now = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
-            if step % cfg.log_every == 0 or step == cfg.steps or evaluate_now:
+            sample_now = cfg.sample_every and (step % cfg.sample_every == 0 or step == cfg.steps)
+            if step % cfg.log_every == 0 or step == cfg.steps or evaluate_now or sample_now:
                 rate = clock.tokens_per_sec()
                 record = {**metrics, "tokens_seen": tokens_seen, **trainer.mixture_shares()}
                 if rate is not None:  # None until a step after the compiling one has finished
                     record.update(tokens_per_sec=rate, mfu=rate * flops_per_token / peak)
-                    progress.update(first_step + len(losses), tokens_per_sec=rate)
-                if evaluate_now:
-                    record.update(trainer.evaluate(state))
-                    progress.write(f"step {step}: held-out loss {record['eval/loss']:.4f}")
+                    progress.update(first_step + len(losses), {"tok/s": rate})
+                if evaluate_now or sample_now:
+                    measured, lines = trainer.evals.run_at(state, step, held_out=evaluate_now,
+                                                           samples=sample_now)
+                    record.update(measured)
+                    for line in lines:
+                        progress.notice(line)
                     clock.restart()  # the evaluation waited for this step: leave it untimed
                     pending = (metrics, 0)
                 writer.write(step, record)

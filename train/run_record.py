@@ -1,5 +1,6 @@
-"""The tokenizer and data a run trains on, recorded in its workdir at the first start and
-checked when it resumes (`model.interop.workdir_record` holds the file's layout).
+"""What a workdir records of its run: the tokenizer and data it trains on, recorded at the first
+start and checked when it resumes (`model.interop.workdir_record` holds the file's layout), and
+the resolved run config, `WORKDIR/config.yaml` (`write_run_config`).
 
 A resumed run whose tokenizer is another (same name, other vocabulary) is refused; one whose
 data files changed is refused unless the user allows it (`python -m train --allow-data-change`),
@@ -10,7 +11,10 @@ and gets one.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Mapping
 
+from model.config import config_yaml
+from model.interop.atomic_file import write_text_atomically
 from model.interop.workdir_record import (
     read_record,
     tokenizer_identity,
@@ -24,6 +28,7 @@ from train.data.chat import templates_sha256
 from train.data.fingerprint import data_changes, data_fingerprint
 
 ALLOW_FLAG = "--allow-data-change"
+CONFIG_FILE = "config.yaml"
 CHAT_TEMPLATE = "chat template"  # the fingerprint's entry for the templates rendering chats
 
 
@@ -76,3 +81,13 @@ def check_and_record(workdir: Path, tokenizer: TextTokenizer, data: DataConfig,
 def _listed(changes: list[str], shown: int = 3) -> str:
     more = len(changes) - shown
     return ", ".join(changes[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
+def write_run_config(workdir: Path, values: Mapping[str, Any], command: str) -> None:
+    """`WORKDIR/config.yaml`: the resolved config of the run `command` starts (every field,
+    defaults and derived sizes included), which `command --config` reads back to the same run.
+    Rewritten at every start, atomically: a resumed run's config has passed the checkpoint's
+    check by then, so the file changes only where a resume may (run length, logging, ...)."""
+    header = (f"The resolved config of this run, written by {command} at its latest start;\n"
+              f"{command} --config {Path(workdir) / CONFIG_FILE} ... reads it back.")
+    write_text_atomically(Path(workdir) / CONFIG_FILE, config_yaml(values, header))

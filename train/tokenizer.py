@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from model.config import check_open_fraction
-from model.config.cli import ArgumentParser
+from model.config.cli import ArgumentParser, finite_float
 from model.tokenizers.text import DEFAULT_PATH, SPECIAL_TOKENS, load_tokenizer, train_bpe
 from train.data.config import DataConfig
 from train.data.corpus import load_documents
@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="tokenizer.json to write (default: the shipped one, "
                              f"{DEFAULT_PATH.relative_to(DEFAULT_PATH.parents[3])})")
     parser.add_argument("--source", default="stdlib", help="corpus (as train.data.source)")
-    parser.add_argument("--heldout-fraction", type=float, default=DataConfig.heldout_fraction,
+    parser.add_argument("--heldout-fraction", type=finite_float, default=DataConfig.heldout_fraction,
                         metavar="F", help="documents of the held-out split are left out of "
                                           "training")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out file")

@@ -6,6 +6,8 @@ characters W, C and H), with the RoPE context-extension scaling both use.
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any, Mapping
 
 from model.config.core import (
     Config,
@@ -174,3 +176,31 @@ class SharedKVAttentionConfig(Config):
         if self.num_heads % self.o_groups:
             raise ConfigError("o_groups", f"{self.o_groups} does not divide num_heads="
                               f"{self.num_heads} (each output group holds whole heads)")
+
+
+def _given_size(given: Mapping[str, Any], name: str) -> int | None:
+    """A size the config sets itself (a bad value is left for validation to name)."""
+    value = given.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def host_shared_kv_sizes(given: Mapping[str, Any], d_model: int,
+                         host: AttentionGeometry) -> dict[str, int]:
+    """The parameter sizes of DeepSeek-V4's attention that a config leaves out (`given`: its
+    `shared_kv_attention` values), scaled to the model it is added to, whose full-attention
+    geometry is `host`: query heads as the host's, head dim 4x the host's query/key head dim
+    (one shared-KV MQA entry serves every head), the host's rotary dims, query and output
+    low-rank dims d_model / 4, gcd(heads, 8) output groups, an indexer of as many heads of the
+    host's head dim. On Step 3.5 Flash (d_model 4096, 64 heads of 128, 64 rotary dims) this is
+    exactly V4-Flash's geometry (64 x 512, 64, 1024, 8 groups, indexer 64 x 128), the dataclass
+    defaults; on the tiny preset CSA layers stay tiny instead of taking V4-Flash's sizes.
+    -> {field: size} for the fields `given` leaves out."""
+    heads = _given_size(given, "num_heads") or host.num_heads
+    head_dim = _given_size(given, "head_dim") or 4 * host.head_dim
+    index_dim = _given_size(given, "index_head_dim") or host.head_dim
+    low_rank = max(1, d_model // 4)
+    sizes = {"num_heads": heads, "head_dim": head_dim, "index_head_dim": index_dim,
+             "rope_dims": min(host.rotary_dims, head_dim, index_dim) // 2 * 2,
+             "q_lora_rank": low_rank, "o_lora_rank": low_rank, "o_groups": math.gcd(heads, 8),
+             "index_heads": heads}
+    return {name: size for name, size in sizes.items() if name not in given}

@@ -1,11 +1,13 @@
 """Shared plumbing of the model tools' command lines (`model.summary`, `model.flops`).
 
 Every bad input ends in one line `error: <problem>` on stderr and exit code 2
-(docs/architecture.md): argparse's own errors (missing flag, bad choice) and the `ValueError`s
-of `load_config`, which name the offending field.
+(docs/architecture.md): argparse's own errors (missing flag, bad choice, a float flag that is
+not a finite number: `finite_float`) and the `ValueError`s of `load_config`, which name the
+offending field.
 """
 
 import argparse
+import math
 import sys
 from typing import NoReturn, Sequence
 
@@ -17,6 +19,19 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {' '.join(message.split())}\n")
+
+
+def finite_float(text: str) -> float:
+    """`type=` of a float flag: argparse turns `float()`'s inf and nan, which every later range
+    check would let through or fail on without naming the flag, into its one-line error
+    naming the flag (`argument --x: must be a finite number, got 'nan'`)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def report_error(err: BaseException) -> int:

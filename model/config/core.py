@@ -9,10 +9,12 @@ configs by `build_dataclass`, which rejects unknown keys by name; `config_to_dic
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 import math
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 import yaml
 
@@ -189,7 +191,9 @@ def build_dataclass(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     for key, value in values.items():
         name = f"{prefix}{key}"
         if key not in fields:
-            raise ValueError(f"{name}: unknown config field; known fields: {sorted(fields)}")
+            raise ValueError(f"{name}: unknown config field"
+                             f"{did_you_mean(key, dotted_names(cls), prefix)}; known fields"
+                             f"{' of ' + prefix.rstrip('.') if prefix else ''}: {sorted(fields)}")
         default = fields[key].default
         if dataclasses.is_dataclass(default):
             if not isinstance(value, Mapping):
@@ -204,9 +208,33 @@ def build_dataclass(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     try:
         return cls(**kwargs)
     except ConfigError as err:
-        if getattr(cls, "section", ""):  # already named by its fixed place
-            raise
-        raise err.within(prefix.rstrip(".")) from None
+        section, path = getattr(cls, "section", ""), prefix.rstrip(".")
+        if not section:
+            raise err.within(path) from None
+        # Named by the section it has on its own (`moe.top_k`): renamed to where it sits in
+        # what the user wrote (`model.moe.top_k` in a run YAML).
+        if err.field == section or err.field.startswith(f"{section}."):
+            raise ConfigError(path + err.field[len(section):], err.problem) from None
+        raise
+
+
+def dotted_names(cls: type, prefix: str = "") -> list[str]:
+    """Every field of dataclass `cls` and of the configs nested in it, by dotted name after
+    `prefix` (`dotted_names(ModelConfig, "model.")` holds `model.moe.top_k`)."""
+    names = []
+    for field in dataclasses.fields(cls):
+        names.append(f"{prefix}{field.name}")
+        if dataclasses.is_dataclass(field.default):
+            names += dotted_names(type(field.default), f"{prefix}{field.name}.")
+    return names
+
+
+def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:
+    """` (did you mean 'x'?)` for the known name closest to a mistyped `name` (difflib's
+    similarity, as Python's own NameError hints), or '' when none is close. Both are compared
+    below `prefix` (a shared `model.` would make any two names look alike); `x` has it."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {prefix + close[0]!r}?)" if close else ""
 
 
 def given_values(value: Any) -> Any:
@@ -220,6 +248,22 @@ def given_values(value: Any) -> Any:
 def config_to_dict(config: Any) -> dict:
     """Nested plain-python dict of a config (round-trips through `build_dataclass`)."""
     return dataclasses.asdict(config)
+
+
+class _ConfigDumper(yaml.SafeDumper):
+    """Mappings as blocks (one field a line), lists inline (`swiglu_limits: [0.0, 7.0]`)."""
+
+
+_ConfigDumper.add_representer(list, lambda dumper, value: dumper.represent_sequence(
+    "tag:yaml.org,2002:seq", value, flow_style=True))
+
+
+def config_yaml(values: Mapping[str, Any], comment: str = "") -> str:
+    """YAML of nested config values (tuples written as lists) that `read_yaml` reads back
+    equal, fields in their declared order; `comment` heads it as `# ...` lines."""
+    plain = json.loads(json.dumps(values))  # tuples -> lists, and nothing YAML cannot hold
+    text = yaml.dump(plain, Dumper=_ConfigDumper, sort_keys=False, width=100)
+    return "".join(f"# {line}\n" for line in comment.splitlines()) + text
 
 
 # ---- YAML files and dotted overrides ------------------------------------------------------------

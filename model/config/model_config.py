@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from model.config.core import (
     Config,
     ConfigError,
-    apply_overrides,
-    build_dataclass,
     check_bool,
     check_choice,
     check_int,
     check_positive,
-    read_yaml,
 )
 from model.config.attention_config import (
     GATE_TYPES,
@@ -281,11 +277,9 @@ class ModelConfig(Config):
         if self.moe.hash_layers > self.num_moe_layers:
             raise ConfigError("moe.hash_layers", f"{self.moe.hash_layers} exceeds the "
                               f"{self.num_moe_layers} MoE layers")
-        index_dim = self.shared_kv_attention.index_head_dim
-        if self.qat.indexer_qk != "none" and index_dim & (index_dim - 1):
-            raise ConfigError("qat.indexer_qk", f"rotates the indexer's queries and keys with a "
-                              f"Hadamard matrix: shared_kv_attention.index_head_dim must be a "
-                              f"power of two, got {index_dim}")
+        self.qat.check_model(
+            experts=bool(self.num_moe_layers or (self.mtp.num_heads and self.mtp.block == "layer")),
+            indexer="C" in self.layout, index_head_dim=self.shared_kv_attention.index_head_dim)
         check_positive("norm_eps", self.norm_eps)
         check_positive("init_std", self.init_std)
         check_choice("param_dtype", self.param_dtype, DTYPES)
@@ -303,6 +297,11 @@ class ModelConfig(Config):
 
     def attention_type(self, layer: int) -> str:
         return self.layout[layer]
+
+    def uses_shared_kv(self) -> bool:
+        """A layer (or an MTP block) with DeepSeek-V4's shared-KV attention (W, C or H)."""
+        kinds = set(self.layout) | ({self.mtp.attention_type} if self.mtp.num_heads else set())
+        return bool(kinds & set(SHARED_KV_KINDS))
 
     def attention_config(self, attention_type: str) -> AttentionTypeConfig:
         """The GQA settings of layer character F or S (W / C / H: `shared_kv_attention`)."""
@@ -333,56 +332,3 @@ class ModelConfig(Config):
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
-
-
-def config_from_dict(values: Mapping[str, Any]) -> ModelConfig:
-    return build_dataclass(ModelConfig, values, "")
-
-
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ModelConfig:
-    """Loads a YAML preset (its `model:` section if present) and applies dotted overrides
-    (`load_config("configs/tiny.yaml", ["d_model=128", "moe.top_k=2"])`)."""
-    return config_from_dict(apply_overrides(model_values(read_yaml(path), path), overrides))
-
-
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"
-
-
-def model_values(values: Mapping[str, Any], path: str | Path) -> dict:
-    """The model fields of config file `path`, read as `values`: its `model:` section, or the
-    file itself for a preset with the fields at top level (configs/step35_flash.yaml). A file
-    with neither is refused: the defaults alone are the full-size model, minutes to initialise
-    and rarely what an empty or mistyped file meant."""
-    model = _model_section(values)
-    if not model:
-        presets = ", ".join(_shown(p) for p in sorted(PRESETS_DIR.glob("*.yaml"))
-                            if _defines_model(p)) or "configs/tiny.yaml"
-        raise ValueError(f"config file {str(path)!r} defines no model (no model: section), so it "
-                         f"would be the full-size Step 3.5 Flash defaults; start from a preset "
-                         f"that has one: {presets}")
-    if not isinstance(model, Mapping):
-        raise ValueError(f"config file {str(path)!r}: model: expected a mapping of model "
-                         f"fields, got {model!r}")
-    return dict(model)
-
-
-def _model_section(values: Mapping[str, Any]) -> Any:
-    if "model" in values:
-        return values["model"]
-    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    return values if set(values) & model_fields else None
-
-
-def _defines_model(path: Path) -> bool:
-    try:
-        return bool(_model_section(read_yaml(path)))
-    except ValueError:
-        return False
-
-
-def _shown(path: Path) -> str:
-    """`path` relative to the working directory where it lies below it (configs/tiny.yaml)."""
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)

@@ -162,16 +162,32 @@ def latest_checkpoint_step(workdir: Path) -> int | None:
         checkpoints.close()
 
 
-def latest_run_config(workdir: Path) -> tuple[int, dict]:
-    """(step, resolved run config dict) of the newest checkpoint of a `python -m train` workdir."""
+def latest_run_config(workdir: Path, step: int | None = None) -> tuple[int, dict]:
+    """(step, resolved run config dict) of the newest checkpoint of a `python -m train` or
+    `python -m rl` workdir, or of its checkpoint of `step` (CheckpointError listing the saved
+    steps if it has none of that step)."""
     checkpoints = Checkpointer(Path(workdir) / "checkpoints", keep=1 << 30)
     try:
-        step = checkpoints.latest_step()
-        if step is None:
+        saved = checkpoints.all_steps()
+        if not saved:
             raise CheckpointError(f"no checkpoint in {checkpoints.directory}")
+        if step is not None and step not in saved:
+            raise CheckpointError(f"{checkpoints.directory / str(step)}: no checkpoint of step "
+                                  f"{step}; saved steps: {', '.join(map(str, saved))}")
+        step = saved[-1] if step is None else step
         return step, checkpoints.read_config(step)
     finally:
         checkpoints.close()
+
+
+def split_checkpoint_step(path: Path) -> tuple[Path, int | None]:
+    """A checkpoint named by its step directory, `DIR/checkpoints/<step>` -> (DIR, step): how
+    every command that reads weights takes a step other than a workdir's latest. Any other
+    path -> (path, None)."""
+    path = Path(path)
+    if path.parent.name == "checkpoints" and path.name.isdigit():
+        return path.parent.parent, int(path.name)
+    return path, None
 
 
 def restore_target(abstract: Any, shardings: Any) -> Any:

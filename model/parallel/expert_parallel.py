@@ -12,6 +12,10 @@ the other axes). Per device:
 The receive buffer holds ep * n * k rows: dropless needs room for every peer sending all its
 copies here (the skewed worst case). Unused rows carry the id "no expert" and cost no FLOPs in
 the `sorted` path.
+
+When the tokens are not sharded over `expert` (decoding one row: model/parallel/device_mesh.py's
+rules keep the batch whole), every device already holds every token: each runs its own experts
+on the copies routed to them and one psum over `expert` adds the results, with no exchange.
 """
 
 from __future__ import annotations
@@ -124,8 +128,11 @@ def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights,
     token_spec = logical_spec("batch", None)
     token_axes = spec_axes(token_spec[0])
     if AXIS not in token_axes:
-        raise ValueError("expert parallelism needs the batch sharded over the `expert` axis "
-                         f"(rules give {token_spec})")
+        if token_axes:
+            raise ValueError("expert parallelism needs the batch sharded over the `expert` axis "
+                             f"or not at all (rules give {token_spec})")
+        return _experts_of_whole_tokens(x, indices, combine_weights, weights, token_spec,
+                                        clamp=clamp, impl=impl, block_size=block_size)
     stat_axes = tuple(a for a in token_axes if a != AXIS and mesh.shape[a] > 1)
     body = functools.partial(
         _local_experts, num_experts=num_experts, clamp=clamp, impl=impl, block_size=block_size,
@@ -134,6 +141,31 @@ def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights,
     # check_vma=False: the `sorted` path's loops start from zero buffers, not typed as varying
     # over the mesh; outputs and gradients are compared with the unsharded path in
     # tests/train/test_parallel.py.
+    y, sums = jax.shard_map(
+        body, in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec, expert_spec),
+        out_specs=(token_spec, P(AXIS)), check_vma=False,
+    )(x, indices, combine_weights, *weights)
+    return y, finalize_statistics(sums, weights.gate.shape[-1])
+
+
+def _own_experts(x, indices, combine_weights, gate, up, down, *, clamp, impl, block_size):
+    """Per-device body when every device holds the same tokens. x [n, D]; indices /
+    combine_weights [n, k]; gate/up [E_loc, D, F]. Copies routed to other devices' experts get
+    the id "no expert" (no FLOPs in the `sorted` path) and weight 0; the psum adds theirs."""
+    local = gate.shape[0]
+    me = jax.lax.axis_index(AXIS)
+    mine = indices // local == me
+    ids = jnp.where(mine, indices - me * local, local)
+    out, sums = MOE.resolve(impl)(x, ids, ExpertWeights(gate, up, down), clamp, block_size)
+    y = combine_copies(out, jnp.where(mine, combine_weights, 0.0), jnp.float32)
+    return jax.lax.psum(y, AXIS).astype(x.dtype), sums
+
+
+def _experts_of_whole_tokens(x, indices, combine_weights, weights: ExpertWeights, token_spec, *,
+                             clamp, impl, block_size):
+    """`expert_parallel_experts` for tokens not sharded over `expert` (module docstring)."""
+    body = functools.partial(_own_experts, clamp=clamp, impl=impl, block_size=block_size)
+    expert_spec = P(AXIS, None, None)
     y, sums = jax.shard_map(
         body, in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec, expert_spec),
         out_specs=(token_spec, P(AXIS)), check_vma=False,

@@ -89,6 +89,9 @@ def load_tokenizer(spec: str = "default") -> TextTokenizer:
     holding one, e.g. a downloaded model)."""
     path = SHIPPED.get(spec, Path(spec))
     if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"train.data.tokenizer: {spec!r} is a directory without a "
+                             "tokenizer.json; name the tokenizer.json or a directory holding one")
         path = path / "tokenizer.json"
     if not path.is_file():
         hint = " (the shipped tokenizer asset is missing)" if spec in SHIPPED else ""

@@ -37,11 +37,10 @@ from model.interop.workdir_record import describe_tokenizer, tokenizer_identity
 from model.lm import CausalLM
 from model.parallel.rules import replicated
 from model.tokenizers.text import TextTokenizer
-from model.weights import load_model
+from model.weights import checkpoint_tokenizer, load_model
 from rl.distill.config import TeacherConfig
 from rl.models import token_logprobs
 from rl.parallel import row_sharding, sharded_jit
-from rl.policies import checkpoint_tokenizer
 from train.parallel.sharding import data_parallel_size
 
 

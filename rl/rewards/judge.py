@@ -27,8 +27,7 @@ import numpy as np
 from model.config import ConfigError, ModelConfig
 from model.lm import CausalLM
 from model.tokenizers.text import TextTokenizer
-from model.weights import load_model
-from rl.policies import checkpoint_tokenizer
+from model.weights import checkpoint_tokenizer, load_model
 from rl.rewards.bradley_terry import bradley_terry_reward
 from rl.rewards.template import (DEFAULT_CHOICES, DEFAULT_TEMPLATE, literal_pieces, render,
                                  template_error)
@@ -81,7 +80,7 @@ class PairwiseJudge:
                         ) -> "PairwiseJudge":
         """A stepjax model directory, HF checkpoint, training or RL workdir, and its
         tokenizer: `tokenizer` names it (as `rl.tokenizer` does); "" takes the checkpoint's own
-        (`rl.policies.checkpoint_tokenizer`)."""
+        (`model.weights.checkpoint_tokenizer`)."""
         config, variables = load_model(checkpoint)
         return cls(config, variables, checkpoint_tokenizer(Path(checkpoint), tokenizer),
                    **settings)

@@ -16,7 +16,7 @@ from model.inference import decode
 from model.inference.cache_memory import cache_bytes
 from model.inference.decode import Decoder
 from model.inference.kv_cache import KVCacheSpec
-from model.inference.sampling import Sampling, token_probs
+from model.inference.sampling import Sampling
 from model.inference.speculative import accept_drafts
 from model.lm import CausalLM, init_variables
 
@@ -227,6 +227,19 @@ def test_stop_tokens_end_rows():
         assert out.tokens[0] == plain.tokens[0][:first + 1]
 
 
+def test_on_tokens_streams_exactly_the_committed_tokens():
+    """What `on_tokens` receives, after the prompt and then pass by pass, is what generate
+    returns per row (a stop token ending a row early; speculative passes commit several)."""
+    decoder, prompts = greedy_decoder(), [list(SEQUENCES[0][:7]), list(SEQUENCES[1][:4])]
+    stop = decoder.generate(prompts, 10).tokens[0][5]
+    for speculative in (False, True):
+        calls = []
+        out = decoder.generate(prompts, 10, speculative=speculative, stop_ids=[stop],
+                               on_tokens=calls.append)
+        assert [sum((c[b] for c in calls), []) for b in (0, 1)] == out.tokens
+        assert len(calls) == out.forward_passes + 1
+
+
 def test_generate_rejects_bad_requests():
     decoder = greedy_decoder()
     with pytest.raises(ValueError, match="max_len"):
@@ -237,6 +250,8 @@ def test_generate_rejects_bad_requests():
         decoder.generate([[]], 2)
     with pytest.raises(ValueError, match="top_p"):
         decoder.generate([[1]], 2, sampling=Sampling(1.0, top_p=0.0))
+    with pytest.raises(ValueError, match="^temperature: must be a finite number >= 0, got inf"):
+        decoder.generate([[1]], 2, sampling=Sampling(float("inf")))
     with pytest.raises(ValueError, match="MTP heads"):
         Decoder(CFG, VARIABLES, max_len=8, draft=4)
 
@@ -252,41 +267,6 @@ def test_caches_beyond_memory_or_int32_positions_are_refused_before_allocating(m
                                          r"0\.[0-9]+ GiB, more than the 0\.06 GiB of free memory; "
                                          "generate fewer new tokens"):
         decoder.init_cache(4)
-
-
-def reference_probs(logits, temperature, top_k, top_p):
-    """numpy float64: softmax(logits / T), then top-k, then the smallest nucleus >= top_p."""
-    z = logits.astype(np.float64) / temperature
-    order = np.argsort(-z, kind="stable")
-    if top_k:
-        z = np.where(np.isin(np.arange(len(z)), order[:top_k]), z, -np.inf)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    kept, mass = [], 0.0
-    for i in order:
-        if mass >= top_p or p[i] == 0:
-            break
-        kept.append(i)
-        mass += p[i]
-    out = np.zeros_like(p)
-    out[kept] = p[kept]
-    return out / out.sum()
-
-
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0),
-                                                        (1.3, 0, 0.6), (0.9, 5, 0.8)])
-def test_token_probs_match_reference(temperature, top_k, top_p):
-    logits = np.random.default_rng(2).normal(size=(4, 10)).astype(np.float32) * 2
-    got = np.asarray(token_probs(jnp.asarray(logits), Sampling(temperature, top_k, top_p)))
-    for row, probs in zip(logits, got):
-        np.testing.assert_allclose(probs, reference_probs(row, temperature, top_k, top_p),
-                                   atol=1e-6)
-
-
-def test_greedy_probs_are_one_hot_argmax():
-    logits = np.random.default_rng(3).normal(size=(5, 7)).astype(np.float32)
-    probs = np.asarray(token_probs(jnp.asarray(logits), Sampling()))
-    np.testing.assert_array_equal(probs, np.eye(7)[logits.argmax(-1)])
 
 
 CHI2_3DOF_P1E4 = 21.108  # chi-square critical value, 3 degrees of freedom, p = 1e-4
@@ -343,7 +323,10 @@ def model_dir(tmp_path_factory):
 def run_generate(capsys, *args):
     from model.generate import main
 
-    code = main(list(args))
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:  # argparse's errors
+        code = exit_.code
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -371,7 +354,14 @@ def test_generate_cli_json_and_speculative(model_dir, capsys):
     (["--prompt", "w1", "--workdir", "{model}", "--tokenizer", "{tok}", "--draft", "5",
       "--speculative"], "--draft"),
     (["--prompt", "w1", "--workdir", "{model}", "--tokenizer", "{tok}", "--chat"], "--chat"),
-    (["--prompt", "w1", "--workdir", "{model}", "--tokenizer", "{tok}", "--top-p", "0"], "top_p"),
+    (["--prompt", "w1", "--workdir", "{model}", "--tokenizer", "{tok}", "--top-p", "0"],
+     "--top-p: must be in (0, 1], got 0.0"),
+    (["--prompt", "w1", "--workdir", "{model}", "--temperature", "inf"],
+     "argument --temperature: must be a finite number, got 'inf'"),
+    (["--prompt", "w1", "--workdir", "{model}", "--temperature", "-1"],
+     "--temperature: must be a finite number >= 0, got -1.0"),
+    (["--prompt", "w1", "--workdir", "{model}", "--top-p", "nan"],
+     "argument --top-p: must be a finite number, got 'nan'"),
 ])
 def test_generate_cli_errors(model_dir, capsys, args, problem):
     args = [a.format(model=model_dir / "model", tok=model_dir / "tokenizer.json") for a in args]

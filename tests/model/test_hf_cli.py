@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from hf_step3p5_checkpoint import REPO, assert_same_tensors, read_dir
 
 from model.generate import main as generate_main
@@ -50,6 +51,23 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(hf_source, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith("error:") and "not empty" in err and err.count("\n") == 1
     assert [p.name for p in taken.iterdir()] == ["x"]
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("nan", "argument --max-shard-gib: must be a finite number, got 'nan'"),
+    ("inf", "argument --max-shard-gib: must be a finite number, got 'inf'"),
+    ("1e-300", "--max-shard-gib must be at least one byte (2^-30), got 1e-300"),
+])
+def test_a_shard_size_that_is_no_number_of_bytes_is_named(hf_source, tmp_path, capsys, value,
+                                                           problem):
+    try:
+        code = main(["export", str(hf_source[0]), "--out", str(tmp_path / "hf"),
+                     f"--max-shard-gib={value}"])
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    assert code == 2
+    assert capsys.readouterr().err == f"error: {problem}\n"
+    assert not (tmp_path / "hf").exists()
 
 
 def test_truncated_shard_is_one_line_naming_it_in_import_and_generate(hf_source, tmp_path,

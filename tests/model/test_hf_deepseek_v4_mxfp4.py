@@ -2,12 +2,14 @@
 (`qat.expert_weights: mxfp4`, `save_hf_checkpoint(..., expert_dtype="fp4", names="release")`):
 the exported routed experts, decoded here from their bytes by formula (E2M1 nibbles, element 2j
 low; E8M0 exponent bytes), are the float64 reference's MXFP4 of the master weights; the export
-imports back to exactly those values; and the model computing with QAT on its float32 masters
-gives the logits (MTP head included) of the imported, unquantized model.
+imports back to exactly those values; the model computing with QAT on its float32 masters
+gives the logits (MTP head included) of the imported, unquantized model; and the export records
+the model's QAT switches (`stepjax_qat`, model/interop/qat_json.py), which the import sets again.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -19,8 +21,15 @@ from test_hf_quantized import blockwise, e2m1_values
 from test_mx_quant import mxfp4_reference, mxfp4_values
 
 import model.interop.hf as hf
+from model.interop import deepseek_v4
 from model.config import QATConfig
+from model.interop.qat_json import with_qat_from_hf
+from model.interop.safetensors_io import CheckpointFormatError
 from model.lm import CausalLM
+from tests.train_helpers import FAST_COMPILE
+
+# Every switch on: the model exported, and what its import must compute with.
+QAT = QATConfig(expert_weights="mxfp4", indexer_qk="mxfp4", index_scores="bfloat16")
 
 
 def raw_tensors(path) -> dict[str, tuple[str, list, np.ndarray]]:
@@ -42,19 +51,27 @@ def raw_tensors(path) -> dict[str, tuple[str, list, np.ndarray]]:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """(config, variables, the tensors imported, the export's directory): the hand-written
-    checkpoint of test_hf_deepseek_v4 (MTP layer included), exported in the release layout."""
+    """(config, variables, the tensors imported, the export's directory, its import): the
+    hand-written checkpoint of test_hf_deepseek_v4 (MTP layer included) with every QAT switch
+    on, exported in the release layout."""
     root = tmp_path_factory.mktemp("mxfp4")
     tensors = v4.hf_tensors()
     config, variables = hf.load_hf_checkpoint(v4.write_hf_dir(root / "hf", tensors,
                                                               v4.HF_CONFIG), progress=False)
-    hf.save_hf_checkpoint(config, variables, root / "out", dtype="bfloat16", names="release",
-                          expert_dtype="fp4", progress=False)
-    return config, variables, tensors, root / "out"
+    hf.save_hf_checkpoint(config.replace(qat=QAT), variables, root / "out", dtype="bfloat16",
+                          names="release", expert_dtype="fp4", progress=False)
+    return config, variables, tensors, root / "out", hf.load_hf_checkpoint(root / "out",
+                                                                           progress=False)
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+def forward(config, variables, tokens):
+    result = CausalLM(config).apply(variables, tokens)
+    return result.logits, result.mtp_logits
 
 
 def test_the_experts_are_written_as_the_mxfp4_of_their_masters(exported):
-    _, _, tensors, out = exported
+    _, _, tensors, out, _ = exported
     written = json.loads((out / "config.json").read_text())
     assert written["expert_dtype"] == "fp4"
     assert written["quantization_config"]["scale_fmt"] == "ue8m0"
@@ -62,7 +79,7 @@ def test_the_experts_are_written_as_the_mxfp4_of_their_masters(exported):
     experts = [n for n in tensors if ".ffn.experts." in n]
     assert any(n.startswith("mtp.0.") for n in experts)
     for name in experts:
-        release = hf.deepseek_v4.release_name(name)
+        release = deepseek_v4.release_name(name)
         (dtype, shape, packed), (scale_dtype, _, exponent) = (
             stored[release], stored[release.removesuffix("weight") + "scale"])
         master = np.asarray(tensors[name], np.float32)  # [out, in]
@@ -80,23 +97,43 @@ def test_the_experts_are_written_as_the_mxfp4_of_their_masters(exported):
 def test_qat_computes_what_the_imported_mxfp4_export_computes(exported):
     """The import dequantizes the experts (model/interop/quantized.py); the other weights are
     bfloat16 in both. QAT's FP8 tiles are exact for these weights (one scale of magnitude)."""
-    config, variables, _, out = exported
-    imported_config, imported = hf.load_hf_checkpoint(out, progress=False)
-    assert imported_config == config
+    config, variables, _, _, (_, imported) = exported
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, v4.VOCAB, (2, 16)), jnp.int32)
-
-    def forward(cfg, v):
-        result = CausalLM(cfg).apply(v, tokens)
-        return result.logits, result.mtp_logits
-
     qat = config.replace(qat=QATConfig(expert_weights="mxfp4"))
-    plain = jax.jit(lambda v: forward(config, v))
-    want, want_mtp = jax.jit(lambda v: forward(qat, v))(variables)
-    got, got_mtp = plain(imported)
+    want, want_mtp = forward(qat, variables, tokens)
+    got, got_mtp = forward(config, imported, tokens)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got_mtp[0], want_mtp[0], rtol=1e-6, atol=1e-6)
     # and QAT does change the network: its logits are not the float masters'
-    assert np.max(np.abs(np.asarray(plain(variables)[0]) - np.asarray(want))) > 1e-3
+    assert np.max(np.abs(np.asarray(forward(config, variables, tokens)[0]) - want)) > 1e-3
+
+
+def test_the_import_keeps_the_qat_switches_and_computes_as_the_exported_model(exported):
+    """At 32 tokens the indexer's top-3 keeps 3 of up to 8 CSA entries, so FP4 keys and BF16
+    scores change which are kept (measured on this checkpoint without its MTP layer, other
+    tokens of this length: the same weights without the switches give logits up to 4.7 away,
+    std 1.7)."""
+    config, variables, _, out, (imported_config, imported) = exported
+    assert json.loads((out / "config.json").read_text())["stepjax_qat"] == {
+        "expert_weights": "mxfp4", "indexer_qk": "mxfp4", "index_scores": "bfloat16"}
+    assert imported_config == config.replace(qat=QAT)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, v4.VOCAB, (2, 32)), jnp.int32)
+    want, want_mtp = forward(config.replace(qat=QAT), variables, tokens)
+    got, got_mtp = forward(imported_config, imported, tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got_mtp[0], want_mtp[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout, record, message", [
+    ("WCHC", {"indexer_qk": "int4"}, "stepjax_qat.indexer_qk: got 'int4'"),
+    ("WCHC", {"indexer": "mxfp4"}, "stepjax_qat: expected an object of"),
+    ("WCHC", "mxfp4", "stepjax_qat: expected an object of"),
+    ("WHWH", {"indexer_qk": "mxfp4"}, "stepjax_qat.indexer_qk: 'mxfp4' applies to the CSA "
+                                      "lightning indexer, but the layout has no CSA"),
+])
+def test_a_bad_qat_record_is_refused_naming_the_key(layout, record, message):
+    with pytest.raises(CheckpointFormatError, match=f"^{message}"):
+        with_qat_from_hf(v4.CFG.replace(layout=layout), {"stepjax_qat": record})
 
 
 @pytest.mark.parametrize("options, message", [

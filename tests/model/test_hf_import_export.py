@@ -36,7 +36,7 @@ from hf_step3p5_checkpoint import (
     write_hf_dir,
 )
 
-from model.config import MTPConfig
+from model.config import MTPConfig, QATConfig
 from model.interop.hf import load_hf_checkpoint, save_hf_checkpoint
 from model.interop.safetensors_io import CheckpointFormatError
 from model.layers.params import convert_layer_layout
@@ -127,10 +127,14 @@ def test_import_then_export_is_tensor_exact(hf_source, imported, tmp_path):
                        max_shard_bytes=40_000, progress=False)
     assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1
     assert_same_tensors(read_dir(hf_dir), read_dir(tmp_path / "out"))
+    # no QAT switch on: config.json records none (model/interop/qat_json.py)
+    assert "stepjax_qat" not in json.loads((tmp_path / "out" / "config.json").read_text())
 
 
 def test_single_file_export_reimports_identically(imported, tmp_path):
+    """A QAT switch included: the export records it and the import sets it again."""
     config, variables = imported
+    config = config.replace(qat=QATConfig(expert_weights="mxfp4"))
     save_hf_checkpoint(config, variables, tmp_path / "out", progress=False)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json",
                                                                    "model.safetensors"]

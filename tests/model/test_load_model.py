@@ -1,6 +1,7 @@
 """Tests of the one model loader (`model.weights.load_model`): it reads a Hugging Face
-directory, a model directory and a `python -m train` workdir alike, places the training
-shardings when given a mesh (8 host devices in a subprocess, tests/hf_sharded_import_worker.py)
+directory, a model directory and a `python -m train` workdir (its latest step or a step named
+as `DIR/checkpoints/<step>`) alike, and their configs alone (`load_model_config`), places the
+training shardings when given a mesh (8 host devices in a subprocess, tests/hf_sharded_import_worker.py)
 and rejects other paths in one line. The Hugging Face source is the hand-written checkpoint of
 tests/hf_step3p5_checkpoint.py."""
 
@@ -22,7 +23,8 @@ from hf_step3p5_checkpoint import (
 )
 
 from model.config import config_to_dict
-from model.weights import load_model, save_model_dir
+from model.interop.workdir import CheckpointError
+from model.weights import load_model, load_model_config, save_model_dir
 
 
 def make_workdir(path: Path, config, variables) -> Path:
@@ -49,10 +51,13 @@ def test_load_model_reads_every_kind_of_directory(hf_source, imported, tmp_path)
     config, variables = imported
     save_model_dir(config, variables, tmp_path / "model")
     workdir = make_workdir(tmp_path / "run", config, variables)
-    for source in (hf_source[0], tmp_path / "model", workdir):
+    step = workdir / "checkpoints" / "3"  # a workdir's step, as `--init-from` names one
+    for source in (hf_source[0], tmp_path / "model", workdir, step):
         got_config, got = load_model(source)
-        assert got_config == config, source
+        assert got_config == config == load_model_config(source), source
         assert_same_variables(variables, got)
+    with pytest.raises(CheckpointError, match="no checkpoint of step 4; saved steps: 3"):
+        load_model(workdir / "checkpoints" / "4")
 
 
 def test_load_model_with_a_mesh_places_the_training_shardings(tmp_path, imported):

@@ -51,6 +51,15 @@ RL_ARITH = Path(__file__).resolve().parents[2] / "configs" / "rl_arith.yaml"
      "rl.critic_minibatches: 8 rollouts per iteration (rl.prompts_per_iteration x "
      "rl.samples_per_prompt) cannot fill 12 minibatches"),
     (lambda: RLConfig(temperature=float("nan")), "rl.temperature: must be a finite number"),
+    # RL samples its policy: a near-zero temperature is refused, not sampled greedily
+    (lambda: RLConfig(temperature=1e-45), "rl.temperature: must be at least 0.01, got 1e-45: "
+                                          "RL samples its policy"),
+    (lambda: RLConfig(top_p=float("nan")), "rl.top_p: must be a finite number, got nan"),
+    # the waiting batches are held in memory: at most one per iteration of the run
+    (lambda: RLConfig(iterations=2, max_staleness=100_000, actor=OptimizerConfig(lr=1e-6)),
+     "rl.max_staleness: 100000 exceeds rl.iterations=2: a batch cannot wait longer than the "
+     "run lasts, and each waiting batch is held in memory; lower it (1 already trains every "
+     "batch on the initial policy's rollouts)"),
 ])
 def test_bad_value_raises_on_construction(make, message):
     with pytest.raises(ValueError) as info:
@@ -188,3 +197,59 @@ def test_an_init_from_policy_keeps_its_architecture_and_takes_the_runs_qat():
     assert policy == checkpoint.replace(qat=run.model.qat)
     assert policy.qat.expert_weights == "mxfp4" and policy.d_model == 256
     assert load_rl_config(RL_ARITH).with_model(checkpoint, checkpoint=True).model == checkpoint
+
+
+def test_a_staleness_up_to_the_run_length_is_accepted():
+    run = load_rl_config(RL_ARITH, ["rl.iterations=2", "rl.max_staleness=2",
+                                    "rl.actor.warmup_steps=0"])
+    assert run.rl.max_staleness == 2
+
+
+def test_a_section_of_qat_switches_alone_is_no_model_of_its_own():
+    """`model.qat.*` without a model: the switches wait for --init-from's model (they are not
+    checked against Step 3.5's default architecture, which has no indexer), and a checkpoint
+    without the part they quantize is refused by the field's name."""
+    from model.config import ModelConfig, QATConfig
+
+    run = load_rl_config(RL_ARITH, ["model.qat.indexer_qk=mxfp4"])
+    assert run.model is None and run.qat == QATConfig(indexer_qk="mxfp4")
+    checkpoint = ModelConfig(d_model=256, num_layers=2, layout="SF", num_dense_layers=1)
+    with pytest.raises(ValueError, match=r"^model\.qat\.indexer_qk: 'mxfp4' applies to the CSA"):
+        run.with_model(checkpoint, checkpoint=True)
+    run = load_rl_config(RL_ARITH, ["model.qat.expert_weights=mxfp4"])
+    assert run.with_model(checkpoint, checkpoint=True).model == checkpoint.replace(qat=run.qat)
+
+
+def test_a_resume_refuses_other_model_fields_by_name(tmp_path):
+    """The policy's model is compared as the command gives it (training's comparison): its
+    QAT switches always; its whole model: section without --init-from, where implementation
+    switches may change as in training and are taken."""
+    from model.config import ModelConfig
+    from rl.resume import resumed_config
+    from train.loop import TrainingError
+
+    checkpoint = ModelConfig(d_model=256, num_layers=2, layout="SF", num_dense_layers=1)
+    started = load_rl_config(RL_ARITH, ["model.qat.expert_weights=mxfp4"])
+    saved = started.with_model(checkpoint, checkpoint=True).to_dict()
+    qat_none = load_rl_config(RL_ARITH, ["model.qat.expert_weights=none"])
+    for init_from in (True, False):
+        with pytest.raises(TrainingError, match=r"differs from the checkpoint's in "
+                                                r"model\.qat\.expert_weights; use another"):
+            resumed_config(qat_none, saved, tmp_path, init_from=init_from)
+    # the same switches, or none given: the saved model, switches included
+    for again in (started, load_rl_config(RL_ARITH)):
+        assert resumed_config(again, saved, tmp_path, init_from=True).model == \
+            checkpoint.replace(qat=started.qat)
+
+    section = {f"model.{k}={v}" for k, v in (("d_model", 256), ("num_layers", 2),
+                                             ("layout", "SF"), ("num_dense_layers", 1))}
+    own = load_rl_config(RL_ARITH, sorted(section))
+    saved = own.to_dict()
+    wider = load_rl_config(RL_ARITH, [*sorted(section - {"model.d_model=256"}),
+                                      "model.d_model=512"])
+    with pytest.raises(TrainingError, match=r"differs from the checkpoint's in model\.d_model;"):
+        resumed_config(wider, saved, tmp_path)
+    # with --init-from only the switches of a model: section apply, as when the run started
+    assert resumed_config(wider, saved, tmp_path, init_from=True).model == own.model
+    remat = load_rl_config(RL_ARITH, sorted(section) + ["model.remat_policy=full"])
+    assert resumed_config(remat, saved, tmp_path).model.remat_policy == "full"

@@ -1,4 +1,4 @@
-"""Distillation teachers (rl/distill/teachers.py, rl/distill/full_vocab.py, rl/policies.py) on
+"""Distillation teachers (rl/distill/teachers.py, rl/distill/full_vocab.py, model/weights.py) on
 tiny random models: the student (the tiny RL architecture, vocab 32), teacher A of the same
 architecture with other weights, and teacher B of the MiMo-V2-Flash family (sink attention,
 per-type head geometry, no shared expert) with d_model 48 and a larger vocabulary (40):

@@ -284,18 +284,25 @@ def test_row_shuffle_permutes_windows_and_resumes_from_its_and_grains_states():
 
 
 @pytest.mark.slow
-def test_one_worker_process_gives_the_same_stream_and_resumes(tok, corpus):
-    """train.data.num_workers=1 moves the pipeline into a grain worker process: the stream and
-    its checkpointed position must be those of the in-process pipeline."""
+def test_worker_processes_give_the_same_stream_and_resume_with_any_count(tok, corpus):
+    """train.data.num_workers > 0 reads and tokenises in grain worker processes: the stream and
+    its checkpointed position are the in-process pipeline's whatever the number of workers, so a
+    run resumes exactly with another count (train/data/example_stream.py)."""
     make = lambda workers: make_dataset(DataConfig(source=corpus, num_workers=workers), tok,
                                         seq_len=64, batch_size=2, split="train", seed=3)
-    reference = batches_of(make(0), 9)
-    worker = make(1)
-    assert_same_batches(batches_of(worker, 6), reference[:6])
-    state = json.loads(json.dumps(worker.get_state()))
-    resumed = make(1)
-    resumed.set_state(state)
-    assert_same_batches(batches_of(resumed, 3), reference[6:])
+    reference = batches_of(make(0), 12)
+    workers = make(2)
+    assert_same_batches(batches_of(workers, 6), reference[:6])
+    in_process = make(0)  # 2 workers -> none
+    in_process.set_state(json.loads(json.dumps(workers.get_state())))
+    assert_same_batches(batches_of(in_process, 3), reference[6:9])
+    resumed = make(1)  # none -> 1 worker
+    resumed.set_state(json.loads(json.dumps(in_process.get_state())))
+    assert_same_batches(batches_of(resumed, 3), reference[9:])
+    # A position saved by an older stepjax with workers had their count in its shape.
+    old = {**in_process.get_state(), "pipeline": {**in_process.pipeline, "num_workers": 2}}
+    with pytest.raises(ValueError, match="older stepjax with train.data.num_workers=2"):
+        make(0).set_state(old)
 
 
 def test_hosts_get_disjoint_shards_covering_the_documents(tok, corpus):

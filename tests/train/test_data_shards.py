@@ -8,7 +8,6 @@ nothing compiles (the trainer is built, never stepped)."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import itertools
 import json
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from shard_helpers import SAMPLE, prepared, write_corpus
 from train_helpers import SMALL_LOOP, TINY
 
 import train.data.pipeline as pipeline
@@ -38,35 +38,10 @@ from train.data.sources import check_data, open_data
 from train.loop import Trainer
 from train.run_record import check_and_record
 
-SAMPLE = Path(json.__file__).read_text()  # real Python source
-
 
 @pytest.fixture(scope="module")
 def tok():
     return load_tokenizer("default")
-
-
-def write_corpus(root: Path) -> str:
-    """Short .txt files, a .txt file of several pieces (and units), a text .jsonl with metadata
-    and a blank line -> a source naming them."""
-    root.mkdir(parents=True, exist_ok=True)
-    for i in range(12):
-        text = SAMPLE[i * 300:i * 300 + 50 + 40 * i]
-        (root / f"doc{i:02d}.txt").write_text(f"# doc {i}\n{text}")
-    (root / "long.txt").write_text((SAMPLE * 16)[:3 * PIECE_BYTES + 1000])
-    with open(root / "records.jsonl", "w") as f:
-        for i in range(30):
-            f.write(json.dumps({"text": SAMPLE[i * 200:i * 200 + 30 + 7 * i], "lang": "EN",
-                                "source": f"site{i % 3}"}) + ("\n\n" if i == 4 else "\n"))
-    return f"{root}/*.txt,{root / 'records.jsonl'}"
-
-
-def prepared(source: str, out: Path, *, fraction: float = 0.3, unit_bytes: int = 40_000,
-             force: bool = False, log=lambda _: None) -> dict:
-    """`python -m train.data.prepare` in this process (one worker, no progress bar)."""
-    return prepare_module.prepare(argparse.Namespace(
-        source=source, out=out, tokenizer="default", workers=1, heldout_fraction=fraction,
-        unit_bytes=unit_bytes, force=force, progress=False), log=log)
 
 
 def batches(cfg: DataConfig, tok, n=None, **kwargs) -> list[dict]:

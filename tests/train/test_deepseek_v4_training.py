@@ -2,6 +2,7 @@
 lightning indexer through its own loss only), the losses it adds are in the metrics, and its
 loss falls when trained on the embedded corpus as `python -m train` trains configs/tiny.yaml."""
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -76,5 +77,4 @@ def test_indexer_warm_up_step_trains_the_indexers_alone():
     indexer = {k for k in changed if "'indexer'" in k}
     assert indexer and all(changed[k] for k in indexer)
     assert not any(changed[k] for k in changed.keys() - indexer)
-    for a, b in zip(jax.tree.leaves(state.balance), jax.tree.leaves(new.balance)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(state.balance, new.balance)

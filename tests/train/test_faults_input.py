@@ -230,8 +230,8 @@ def _stub_step(diverges_at: int):
             skips = state.consecutive_skips + 1 if diverged else state.consecutive_skips * 0
             state = state.replace(step=state.step + 1, skipped=state.skipped + int(diverged),
                                   consecutive_skips=skips)
-            return state, {"loss": jnp.float32(np.nan if diverged else 1.0),
-                           "consecutive_skips": skips}
+            loss = jnp.float32(np.nan if diverged else 1.0)
+            return state, {"loss": loss, "loss/lm": loss, "consecutive_skips": skips}
         return step
     return make
 

@@ -1,8 +1,7 @@
-"""train.metrics (async writer, progress bar) and the train.plot CLI."""
+"""train.telemetry.metrics (the async writer) and the train.plot CLI."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import stat
@@ -16,7 +15,7 @@ import pytest
 
 from train.experiments.plot import main as plot_main
 from train.experiments.plot import stage_records
-from train.telemetry.metrics import MetricsWriter, ProgressBar, read_metrics
+from train.telemetry.metrics import MetricsWriter, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,13 +65,24 @@ def test_histograms_reach_tensorboard(tmp_path):
     assert hists["moe_hist/layer1/load"][0] == 3 and hists["moe_hist/layer1/load"][1].num == 4
 
 
+def test_texts_reach_the_file_and_tensorboard(tmp_path):
+    """A string value (a generated sample) is kept as text, beside the numbers."""
+    text = "def main():\n    return"
+    with MetricsWriter(tmp_path) as writer:
+        writer.write(5, {"loss": 2.0, "samples/0": text})
+    assert lines(tmp_path) == [{"step": 5, "loss": 2.0, "samples/0": text}]
+    texts = [(v.tag, e.step, v.tensor.string_val) for e in read_events(tmp_path / "tensorboard")
+             for v in e.summary.value if v.HasField("tensor")]
+    assert texts == [("samples/0/text_summary", 5, [text.encode()])]
+
+
 def test_background_error_surfaces(tmp_path):
     writer = MetricsWriter(tmp_path, tensorboard=False)
     writer.write(1, {"loss": object()})  # not a number: fails in the thread
     with pytest.raises(RuntimeError, match="metrics writer failed"):
         writer.flush()
     writer.write(2, {"loss": 1.0})  # the writer keeps going after reporting
-    writer.write(3, {"bad": "x"})
+    writer.write(3, {"bad": [1.0, "x"]})
     with pytest.raises(RuntimeError, match="metrics writer failed"):
         writer.close()
     assert lines(tmp_path) == [{"step": 2, "loss": 1.0}]
@@ -82,7 +92,7 @@ def test_background_error_surfaces(tmp_path):
 
 def test_error_raised_by_next_write(tmp_path):
     writer = MetricsWriter(tmp_path, tensorboard=False)
-    writer.write(1, {"loss": "nope"})
+    writer.write(1, {"loss": None})
     writer._queue.join()  # let the thread fail without raising here
     with pytest.raises(RuntimeError, match="metrics writer failed"):
         writer.write(2, {"loss": 1.0})
@@ -113,31 +123,6 @@ def test_truncated_metrics_file_keeps_the_umask_mode(tmp_path):
     finally:
         os.umask(previous)
     assert stat.S_IMODE((tmp_path / "metrics.jsonl").stat().st_mode) == 0o644
-
-
-def test_progress_bar_disabled_prints_nothing(capsys):
-    with ProgressBar(100, 10, enabled=False) as bar:
-        bar.update(20, tokens_per_sec=1234.0, loss=2.0)
-        bar.write("hello")
-    captured = capsys.readouterr()
-    assert captured.out == "" and captured.err == ""
-
-
-def test_progress_bar_shows_rate_and_loss():
-    stream = io.StringIO()
-    with ProgressBar(100, 10, file=stream) as bar:
-        bar.update(20, tokens_per_sec=12345.0, loss=jnp.float32(2.0))
-    text = stream.getvalue()
-    assert "20/100" in text and "12.3k" in text and "2.0000" in text
-
-
-def test_progress_bar_keeps_the_rate_when_only_the_loss_changes():
-    stream = io.StringIO()
-    with ProgressBar(100, 10, file=stream) as bar:
-        bar.update(20, tokens_per_sec=12345.0, loss=2.0)
-        bar.update(21, loss=1.5)
-    last = stream.getvalue().split("\r")[-1]
-    assert "21/100" in last and "12.3k" in last and "1.5000" in last
 
 
 def write_run(workdir: Path, steps=5):
@@ -193,3 +178,22 @@ def test_plot_cli_help_and_missing_file(tmp_path):
     result = run("--workdir", str(tmp_path / "nope"))
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+
+
+def test_tensorboard_reads_the_event_files(tmp_path):
+    # What `tensorboard --logdir WORKDIR/tensorboard` shows (the `tensorboard` extra): its own
+    # reader, and its command line's summary of the same directory.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsWriter(tmp_path) as writer:
+        writer.write(3, {"loss/lm": 1.5, "moe_hist/layer1/load": np.arange(4.0)})
+        writer.write(6, {"loss/lm": 1.25})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss/lm")] == [(3, 1.5), (6, 1.25)]
+    assert events.Tags()["histograms"] == ["moe_hist/layer1/load"]
+    tensorboard = Path(sys.executable).with_name("tensorboard")
+    inspected = subprocess.run([str(tensorboard), "--inspect", "--logdir",
+                                str(tmp_path / "tensorboard")],
+                               capture_output=True, text=True, timeout=120)
+    assert inspected.returncode == 0 and "loss/lm" in inspected.stdout, inspected.stderr

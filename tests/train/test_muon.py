@@ -13,7 +13,8 @@ import optax
 import pytest
 
 from model.config import config_to_dict
-from train.config import incompatible_fields, load_run_config
+from train.config import load_run_config
+from train.resume_fields import incompatible_fields
 from train.optim import muon
 from train.optim.config import MuonConfig
 from train.optim.muon import (

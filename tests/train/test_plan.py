@@ -312,6 +312,8 @@ def test_v4_plans_and_mhc_streams_cost_memory(capsys):
     (["--config", TINY, "--mesh", "pipeline=2,data=1", "model.pipeline_virtual_stages=2",
       "model.pipeline_microbatches=1"], "model.pipeline_microbatches"),
     (["--config", TINY, "--mesh", "data=1", "train.bogus=1"], "train.bogus"),
+    (["--config", TINY, "--mesh", "data=1", "--device-memory", "nan"],
+     "argument --device-memory: must be a finite number, got 'nan'"),
 ])
 def test_errors_are_one_line_exit_2(capsys, argv, needle):
     assert main(argv) == 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -274,10 +275,7 @@ def test_recipe_freezes_clones_and_resumes_in_the_right_stage(tmp_path, capsys):
     # MTP-2 starts as a copy of the pre-training stage's MTP-1.
     _, pre = load_model(recipe.stage_dir(workdir, 0))
     start = stage_start_variables(recipe, workdir, 1)["params"]
-    for a, b, c in zip(jax.tree.leaves(pre["params"]["mtp_0"]),
-                       jax.tree.leaves(start["mtp_0"]), jax.tree.leaves(start["mtp_1"])):
-        np.testing.assert_array_equal(a, b)
-        np.testing.assert_array_equal(a, c)
+    chex.assert_trees_all_equal(pre["params"]["mtp_0"], start["mtp_0"], start["mtp_1"])
 
     # Re-running skips the finished stage and resumes the second at its checkpoint.
     assert train_main(["--recipe", str(path), "--workdir", str(workdir)]) == 0

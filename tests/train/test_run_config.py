@@ -53,6 +53,21 @@ def test_bad_value_raises_on_construction(make, message):
     ("train.xla_cache_dir=3", "train.xla_cache_dir: must be a directory path"),
     ("mesh.zero1=maybe", "mesh.zero1: must be true or false"),
     ("train.seq_len=1", "train.seq_len: must be an integer >= 2, got 1"),
+    ("train.seq_len=100000000000", "train.seq_len: 8 x 100000000000 tokens per micro-batch x "
+                                   "model.moe.top_k=4 = 3,200,000,000,000 routed slots exceed "
+                                   "int32 indexing (2,147,483,647)"),
+    # sections of the model named by their place in the run YAML
+    ("model.moe.top_k=0", "model.moe.top_k: must be an integer >= 1, got 0"),
+    ("model.qat.indexer_qk=int4", "model.qat.indexer_qk: got 'int4', allowed values are"),
+    ("model.mtp.num_heads=-1", "model.mtp.num_heads: must be an integer >= 0, got -1"),
+    # a QAT switch on a part the model lacks changes nothing: refused
+    ("model.qat.indexer_qk=mxfp4", "model.qat.indexer_qk: 'mxfp4' applies to the CSA lightning "
+                                   "indexer, but the layout has no CSA ('C') layer; leave it "
+                                   "'none'"),
+    ("model.qat.index_scores=bfloat16", "model.qat.index_scores: 'bfloat16' applies to the CSA "
+                                        "lightning indexer"),
+    ("model.num_dense_layers=9 model.qat.expert_weights=mxfp4",
+     "model.qat.expert_weights: 'mxfp4' applies to the routed experts, but the model has none"),
     ("train.min_lr=0.01", "train.min_lr: the cosine decays from train.lr=0.003 down to min_lr"),
     ("train.micro_batch_size=3", "train.micro_batch_size: must divide train.batch_size=8 (a "
                                  "step accumulates batch_size / micro_batch_size micro-batches), "
@@ -108,6 +123,23 @@ def test_a_config_without_a_model_is_refused_by_both_loaders(tmp_path, text):
                                 "configs/step35_flash.yaml, "
                                 "configs/tiny.yaml, configs/tiny_deepseek_v4.yaml, "
                                 "configs/tiny_mimo.yaml"), message
+
+
+@pytest.mark.parametrize("path, message", [
+    ("configs/recipes/tiny_staged.yaml", "is a staged recipe (stages:), not a run YAML: "
+     "`python -m train --recipe configs/recipes/tiny_staged.yaml` takes it; here give a run "
+     "YAML or model preset such as its base, configs/tiny.yaml"),
+    ("configs/sweeps/balance.yaml", "is a sweep (runs:), not a run YAML: `python -m train.sweep "
+     "--sweep configs/sweeps/balance.yaml` takes it"),
+    ("configs/rl_arith.yaml", "is an RL run config (rl:), not a run YAML: `python -m rl --config "
+     "configs/rl_arith.yaml` takes it; here give a run YAML or model preset such as "
+     "configs/tiny.yaml"),
+])
+def test_other_kinds_of_yaml_are_named_with_what_takes_them(path, message, monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ValueError) as info:
+        load_run_config(path)
+    assert str(info.value).startswith(f"config file {path!r} {message}"), str(info.value)
 
 
 def test_presets_with_top_level_model_fields_still_load():

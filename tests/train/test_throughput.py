@@ -1,7 +1,7 @@
 """Throughput and progress figures of the training loop come from completed steps: the logged
 tokens/s of every row (the first ones after compiling and after a resume included) agree with
-the wall time the steps took, MFU stays at most 1, and the progress bar shows the loss of the
-step it counts."""
+the wall time the steps took, MFU stays at most 1, and the progress display shows the main
+head's loss (`loss/lm`) of the step it counts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from train_helpers import small_run
 
 from train.loop import Trainer, train
-from train.telemetry.metrics import ProgressBar
+from train.telemetry.progress import Progress
 
 STEPS, STOP = 6, 3  # the loop tests' run length: the step function is already compiled
 BATCH, SEQ = 4, 16  # small_run's
@@ -21,7 +21,7 @@ BATCH, SEQ = 4, 16  # small_run's
 @pytest.mark.slow
 def test_logged_throughput_matches_the_wall_time_of_completed_steps(tmp_path, monkeypatch):
     batch_calls, save_times, bar_updates = {}, [], []
-    next_batch, save, update = Trainer.next_batch, Trainer.save, ProgressBar.update
+    next_batch, save, update = Trainer.next_batch, Trainer.save, Progress.update
 
     def timed_next_batch(self, step):
         batch_calls[step] = time.perf_counter()
@@ -31,13 +31,13 @@ def test_logged_throughput_matches_the_wall_time_of_completed_steps(tmp_path, mo
         save_times.append(time.perf_counter())
         return save(self, state)
 
-    def recorded_update(self, step, tokens_per_sec=None, loss=None):
-        bar_updates.append((step, loss))
-        return update(self, step, tokens_per_sec, loss)
+    def recorded_update(self, step, values=None):
+        bar_updates.append((step, (values or {}).get("loss/lm")))
+        return update(self, step, values)
 
     monkeypatch.setattr(Trainer, "next_batch", timed_next_batch)
     monkeypatch.setattr(Trainer, "save", timed_save)
-    monkeypatch.setattr(ProgressBar, "update", recorded_update)
+    monkeypatch.setattr(Progress, "update", recorded_update)
     # peak_flops=0: measured, so MFU <= 1 is a real bound; checkpoints only where the run stops
     # and no evaluation, so the wall time between batch fetches and the save is all training.
     run = small_run(f"train.steps={STEPS}", "train.log_every=1", "train.checkpoint_every=100",
@@ -60,9 +60,10 @@ def test_logged_throughput_matches_the_wall_time_of_completed_steps(tmp_path, mo
         for record in rated:
             assert reference / 4 < record["tokens_per_sec"] < 4 * reference, (record, reference)
             assert 0 < record["mfu"] <= 1
+        lm_losses = {r["step"]: r["loss/lm"] for r in records}  # log_every=1: every step
         for step, loss in bar_updates:
             if loss is not None:
-                assert loss == summary.losses[step - first - 1], (step, loss, summary.losses)
+                assert float(loss) == lm_losses[step], (step, loss, lm_losses)
         assert bar_updates[-1][0] == summary.last_step
         losses += summary.losses
     assert len(losses) == STEPS

@@ -11,8 +11,8 @@ import os
 import shutil
 import signal
 from pathlib import Path
-from types import SimpleNamespace
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ from model.lm import abstract_variables
 from train.__main__ import main as train_main
 from train.balance import update_router_bias
 from train.eval import main as eval_main
+from train.init_from import InitFromError, fitted_variables
 from train.loop import Trainer, TrainingError, meta_loss_masked, train
 from train.state import abstract_state, build_training, create_state
 from train.step import make_train_step
@@ -81,8 +82,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert first.losses + second.losses == straight.losses  # exactly, not approximately
     a = restore_params(tmp_path / "straight", STEPS, run)
     b = restore_params(tmp_path / "resumed", STEPS, run)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(a, b)
     steps = [json.loads(line)["step"]
              for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))
@@ -129,10 +129,9 @@ def test_gradient_accumulation_equals_the_full_batch():
     acc_state, acc = _one_step(small_run(*common, "train.micro_batch_size=2"), batch)
     for name in ("loss", "loss/lm", "loss/mtp", "grad_norm"):
         np.testing.assert_allclose(acc[name], full[name], rtol=2e-5, err_msg=name)
-    for x, y in zip(jax.tree.leaves(acc_state.params), jax.tree.leaves(full_state.params)):
-        np.testing.assert_allclose(x, y, atol=1e-5)
-    for x, y in zip(jax.tree.leaves(acc_state.balance), jax.tree.leaves(full_state.balance)):
-        np.testing.assert_array_equal(x, y)  # the bias moves by the sign of the mean load
+    chex.assert_trees_all_close(acc_state.params, full_state.params, atol=1e-5)
+    # The bias moves by the sign of the mean load.
+    chex.assert_trees_all_equal(acc_state.balance, full_state.balance)
 
 
 def _poison_loss(monkeypatch):
@@ -163,9 +162,7 @@ def test_non_finite_step_is_skipped_and_counted(monkeypatch):
     counters = (skipped.skipped, skipped.consecutive_skips, metrics["skipped"])
     assert [int(c) for c in counters] == [1, 1, 1]
     for name in ("params", "opt_state", "balance"):
-        pairs = zip(jax.tree.leaves(getattr(skipped, name)), jax.tree.leaves(getattr(state, name)))
-        for x, y in pairs:
-            np.testing.assert_array_equal(x, y, err_msg=name)
+        chex.assert_trees_all_equal(getattr(skipped, name), getattr(state, name))
     assert int(skipped.step) == 1  # the batch is consumed all the same
 
     # A skip leaves no trace: the next good step is exactly the first step of a fresh run
@@ -174,8 +171,7 @@ def test_non_finite_step_is_skipped_and_counted(monkeypatch):
     fresh, _ = step_fn(state, good, jnp.bool_(False))
     assert np.isfinite(metrics["loss"])
     assert (int(stepped.skipped), int(stepped.consecutive_skips)) == (1, 0)
-    for x, y in zip(jax.tree.leaves(stepped.params), jax.tree.leaves(fresh.params)):
-        np.testing.assert_array_equal(x, y)
+    chex.assert_trees_all_equal(stepped.params, fresh.params)
     head = lambda s: s.params["lm_head"]["kernel"]  # noqa: E731
     assert not np.array_equal(head(stepped), head(state))
 
@@ -203,9 +199,8 @@ def test_consecutive_skips_stop_the_run_with_good_checkpoints(tmp_path, monkeypa
     good = restore_params(tmp_path, 2, run)
     for later in steps:  # a checkpoint taken while skipping holds the last good params
         state = restore_params(tmp_path, later, run)
-        for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(good.params)):
-            np.testing.assert_array_equal(x, y)
-            assert np.all(np.isfinite(x))
+        chex.assert_trees_all_equal(state.params, good.params)
+        chex.assert_tree_all_finite(state.params)
 
 
 # ---- loss-free balancing and the meta-token switch --------------------------------------------
@@ -382,19 +377,19 @@ def test_metrics_lines_have_the_promised_fields(trained):
 
 
 def test_starting_weights_must_fit_the_model():
-    """A stage's starting variables are checked against the run's state before training: a
-    missing or extra collection, parameter or a changed shape is refused."""
+    """A stage's (or `train.init_from`'s) starting variables are checked against the run's state
+    before training: a missing or extra collection, parameter or a changed shape is refused;
+    other dtypes are cast to the run's."""
     params = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}
     bias = {"b": jax.ShapeDtypeStruct((3,), jnp.float32)}
-    check = Trainer._check_start_variables  # needs only the trainer's abstract state
-    without_bias = SimpleNamespace(abstract_state=SimpleNamespace(params=params, balance={}))
-    check(without_bias, {"params": {"w": jnp.zeros((2, 3))}})  # no `balance`: same as empty
+    fitted = fitted_variables({"params": {"w": jnp.ones((2, 3), jnp.bfloat16)}}, (params, {}))
+    assert fitted["params"]["w"].dtype == jnp.float32 and "balance" not in fitted  # none: empty
     for bad in ({"params": {"w": jnp.zeros((2, 4))}},
                 {"params": {"w": jnp.zeros((2, 3)), "v": jnp.zeros(1)}},
                 {"params": {"w": jnp.zeros((2, 3))}, "balance": {"b": jnp.zeros(3)}}):
-        with pytest.raises(TrainingError, match="do not fit this run's model"):
-            check(without_bias, bad)
-    with_bias = SimpleNamespace(abstract_state=SimpleNamespace(params=params, balance=bias))
-    check(with_bias, {"params": {"w": jnp.zeros((2, 3))}, "balance": {"b": jnp.zeros(3)}})
-    with pytest.raises(TrainingError, match="do not fit this run's model"):
-        check(with_bias, {"params": {"w": jnp.zeros((2, 3))}})
+        with pytest.raises(InitFromError, match="do not fit this run's model"):
+            fitted_variables(bad, (params, {}))
+    fitted_variables({"params": {"w": jnp.zeros((2, 3))}, "balance": {"b": jnp.zeros(3)}},
+                     (params, bias))
+    with pytest.raises(InitFromError, match="do not fit this run's model"):
+        fitted_variables({"params": {"w": jnp.zeros((2, 3))}}, (params, bias))

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from model.config.cli import ArgumentParser
+from model.config.cli import ArgumentParser, finite_float
 from train.data.arithmetic import Problem, arithmetic_problems, split_problems
 from train.data.documents import heldout_score
 
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, metavar="PATH",
                         help="jsonl to write (shipped: train/data/assets/chat_arith.jsonl)")
     parser.add_argument("--conversations", type=int, default=CONVERSATIONS, metavar="N")
-    parser.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION, metavar="F",
+    parser.add_argument("--heldout-fraction", type=finite_float, default=HELDOUT_FRACTION, metavar="F",
                         help="share of the problems held out for RL evaluation and so left "
                         "out (task.heldout_fraction)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out file")

@@ -27,6 +27,7 @@ from typing import Mapping, Sequence
 
 from train.data.arithmetic import arithmetic_documents
 from train.data.documents import Document
+from train.data.manifest import unfinished_preparation
 from train.data.multistep import multistep_documents
 from train.data.readers import META_FIELDS, read_file
 
@@ -91,7 +92,8 @@ def resolve_files(entry: str, suffixes: Sequence[str] = SUFFIXES) -> list[tuple[
         base = Path(entry)
         files = sorted(p for p in base.rglob("*") if p.suffix in suffixes and p.is_file())
         if not files:
-            raise ValueError(f"train.data.source: directory {entry!r} has no {kinds} files")
+            problem = unfinished_preparation(base) or f"directory {entry!r} has no {kinds} files"
+            raise ValueError(f"train.data.source: {problem}")
     elif Path(entry).is_file():
         base, files = Path(entry).parent, [Path(entry)]
     else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from train.data.corpus import load_corpus, source_entries
-from train.data.shards import is_prepared, prepared_fingerprint
+from train.data.manifest import is_prepared, prepared_fingerprint
 
 
 def data_fingerprint(source: str) -> dict[str, dict]:

@@ -20,8 +20,9 @@ before any shuffling, and read only those.
 Raw documents are tokenised lazily, a few ahead in one background thread (the stdlib corpus
 encodes at ~0.9M tokens/s on one core, far above what a training step consumes), so start-up
 is instant and nothing is cached on disk; prepared shards are only read. `train.data.num_workers
-> 0` moves the pipeline into grain worker processes; with two or more workers the stream differs
-(records are dealt out to workers), so a run must resume with the same value.
+> 0` reads and tokenises in grain worker processes (train/data/example_stream.py): the stream and
+its checkpointed position are the same for any number of workers, so a resumed run may change
+it.
 """
 
 from __future__ import annotations
@@ -31,17 +32,19 @@ import json
 
 import grain
 import numpy as np
-from absl import flags
 
 from model.tokenizers.text import TextTokenizer
 from train.data.config import DataConfig
 from train.data.chat import trains_assistant_only
+from train.data.example_stream import ExampleStream
 from train.data.packing import pack, pad_batch
 from train.data.shuffle import WindowShuffle
 from train.data.sources import SPLITS, TrainingData, open_data
 
 SHUFFLE_WINDOW_TOKENS = 1 << 18  # packed rows are shuffled within windows of this many tokens
 MIXTURE = "mixture"  # a mixture's rows carry their source's index under this key
+# What grain appends to the message of an exception raised in its pipeline (its traceback note).
+GRAIN_NOTE = "\n--------------------\n"
 
 
 def host_records(records: grain.MapDataset, split: str, shard_index: int = 0,
@@ -92,7 +95,9 @@ def build_dataset(data_cfg: DataConfig, tokenizer: TextTokenizer, *, seq_len: in
             shuffled = records.shuffle(seed=(seed + index) % 2**32)
             records = (shuffled if data_cfg.shuffle else records).repeat()
         example = source.example_fn(split, tokenizer, data_cfg.meta_tokens, assistant_only)
-        rows = pack(records.map(example).to_iter_dataset(source.read_options), seq_len)
+        examples = ExampleStream(records.map(example), source.read_options,
+                                 data_cfg.num_workers)
+        rows = pack(examples, seq_len)
         streams[name] = rows if data.weights is None else rows.map(TagSource(index))
     if data.weights is None:
         (rows,) = streams.values()
@@ -104,12 +109,6 @@ def build_dataset(data_cfg: DataConfig, tokenizer: TextTokenizer, *, seq_len: in
     batches = rows.batch(batch_size, drop_remainder=train)
     if not train:
         batches = batches.map(functools.partial(pad_batch, batch_size=batch_size))
-    if data_cfg.num_workers > 0:
-        # grain's worker processes read absl flags; parse them (to defaults) if nobody did.
-        if not flags.FLAGS.is_parsed():
-            flags.FLAGS.mark_as_parsed()
-        options = grain.MultiprocessingOptions(num_workers=data_cfg.num_workers)
-        batches = batches.mp_prefetch(options)
     return batches
 
 
@@ -124,12 +123,27 @@ class DataIterator:
         self._iterator = iter(dataset)
         self.mixture = mixture or []
         self.rows = [0] * len(self.mixture)  # rows read so far, by mixture source
+        self._peeked = None  # (state before it, batch) of a batch `peek` read
 
     def __iter__(self):
         return self
 
+    def peek(self) -> dict:
+        """The next batch, read now and returned again by the next `next()`: a run reads its
+        first batch, and so meets bad data, before anything compiles."""
+        if self._peeked is None:
+            state = self.get_state()
+            self._peeked = (state, next(self))
+        return self._peeked[1]
+
     def __next__(self) -> dict:
-        batch = next(self._iterator)
+        if self._peeked is not None:
+            batch, self._peeked = self._peeked[1], None
+            return batch
+        try:
+            batch = next(self._iterator)
+        except ValueError as err:  # a record that could not be read, named where it was read
+            raise ValueError(str(err).split(GRAIN_NOTE)[0]) from None
         sources = batch.pop(MIXTURE, None)
         if sources is not None:
             counts = np.bincount(sources, minlength=len(self.mixture))
@@ -144,17 +158,24 @@ class DataIterator:
 
     def get_state(self) -> dict:
         """JSON-serialisable (plain dicts, lists, ints, strings)."""
+        if self._peeked is not None:
+            return self._peeked[0]
         return json.loads(json.dumps({"pipeline": self.pipeline, "mixture_rows": self.rows,
                                       "grain": self._iterator.get_state()}))
 
     def set_state(self, state: dict) -> None:
-        saved = state.get("pipeline", {}) if isinstance(state, dict) else {}
+        saved = dict(state.get("pipeline", {})) if isinstance(state, dict) else {}
+        if saved.pop("num_workers", 0):  # whose grain state the worker count shaped
+            raise ValueError("data state saved by an older stepjax with train.data.num_workers="
+                             f"{state['pipeline']['num_workers']}: its position cannot be "
+                             "restored; resume with that stepjax, or start a new --workdir")
         changed = sorted(k for k in self.pipeline.keys() | saved.keys()
                          if saved.get(k) != self.pipeline.get(k))
         if changed:
             raise ValueError("data state belongs to another pipeline: "
                              + ", ".join(f"{k} {saved.get(k)!r} -> {self.pipeline.get(k)!r}"
                                          for k in changed))
+        self._peeked = None
         self._iterator.set_state(_restore_tuples(state["grain"]))
         self.rows = list(state.get("mixture_rows", self.rows))
 
@@ -183,6 +204,5 @@ def make_dataset(data_cfg: DataConfig, tokenizer: TextTokenizer, *, seq_len: int
                             split=split, seed=seed, shard_index=shard_index,
                             shard_count=shard_count, data=data, loss_mask=loss_mask)
     pipeline = {"split": split, "seq_len": seq_len, "batch_size": batch_size, "seed": seed,
-                "shard_index": shard_index, "shard_count": shard_count,
-                "num_workers": data_cfg.num_workers}
+                "shard_index": shard_index, "shard_count": shard_count}
     return DataIterator(dataset, pipeline, list(data.sources) if data.weights else None)

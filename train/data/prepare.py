@@ -10,19 +10,18 @@ by random access, with memory that grows with neither the files nor the corpus.
 pyarrow). Files are streamed in blocks and cut into units of work (train/data/prepare_plan.py),
 tokenized in parallel by `--workers` processes, each writing its unit's shards
 (train/data/shards.py) and a `.done` note; `manifest.json` comes last. A re-run over unchanged
-input does nothing; after an interruption it tokenizes only the unfinished units. Documents and
-their held-out split (by document key, `--heldout-fraction`) are exactly those of the raw path,
-so a run from the prepared directory reads what the same run from the files would.
+input does nothing; after an interruption (Ctrl-C, a full disk, a kill) the same command
+tokenizes only the unfinished units. One preparation at a time holds an --out (its `.lock`, as a
+training workdir's). Documents and their held-out split (by document key, `--heldout-fraction`)
+are exactly those of the raw path, so a run from the prepared directory reads what the same run
+from the files would.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
-import multiprocessing
 import os
-import queue
 import sys
 import time
 from pathlib import Path
@@ -32,8 +31,10 @@ import numpy as np
 from tqdm import tqdm
 
 from model.config import check_open_fraction
-from model.config.cli import ArgumentParser, report_error
+from model.config.cli import ArgumentParser, finite_float, report_error
 from model.interop.atomic_file import write_text_atomically
+from model.interop.io_errors import os_reason
+from model.interop.workdir_lock import LOCK_FILE, WorkdirInUse, claimed_workdir
 from model.interop.workdir_record import tokenizer_identity
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
@@ -42,22 +43,20 @@ from train.data.chat import templates_sha256
 from train.data.corpus import PROCEDURAL_SOURCES, stdlib_documents
 from train.data.documents import heldout_score
 from train.data.encoder import DocumentEncoder
-from train.data.prepare_plan import UNIT_BYTES, describe_inputs, plan_units
-from train.data.readers import Span, read_file
-from train.data.shards import (
+from train.data.manifest import (
     FORMAT,
     MANIFEST,
-    SHARDS,
+    PLAN,
+    SPLITS,
     VERSION,
-    ShardWriter,
-    check_shards,
+    manifest_problem,
     read_manifest,
-    token_dtype,
-    verify_shards,
 )
-from train.data.sources import SPLITS
+from train.data.prepare_plan import UNIT_BYTES, describe_inputs, plan_units
+from train.data.prepare_pool import run_in_processes
+from train.data.readers import Span, read_file
+from train.data.shards import SHARDS, ShardWriter, check_shards, token_dtype, verify_shards
 
-PLAN = "plan.json"
 REPORT_BYTES = 4 << 20  # a worker reports its progress every this many input bytes
 
 
@@ -151,15 +150,10 @@ def _existing(out: Path, settings: dict, inputs: list[dict], force: bool) -> dic
     stored = None
     for name in (MANIFEST, PLAN):
         if (out / name).is_file():
-            try:
-                stored = json.loads((out / name).read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-                stored = {"unreadable": name}
+            stored = _stored(out / name)
             break
     if stored is None:
-        if out.exists() and any(out.iterdir()):
-            raise ValueError(f"--out {out} is not empty and holds no prepared corpus; choose a "
-                             "new or empty directory")
+        _check_empty(out)
         return None
     same = stored.get("settings") == settings and stored.get("inputs") == inputs
     if same:
@@ -168,7 +162,7 @@ def _existing(out: Path, settings: dict, inputs: list[dict], force: bool) -> dic
         old = {i.get("path", i["entry"]): i for i in stored.get("inputs", [])}
         new = {i.get("path", i["entry"]): i for i in inputs}
         changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-        what = (f"its {stored['unreadable']} is unreadable" if "unreadable" in stored else
+        what = (stored["unreadable"] if "unreadable" in stored else
                 f"input changed: {', '.join(changed[:3])}" if changed else "settings changed")
         raise ValueError(f"--out {out} holds a preparation of other data ({what}); pass "
                          "--force to replace it or choose another --out")
@@ -179,10 +173,34 @@ def _existing(out: Path, settings: dict, inputs: list[dict], force: bool) -> dic
     return None
 
 
+def _check_empty(out: Path) -> None:
+    if out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir()):
+        raise ValueError(f"--out {out} is not empty and holds no prepared corpus; choose a "
+                         "new or empty directory")
+
+
+def _stored(path: Path) -> dict:
+    """The manifest or plan in `path`, or {"unreadable": why} if it is not one prepare wrote
+    (edited or damaged: such a directory is prepared again only with --force)."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {"unreadable": f"its {path.name} is unreadable"}
+    inputs = stored.get("inputs") if isinstance(stored, dict) else None
+    if not (isinstance(inputs, list) and all(isinstance(i, dict) and "entry" in i
+                                               for i in inputs)):
+        problem = "inputs: not a list of inputs"
+    elif path.name == MANIFEST:
+        problem = manifest_problem(stored)
+    else:
+        problem = None if isinstance(stored.get("units"), list) else "units: missing"
+    return {"unreadable": f"its {path.name} is damaged ({problem})"} if problem else stored
+
+
 def run_units(out: Path, settings: dict, inputs: list[dict], units: list[dict], workers: int,
               show: Callable[[int, int], None]) -> None:
-    """Tokenizes every unit without a `.done` note, in `workers` processes (1: in this one);
-    `show(input_bytes, tokens)` sees progress."""
+    """Tokenizes every unit without a `.done` note, in `workers` processes (1: in this one,
+    train/data/prepare_pool.py); `show(input_bytes, tokens)` sees progress."""
     pending = [(n, inputs[u["input"]], u) for n, u in enumerate(units)
                if not (out / SHARDS / f"{n:05d}.done").is_file()]
     if workers <= 1 or len(pending) <= 1:
@@ -190,27 +208,7 @@ def run_units(out: Path, settings: dict, inputs: list[dict], units: list[dict], 
         for args in pending:
             prepare_unit(*args)
         return
-    context = multiprocessing.get_context("spawn")
-    progress = context.Queue()
-    with concurrent.futures.ProcessPoolExecutor(
-            min(workers, len(pending)), mp_context=context, initializer=_init_worker,
-            initargs=(settings, str(out), progress)) as pool:
-        futures = [pool.submit(prepare_unit, *args) for args in pending]
-        try:
-            while not all(f.done() for f in futures):
-                try:
-                    show(*progress.get(timeout=0.2))
-                except queue.Empty:
-                    pass
-                for f in futures:
-                    if f.done() and f.exception() is not None:
-                        raise f.exception()
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
-    while not progress.empty():
-        show(*progress.get())
+    run_in_processes(prepare_unit, pending, workers, _init_worker, (settings, str(out)), show)
 
 
 def write_manifest(out: Path, source: str, settings: dict, inputs: list[dict],
@@ -261,11 +259,22 @@ def verify(root: Path, log: Callable[[str], None] = print) -> None:
 
 
 def prepare(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
-    """Prepares (or finishes, or confirms) `args.out`; returns its manifest."""
+    """Prepares (or finishes, or confirms) `args.out`, holding its lock (one preparation at a
+    time: model/interop/workdir_lock.py); returns its manifest."""
     out = args.out
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; name a new or empty directory")
+    if not any((out / name).is_file() for name in (MANIFEST, PLAN)):
+        _check_empty(out)  # before the lock file is written there
     tokenizer = load_tokenizer(args.tokenizer)
     inputs = describe_inputs(args.source)
     settings = _settings(args, tokenizer)
+    with claimed_workdir(out, option="--out"):
+        return _prepare(args, out, tokenizer, inputs, settings, log)
+
+
+def _prepare(args, out: Path, tokenizer, inputs: list[dict], settings: dict,
+             log: Callable[[str], None]) -> dict:
     stored = _existing(out, settings, inputs, args.force)
     if stored is not None and "splits" in stored:
         log(f"{out} is up to date ({_summary(stored)})")
@@ -317,10 +326,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="as train.data.tokenizer (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
                         help="tokenizing processes (default: the cores available, %(default)s)")
-    parser.add_argument("--heldout-fraction", type=float, default=DataConfig.heldout_fraction,
+    parser.add_argument("--heldout-fraction", type=finite_float,
+                        default=DataConfig.heldout_fraction,
                         help="share of documents held out, by key (default: %(default)s; a run "
                              "must set the same train.data.heldout_fraction)")
-    parser.add_argument("--unit-mb", type=float, default=UNIT_BYTES / 2**20,
+    parser.add_argument("--unit-mb", type=finite_float, default=UNIT_BYTES / 2**20,
                         help="input MiB per unit of work and shard (default: %(default)s)")
     parser.add_argument("--force", action="store_true",
                         help="replace a preparation of other input in --out")
@@ -328,20 +338,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--verify", type=Path, metavar="DIR",
                         help="re-hash every shard of a prepared DIR against its manifest")
     args = parser.parse_args(argv)
+    if args.verify is None and (not args.source or args.out is None):
+        parser.error("--source and --out are required (or --verify DIR)")
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    args.unit_bytes = int(args.unit_mb * 2**20)
+    if args.unit_bytes < 1:
+        parser.error(f"--unit-mb must be at least one byte (1/1048576), got {args.unit_mb}")
     try:
         if args.verify is not None:
             verify(args.verify)
             return 0
-        if not args.source or args.out is None:
-            parser.error("--source and --out are required (or --verify DIR)")
-        if args.workers < 1 or args.unit_mb <= 0:
-            parser.error(f"--workers must be >= 1 and --unit-mb > 0, got {args.workers}, "
-                         f"{args.unit_mb}")
         check_open_fraction("--heldout-fraction", args.heldout_fraction)
-        args.unit_bytes = int(args.unit_mb * 2**20)
         prepare(args)
-    except ValueError as err:
+    except (ValueError, WorkdirInUse) as err:
         return report_error(err)
+    except OSError as err:  # disk full, read-only filesystem, ...: the finished units are kept
+        where = err.filename or args.verify or args.out
+        return report_error(f"{where}: {os_reason(err)}" if err.errno else err)
+    except KeyboardInterrupt:
+        print("error: interrupted; the units prepared so far are kept: run the same command "
+              "again to finish", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -30,17 +30,14 @@ from train.data.chat import chat_example, templates_sha256, trains_assistant_onl
 from train.data.corpus import load_corpus, source_entries
 from train.data.documents import split_documents
 from train.data.encoder import DocumentEncoder
-from train.data.shards import (
-    ReadExample,
-    ShardSplit,
-    check_shards,
+from train.data.manifest import (
+    MANIFEST,
+    SPLITS,
     is_prepared,
+    load_manifest,
     prepared_fingerprint,
-    read_manifest,
 )
-
-SPLITS = ("train", "heldout")
-
+from train.data.shards import ReadExample, ShardSplit, check_shards, token_dtype
 
 class Source(Protocol):
     name: str  # as the config names it: the source string, or the mixture's key
@@ -102,8 +99,10 @@ class RawSource:
 
 
 class PreparedSource:
-    """A directory of `python -m train.data.prepare`: its manifest is read and its shard files
-    checked by size; records are read by index, per host, when the pipeline asks for them."""
+    """A directory of `python -m train.data.prepare`: its manifest is read and checked
+    (train/data/manifest.py) and its shard files checked by size; records are read by index,
+    per host, when the pipeline asks for them. What it holds does not grow with the corpus
+    beyond a few numbers per shard (the manifest's entries are not kept)."""
 
     # Reading a record is a few microseconds of Python: a reading thread would only contend
     # for the GIL with the packing (measured: 2.3M tokens/s with one, 3.6M without).
@@ -111,13 +110,19 @@ class PreparedSource:
 
     def __init__(self, name: str, tokenizer: TextTokenizer, heldout_fraction: float):
         self.name, self.root = name, Path(name)
-        self.manifest = manifest = read_manifest(self.root)
+        manifest, sha256 = load_manifest(self.root)
         recorded = manifest["tokenizer"]
         if recorded["sha256"] != tokenizer.fingerprint():
             raise ValueError(f"prepared with tokenizer {describe_tokenizer(recorded)}, not the "
                              f"run's {describe_tokenizer(tokenizer_identity(tokenizer))}; set "
                              f"train.data.tokenizer={recorded['name']} or prepare the corpus "
                              "again with --tokenizer")
+        vocab = tokenizer.get_vocab_size()
+        self.dtype = np.dtype(manifest["dtype"])
+        if self.dtype != token_dtype(vocab):
+            raise ValueError(f"{self.root / MANIFEST}: dtype: {manifest['dtype']!r} does "
+                             f"not hold the tokenizer's {vocab} ids as prepare writes them "
+                             f"({token_dtype(vocab).str!r}); prepare the corpus again")
         self.has_chats = bool(manifest["chats"])
         templates = manifest["chat_templates_sha256"]
         if self.has_chats and templates != templates_sha256(chat_tokenizer_for(tokenizer)):
@@ -127,20 +132,20 @@ class PreparedSource:
             raise ValueError(f"prepared with --heldout-fraction {manifest['heldout_fraction']}; "
                              f"set train.data.heldout_fraction={manifest['heldout_fraction']} "
                              "or prepare the corpus again")
-        self.dtype = np.dtype(manifest["dtype"])
         for split in SPLITS:
             check_shards(self.root, manifest["splits"][split]["shards"], self.dtype)
-        self.fingerprint = prepared_fingerprint(self.root)
+        self.splits = {s: ShardSplit(self.root, manifest["splits"][s]["shards"], self.dtype,
+                                     vocab) for s in SPLITS}
+        self.fingerprint = prepared_fingerprint(self.root, manifest, sha256)
 
     def split_sizes(self, heldout_fraction: float) -> tuple[int, int]:
-        return tuple(self.manifest["splits"][s]["records"] for s in SPLITS)
+        return tuple(len(self.splits[s]) for s in SPLITS)
 
     def split_records(self, split: str, heldout_fraction: float) -> grain.MapDataset:
-        return grain.MapDataset.range(self.manifest["splits"][split]["records"])
+        return grain.MapDataset.range(len(self.splits[split]))
 
     def example_fn(self, split, tokenizer, meta_tokens, assistant_only) -> Callable:
-        shards = ShardSplit(self.root, self.manifest["splits"][split]["shards"], self.dtype)
-        return ReadExample(shards, meta_tokens, assistant_only)
+        return ReadExample(self.splits[split], meta_tokens, assistant_only)
 
     def check_chats(self, tokenizer: TextTokenizer) -> None:
         """Its chats were rendered when it was prepared, with the template checked on opening."""

@@ -26,8 +26,9 @@ Overrides given on the command line apply to every stage, last. A recipe may als
 learning-rate schedule that the stages share, each training its slice (`schedule:`, see
 recipe_file.py), as one run's decay would cross a stage boundary.
 
-Stage k trains in DIR/stages/<kk>-<name> like a `python -m train` run. It starts from the final
-params and router biases of stage k-1, and its optimizer state (Muon's momentum, Adam's moments)
+Stage k trains in DIR/stages/<kk>-<name> like a `python -m train` run. The first stage starts
+from random weights, or from `--init-from SRC` (train/init_from.py). Stage k starts from the
+final params and router biases of stage k-1, and its optimizer state (Muon's momentum, Adam's moments)
 continues those of the stages before it entry by entry (optimizer_carry.py: what a change of
 optimizer groups, e.g. a frozen router or a newly trained MTP head, leaves new is said in the
 output); `reset_optimizer: true` starts it new. Its data is read with `train.seed + k`, so it

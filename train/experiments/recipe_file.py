@@ -17,19 +17,10 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-import flax.linen as nn
-import jax
-
-from model.config import (
-    ModelConfig,
-    apply_overrides,
-    config_to_dict,
-    parse_override,
-    read_yaml,
-)
-from model.lm import abstract_variables
-from train.config import RESUMABLE_CHANGES, RunConfig, TrainConfig, flatten, load_run_config
+from model.config import ModelConfig, apply_overrides, parse_override, read_yaml
+from train.config import RunConfig, TrainConfig, load_run_config
 from train.experiments.spec import override_list, read_spec
+from train.init_from import model_changes
 
 RECIPE_KEYS = ("stages", "schedule")  # besides spec.COMMON_KEYS
 STAGE_KEYS = ("name", "overrides", "clone_mtp", "own_schedule", "reset_optimizer")
@@ -90,7 +81,7 @@ class Recipe:
     def stage_config(self, index: int, extra: Sequence[str] = ()) -> RunConfig:
         """Run config of stage `index` (0-based): base, recipe overrides, its slice of the
         shared schedule, the stage's overrides, `extra`; the data seed is offset by the stage
-        index."""
+        index; only the first stage keeps `train.init_from`."""
         place = []
         if self.follows_schedule(index):
             span = self.schedule_span(extra)
@@ -99,8 +90,10 @@ class Recipe:
                      f"train.schedule_steps={sum(steps for _, steps in span)}"]
         run = load_run_config(self.base, [*self.overrides, *place,
                                           *self.stages[index].overrides, *extra])
+        # A later stage starts from the previous one's weights, whatever `train.init_from` says
         return dataclasses.replace(run, train=dataclasses.replace(
-            run.train, seed=run.train.seed + index))
+            run.train, seed=run.train.seed + index,
+            init_from=run.train.init_from if index == 0 else ""))
 
     def stage_dir(self, workdir: Path, index: int) -> Path:
         return Path(workdir) / "stages" / f"{index + 1:02d}-{self.stages[index].name}"
@@ -198,26 +191,11 @@ def _check_continues(before: ModelConfig, after: ModelConfig, before_name: str,
                      name: str) -> None:
     """Stage `name` starts from stage `before_name`'s weights, so its model must have the same
     parameters and shapes (ValueError naming the model fields that change them). Changes of
-    RoPE settings, windows and implementation switches keep them; anything else is checked on
-    the parameter shapes (traced, nothing allocated)."""
-    old, new = flatten(config_to_dict(before)), flatten(config_to_dict(after))
-    changed = [k for k in old if old[k] != new.get(k)]
-    suspects = [k for k in changed if not _keeps_shapes(k)]
-    if not suspects or _variable_shapes(before) == _variable_shapes(after):
-        return
-    shown = ", ".join(f"model.{k} ({old[k]} -> {new[k]})" for k in suspects[:3])
-    raise ValueError(f"recipe stage {name}: {shown} change the model's parameters from stage "
-                     f"{before_name}'s; a stage continues the previous stage's weights, so only "
-                     "changes that keep every parameter shape are possible (RoPE settings, "
-                     "windows, kernels, ...)")
-
-
-def _keeps_shapes(field: str) -> bool:
-    """Model fields (dotted, below `model.`) that never change a parameter's shape."""
-    return (f"model.{field}" in RESUMABLE_CHANGES or "rope" in field
-            or field.split(".")[-1] == "window")
-
-
-def _variable_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    leaves = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(abstract_variables(config)))[0]
-    return {jax.tree_util.keystr(path): leaf.shape for path, leaf in leaves}
+    RoPE settings, windows and implementation switches keep them (`train.init_from`'s check)."""
+    changed, _ = model_changes(before, after)
+    if changed:
+        shown = ", ".join(map(str, changed[:3]))
+        raise ValueError(f"recipe stage {name}: {shown} change the model's parameters from "
+                         f"stage {before_name}'s; a stage continues the previous stage's "
+                         "weights, so only changes that keep every parameter shape are possible "
+                         "(RoPE settings, windows, kernels, ...)")

@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
-from model.config import read_yaml
+from model.config import did_you_mean, read_yaml
 
 COMMON_KEYS = ("base", "overrides", "description")
 
@@ -29,9 +29,10 @@ def read_spec(path: str | Path, kind: str, keys: Sequence[str]) -> SpecFile:
     path = Path(path)
     values = read_yaml(path)
     expected = (*COMMON_KEYS, *keys)
-    unknown = set(values) - set(expected)
+    unknown = sorted(set(values) - set(expected), key=str)
     if unknown:
-        raise ValueError(f"{kind} {path}: unknown key(s) {sorted(unknown)}; expected "
+        raise ValueError(f"{kind} {path}: unknown key(s) {unknown}"
+                         f"{did_you_mean(str(unknown[0]), expected)}; expected "
                          f"{', '.join(expected)}")
     return SpecFile(path=path, values=values, base=resolve_base(values.get("base"), path, kind),
                     overrides=override_list(values.get("overrides"), f"{kind} overrides"),

@@ -19,7 +19,8 @@ import math
 import sys
 from typing import Sequence
 
-from model.config.cli import ArgumentParser, format_table
+from model.config.cli import ArgumentParser, finite_float, format_table
+from model.parallel.device_mesh import parse_mesh as parse_axis_sizes
 from model.parallel.rules import MESH_AXES
 from train.config import RunConfig, load_run_config
 from train.parallel import memory_plan
@@ -30,24 +31,10 @@ from train.parallel.memory_plan import PlanError, plan_memory
 
 def parse_mesh(text: str) -> dict[str, int]:
     """'data=8,expert=8,pipeline=8' -> {'data': 8, 'expert': 8, 'pipeline': 8}."""
-    sizes: dict[str, int] = {}
-    for item in text.split(","):
-        name, sep, value = (part.strip() for part in item.partition("="))
-        if not sep or not name:
-            raise PlanError(f"--mesh: expected comma-separated axis=size, e.g. "
-                            f"data=8,expert=8,pipeline=8; got {text!r}")
-        if name not in MESH_AXES:
-            raise PlanError(f"--mesh: unknown axis {name!r}; axes are {', '.join(MESH_AXES)}")
-        if name in sizes:
-            raise PlanError(f"--mesh: axis {name!r} given twice")
-        try:
-            size = int(value)
-        except ValueError:
-            raise PlanError(f"--mesh: {name}={value!r} is not an integer") from None
-        if size < 1 and size != -1:
-            raise PlanError(f"--mesh: {name}={size} must be a positive integer or -1")
-        sizes[name] = size
-    return sizes
+    try:
+        return parse_axis_sizes(text)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
 
 
 def resolve_mesh(run: RunConfig, devices: int | None) -> dict[str, int]:
@@ -152,7 +139,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--micro-batch-size", type=int, metavar="N",
                         help="train.micro_batch_size")
     parser.add_argument("--seq-len", type=int, metavar="N", help="train.seq_len")
-    parser.add_argument("--device-memory", type=float, default=80.0, metavar="GiB",
+    parser.add_argument("--device-memory", type=finite_float, default=80.0, metavar="GiB",
                         help="memory budget per device (default: 80)")
     parser.add_argument("--strict", action="store_true",
                         help="exit with code 1 when over budget")

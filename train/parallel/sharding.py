@@ -16,13 +16,13 @@ import math
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
+from model.parallel.device_mesh import mesh_over
 from model.parallel.pipeline import num_microbatches, stage_plan
-from model.parallel.rules import BATCH_AXES, MESH_AXES, add_axis, param_specs, path_keys
+from model.parallel.rules import BATCH_AXES, add_axis, param_specs, path_keys
 from train.config import MeshConfig, RunConfig
 
 
@@ -30,13 +30,7 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     """Mesh over `devices` (default: all, every process's) with axes MESH_AXES, all Auto
     (GSPMD propagates shardings; shard_map regions take the axes they need)."""
     devices = jax.devices() if devices is None else devices
-    sizes = cfg.axis_sizes(len(devices))
-    shape = tuple(sizes[a] for a in MESH_AXES)
-    if len(devices) == len(jax.devices()):
-        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                             devices=devices)
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
-                axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return mesh_over(cfg.axis_sizes(len(devices)), devices)
 
 
 def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:

@@ -1,5 +1,4 @@
-"""Asynchronous metrics logging (report 3.3: logging must never stall training) and the
-terminal progress bar.
+"""Asynchronous metrics logging (report 3.3: logging must never stall training).
 
     with MetricsWriter(workdir) as writer:
         writer.write(step, metrics)   # returns at once; metrics may still be computing on device
@@ -7,8 +6,11 @@ terminal progress bar.
 A background thread fetches the values (`jax.device_get`) and writes
 - `workdir/metrics.jsonl`: one JSON object per `write`, `{"step": int, name: float, ...}` for
   every scalar; non-finite values (NaN, ±inf) are written as `null` so every line is valid JSON;
-- `workdir/tensorboard/`: TensorBoard scalars, and a histogram for every array with more than
-  one element (e.g. `moe_hist/...`; those never go to metrics.jsonl).
+  a string value (a generated sample) is written as it is;
+- `workdir/tensorboard/`: TensorBoard scalars and texts, and a histogram for every array with
+  more than one element (e.g. `moe_hist/...`; those never go to metrics.jsonl);
+- every further sink given (`sinks`, e.g. Weights & Biases, train/telemetry/wandb_sink.py): the
+  scalars of each record, `sink.log(step, scalars)`, and `sink.close()` at the end.
 An exception in the thread is re-raised by the next `write`, `flush` or `close`.
 """
 
@@ -18,10 +20,9 @@ import json
 import math
 import os
 import queue
-import sys
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -32,6 +33,14 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 _FLUSH = object()  # queue item: flush the files
 _STOP = object()  # queue item: close the files and end the thread
+
+
+class ScalarSink(Protocol):
+    """Somewhere else the scalars go (called from the writer's thread)."""
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def _json_float(value: float) -> float | None:
@@ -74,8 +83,9 @@ class MetricsWriter:
     """
 
     def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True,
-                 max_pending: int = 1000):
+                 max_pending: int = 1000, sinks: Sequence[ScalarSink] = ()):
         self.workdir = Path(workdir)
+        self._sinks = tuple(sinks)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.path = self.workdir / METRICS_FILE
         self._tensorboard = tensorboard
@@ -163,10 +173,14 @@ class MetricsWriter:
                 self._queue.task_done()
 
     def _write_record(self, step: int, metrics: dict) -> None:
-        scalars, arrays = split_metrics(jax.device_get(metrics))
-        record = {"step": step, **{k: _json_float(v) for k, v in scalars.items()}}
+        texts = {k: v for k, v in metrics.items() if isinstance(v, str)}
+        scalars, arrays = split_metrics(jax.device_get(
+            {k: v for k, v in metrics.items() if k not in texts}))
+        record = {"step": step, **{k: _json_float(v) for k, v in scalars.items()}, **texts}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
+        for sink in self._sinks:
+            sink.log(step, scalars)
         if not self._tensorboard:
             return
         if self._tb is None:
@@ -175,6 +189,8 @@ class MetricsWriter:
                                      purge_step=self._purge_step)
         for name, value in scalars.items():
             self._tb.add_scalar(name, value, step)
+        for name, text in texts.items():
+            self._tb.add_text(name, text, step)
         for name, values in arrays.items():
             finite = values[np.isfinite(values)]
             if finite.size:
@@ -186,6 +202,8 @@ class MetricsWriter:
         finally:
             if self._tb is not None:
                 self._tb.close()
+            for sink in self._sinks:
+                sink.close()
 
 
 class DiscardingWriter:
@@ -208,47 +226,3 @@ class DiscardingWriter:
 
     def __exit__(self, *exc) -> None:
         pass
-
-
-def _si(value: float) -> str:
-    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.1f}{suffix}"
-    return f"{value:.0f}"
-
-
-class ProgressBar:
-    """tqdm bar on stderr: steps done, ETA, tokens/s and loss; silent with `enabled=False`."""
-
-    def __init__(self, total_steps: int, initial_step: int = 0, *, enabled: bool = True,
-                 file=None):
-        from tqdm import tqdm
-        self._bar = tqdm(total=total_steps, initial=initial_step, disable=not enabled,
-                         file=file if file is not None else sys.stderr, unit="step",
-                         dynamic_ncols=True, desc="train")
-        self._postfix: dict[str, str] = {}
-
-    def update(self, step: int, tokens_per_sec: float | None = None,
-               loss: float | None = None) -> None:
-        """`step`: steps completed so far (absolute, not an increment); `loss` that step's.
-        A value left out keeps the one shown before."""
-        if tokens_per_sec is not None:
-            self._postfix["tok/s"] = _si(float(tokens_per_sec))
-        if loss is not None:
-            self._postfix["loss"] = f"{float(loss):.4f}"
-        self._bar.set_postfix(self._postfix, refresh=False)
-        self._bar.update(step - self._bar.n)
-
-    def write(self, message: str) -> None:
-        """Prints a line above the bar without breaking it (suppressed when disabled)."""
-        if not self._bar.disable:
-            self._bar.write(message, file=self._bar.fp)
-
-    def close(self) -> None:
-        self._bar.close()
-
-    def __enter__(self) -> "ProgressBar":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
