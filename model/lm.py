@@ -163,7 +163,13 @@ class CausalLM(nn.Module):
         aux = collect_aux(self.config, per_layer_aux)
         if mtp_aux and self.config.mtp.block == "layer":  # their MoE's statistics, [heads, ...]
             keys = sorted(mtp_aux[0].keys() - ATTENTION_AUX)
-            aux["mtp_moe"] = {k: jnp.stack([a[k] for a in mtp_aux]) for k in keys}
+            aux["mtp_moe"] = moe = {k: jnp.stack([a[k] for a in mtp_aux]) for k in keys}
+            # An MTP block's MoE adds both balance losses as a backbone layer does (the V4
+            # report is silent; Megatron-Core's MTP layers attach their routers' losses alike).
+            moe["balance_loss"] = jax.vmap(ep_group_balance_loss, (0, 0, None))(
+                moe["expert_load"], moe["expert_prob"], balance_groups(self.config))
+            for key in ("balance_loss", "sequence_balance_loss"):
+                aux[key] = aux.get(key, jnp.zeros((), jnp.float32)) + jnp.sum(moe[key])
         return LMOutput(logits=logits, mtp_logits=mtp_logits or (), aux=aux, hidden=hidden,
                         mtp_hidden=tuple(mtp_hidden))
 

@@ -25,15 +25,13 @@ rl.dynamic_sampling=false` is DAPO without dynamic sampling).
 | mis_po, ppo, gspo | true | token_mean | false | 0 | 0.001, k3_importance |
 
 (`overlong_buffer`: DAPO's L_cache tokens; the KL is aggregated like the loss.) Each preset is
-its paper's objective (equations in rl/objectives/losses.py): `grpo` DeepSeekMath's (symmetric
-`grpo_clip`), `dapo` (clip-higher `dapo_clip`), `dr_grpo` (`ppo_clip`), `kimi_k25` (K2.5 eq. 1,
-`kimi_bounds`, `kimi_tau`). Variants are one override away (`rl.grpo_clip=[0.2,0.28]`).
+its paper's objective (rl/objectives/losses.py): `grpo` DeepSeekMath's (symmetric `grpo_clip`;
+one update per rollout batch: `actor_minibatches` 1, else 4), `dapo` (`dapo_clip`), `dr_grpo`
+(`ppo_clip`), `kimi_k25` (K2.5 eq. 1, `kimi_bounds`, `kimi_tau`); variants: one override away.
 
 `rl.toggle` (Kimi K2.5's token-budget RL, rl/objectives/toggle.py and rl/budget.py) works with
-every algorithm: `rl.toggle.enabled=true`.
-
-`mopd` is MiMo-V2-Flash's multi-teacher on-policy distillation (eqs. 7-9, rl/distill/): a
-teacher per task, `rl.distill` for its weights; it needs at least one teacher.
+every algorithm: `rl.toggle.enabled=true`. `mopd` is MiMo-V2-Flash's multi-teacher on-policy
+distillation (eqs. 7-9, rl/distill/): a teacher per task, `rl.distill` for its weights.
 
 Off-policy machinery, with every algorithm: `rl.routing_replay` (MiMo-V2-Flash's Rollout
 Routing Replay, rl/routing_replay.py), `rl.max_staleness` (rollouts up to k policy versions
@@ -135,7 +133,7 @@ class RLConfig(LoopConfig):
     max_new_tokens: int = 1024  # responses longer than this are truncated (eq. 3)
     temperature: float = 1.0
     top_p: float = 1.0
-    actor_minibatches: int = 4
+    actor_minibatches: int | None = None  # null: the algorithm's (derived_defaults)
     critic_minibatches: int = 12
     actor: OptimizerConfig = OptimizerConfig(lr=2e-6, warmup_steps=20)
     critic: OptimizerConfig = OptimizerConfig(lr=5e-6, warmup_steps=50)
@@ -145,7 +143,7 @@ class RLConfig(LoopConfig):
     # The switches below: null = the algorithm's preset (module docstring).
     group_std: bool | None = None  # divide group advantages by the group's std
     loss_aggregation: str | None = None  # token_mean | sequence_mean | token_sum
-    dynamic_sampling: bool | None = None  # DAPO: drop groups of equal rewards, draw more
+    dynamic_sampling: bool | None = None  # DAPO: keep groups of 0 < #correct < G, draw more
     max_draws: int = 8  # dynamic sampling's draws per iteration at most (rl.dynamic_sampling)
     overlong_buffer: int | None = None  # DAPO's L_cache in tokens; 0 = no overlong shaping
     gamma: float = 1.0
@@ -186,6 +184,9 @@ class RLConfig(LoopConfig):
     max_staleness: int = 0
     tis: bool | None = None
     tis_cap: float = 2.0  # C of Yao et al. (2025)
+
+    def derived_defaults(self) -> dict[str, Any]:  # DeepSeekMath 4.2: a single GRPO update
+        return {"actor_minibatches": 1 if self.algorithm == "grpo" else 4}  # per rollout batch
 
     @property
     def batch_size(self) -> int:

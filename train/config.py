@@ -98,11 +98,15 @@ class TrainConfig(OptimizerConfig, LoopConfig):
     schedule: str = "cosine"
     # schedule: stages -> ((steps, end_lr, shape), ...) after warm-up; shape cosine|linear|constant.
     lr_stages: tuple = ()
+    # This run trains steps [schedule_offset, schedule_offset + steps) of a schedule
+    # schedule_steps long (0: it ends with the run): a recipe stage's slice of one schedule.
+    schedule_offset: int = 0
+    schedule_steps: int = 0
 
     loss_chunk_size: int = 1024  # tokens per chunk of the float32 cross-entropy
     loss_mask: str = "auto"  # LOSS_MASKS: chat data trains on its assistant turns under auto
-    # MTP (report 2.2 / 3.1): total weight 0.3 (0.1 in stage 2) spread over heads by
-    # per-offset weights; only MTP-1 trains in main training.
+    # MTP (report 2.2 / 3.1): loss mtp_loss_weight (0.3; 0.1 in stage 2) x sum_h w_h L_h, w the
+    # per-offset weights (summing to 1: it is the total); only MTP-1 trains in main training.
     mtp_loss_weight: float = 0.3
     # MTP weight from the LR decay's start on (DeepSeek-V4 report 4.2.2: 0.3 -> 0.1); None: same
     mtp_loss_weight_at_decay: float | None = None
@@ -134,7 +138,8 @@ class TrainConfig(OptimizerConfig, LoopConfig):
                      "eval_batches"):
             check_int(name, getattr(self, name), 1)
         check_int("seq_len", self.seq_len, 2)  # one token has no next token: nothing to learn
-        check_int("micro_batch_size", self.micro_batch_size, 0)
+        for name in ("micro_batch_size", "schedule_offset", "schedule_steps"):
+            check_int(name, getattr(self, name), 0)
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("loss_mask", self.loss_mask, LOSS_MASKS)
         if not isinstance(self.init_from, str):
@@ -145,10 +150,7 @@ class TrainConfig(OptimizerConfig, LoopConfig):
         if self.schedule == "cosine" and self.min_lr > self.lr:
             raise ConfigError("min_lr", f"the cosine decays from train.lr={self.lr} down to "
                               f"min_lr, so min_lr must not exceed it; got {self.min_lr}")
-        if self.warmup_steps > self.steps:  # every schedule starts with the warm-up
-            raise ConfigError("warmup_steps", f"{self.warmup_steps} warm-up steps exceed "
-                              f"train.steps={self.steps}; set train.warmup_steps <= {self.steps} "
-                              "(or raise train.steps)")
+        self._validate_span()
         self._validate_batch_warmup()
         self._validate_micro_batch()
         self._validate_stages()
@@ -190,6 +192,22 @@ class TrainConfig(OptimizerConfig, LoopConfig):
         if self.batch_size % micro:
             raise ConfigError("batch_size", f"{self.batch_size} is not a multiple of {named}")
 
+    def schedule_length(self) -> tuple[int, str]:
+        """The whole schedule's steps, and the field that sets them."""
+        if self.schedule_steps:
+            return self.schedule_steps, "train.schedule_steps"
+        return self.schedule_offset + self.steps, "train.steps"
+
+    def _validate_span(self) -> None:
+        total, named = self.schedule_length()
+        if self.schedule_offset + self.steps > total:
+            raise ConfigError("schedule_steps", f"train.schedule_offset={self.schedule_offset} + "
+                              f"train.steps={self.steps} run past the schedule's {total} steps")
+        if self.warmup_steps > total:  # every schedule starts with the warm-up
+            raise ConfigError("warmup_steps", f"{self.warmup_steps} warm-up steps exceed "
+                              f"{named}={total}; set train.warmup_steps <= {total} "
+                              f"(or raise {named})")
+
     def _validate_stages(self) -> None:
         if self.schedule == "stages" and not self.lr_stages:
             raise ConfigError("lr_stages", "schedule 'stages' needs at least one "
@@ -201,10 +219,18 @@ class TrainConfig(OptimizerConfig, LoopConfig):
             check_int(f"lr_stages[{i}].steps", stage[0], 1)
             check_nonnegative(f"lr_stages[{i}].end_lr", stage[1])
             check_choice(f"lr_stages[{i}].shape", stage[2], STAGE_SHAPES)
+        covered, (total, named) = (self.warmup_steps + sum(s[0] for s in self.lr_stages),
+                                   self.schedule_length())
+        if self.schedule == "stages" and covered != total:
+            lengths = " + ".join(str(stage[0]) for stage in self.lr_stages)
+            raise ConfigError("lr_stages", f"train.warmup_steps={self.warmup_steps} + the stages' "
+                              f"{lengths} = {covered} steps, but {named}={total}; make them add "
+                              "up (a constant stage holds a rate)")
 
     def schedule_settings(self) -> dict[str, Any]:
-        return {**super().schedule_settings(), "schedule": self.schedule,
-                "total_steps": self.steps, "min_lr": self.min_lr, "stages": self.lr_stages}
+        return {**super().schedule_settings(), "schedule": self.schedule, "min_lr": self.min_lr,
+                "total_steps": self.schedule_length()[0], "stages": self.lr_stages,
+                "offset": self.schedule_offset}
 
     def micro_batch(self) -> int:
         return self.micro_batch_size or min(self.batch_sizes())

@@ -154,10 +154,11 @@ class Trainer:
         if self.resume_step is None:  # the first batch read, and bad data met, before compiling
             self.data.peek()
 
-    def initial_state(self, start_from: dict | None = None) -> TrainState:
+    def initial_state(self, start_from: dict | None = None, carry=None) -> TrainState:
         """A fresh state, created directly in its shardings, or the latest checkpoint restored
         into them (whatever mesh it was saved from). `start_from`: variables {"params",
-        "balance"} a fresh state takes instead of a random init (optimizer state new)."""
+        "balance"} a fresh state takes instead of a random init; `carry(self)`: {optimizer-state
+        leaf index: array} replacing those of the new optimizer state (else all new)."""
         seed = self.run.train.seed
         if self.resume_step is not None:
             return self.restore(self.resume_step)
@@ -167,9 +168,9 @@ class Trainer:
                            out_shardings=self.state_sharding)()
         target = (self.abstract_state.params, self.abstract_state.balance)
         start_from = fitted_variables(start_from, target)
-        key = jax.random.split(jax.random.key(seed))[1]
-        return jax.jit(lambda v: state_from_variables(v, optimizer, key),
-                       out_shardings=self.state_sharding)(start_from)
+        key, entries = jax.random.split(jax.random.key(seed))[1], carry(self) if carry else {}
+        return jax.jit(lambda v, e: state_from_variables(v, optimizer, key, e),
+                       out_shardings=self.state_sharding, donate_argnums=1)(start_from, entries)
 
     def start_variables(self, start_from: dict | None) -> dict | None:
         """What a new run starts from: `start_from`, else `train.init_from`'s weights on the
@@ -238,13 +239,14 @@ class Trainer:
 
 
 def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
-          start_from: dict | None = None, allow_data_change: bool = False) -> TrainSummary:
+          start_from: dict | None = None, carry=None, allow_data_change: bool = False
+          ) -> TrainSummary:
     """Trains to `run.train.steps`, resuming from `workdir` if it holds checkpoints.
     `stop_after`: leave (with a checkpoint) after this many steps of this invocation, as a
-    SIGTERM would; used to test resumption. `start_from`: unboxed variables {"params",
-    "balance"} a run without checkpoints starts from instead of a random init (a recipe stage
-    continuing the previous one, train/experiments/recipe.py). `allow_data_change`: resume
-    even though the data files changed since the run started (train/run_record.py)."""
+    SIGTERM would; used to test resumption. `start_from`, `carry`: see Trainer.initial_state
+    (a recipe stage continuing the previous ones, train/experiments/recipe.py).
+    `allow_data_change`: resume even though the data files changed since the run started
+    (train/run_record.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)
     check_wandb(run.train.wandb, "train")
     # Stop requests from here on: a Ctrl-C while the state is built or restored is acknowledged
@@ -254,7 +256,8 @@ def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
         try:
             start_from = trainer.start_variables(start_from)
             with use_mesh(trainer.mesh):
-                return _run_steps(trainer, trainer.initial_state(start_from), stop, stop_after)
+                return _run_steps(trainer, trainer.initial_state(start_from, carry), stop,
+                                  stop_after)
         finally:
             trainer.checkpoints.close()
 

@@ -60,14 +60,16 @@ def create_state(model: CausalLM, optimizer: optax.GradientTransformation, seed:
 
 
 def state_from_variables(variables: dict, optimizer: optax.GradientTransformation,
-                         key: jax.Array) -> TrainState:
+                         key: jax.Array, opt_entries: dict | None = None) -> TrainState:
     """A step-0 state around existing (unboxed) variables {"params", "balance"?}, e.g. a
-    checkpoint RL starts from; `key` seeds the state's RNG."""
+    checkpoint RL starts from; `key` seeds the state's RNG. `opt_entries`: {leaf index: array}
+    replacing those leaves of the new optimizer state (a recipe stage carrying the state on)."""
     params, balance = split_variables(variables)
     zero = jnp.zeros((), jnp.int32)
-    return TrainState(step=zero, params=params, balance=balance,
-                      opt_state=optimizer.init(params), rng=jax.random.key_data(key),
-                      skipped=zero, consecutive_skips=zero)
+    leaves, treedef = jax.tree.flatten(optimizer.init(params))
+    opt_state = treedef.unflatten([(opt_entries or {}).get(i, x) for i, x in enumerate(leaves)])
+    return TrainState(step=zero, params=params, balance=balance, opt_state=opt_state,
+                      rng=jax.random.key_data(key), skipped=zero, consecutive_skips=zero)
 
 
 def abstract_state(training: Training, seed: int) -> TrainState:

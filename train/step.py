@@ -78,12 +78,14 @@ def loss_fn(model: CausalLM, run: RunConfig, params, balance, micro, mask_meta, 
 def mtp_weight_at(run: RunConfig, count):
     """The MTP loss weight of the update after `count` applied updates (the learning-rate
     schedule's count): train.mtp_loss_weight, then train.mtp_loss_weight_at_decay from the
-    step the learning rate starts to decay."""
+    step the learning rate starts to decay (a step of the whole schedule: see
+    train.schedule_offset)."""
     train = run.train
     if train.mtp_loss_weight_at_decay is None:
         return train.mtp_loss_weight
     start = decay_start(**train.schedule_settings())
-    return jnp.where(count >= start, train.mtp_loss_weight_at_decay, train.mtp_loss_weight)
+    return jnp.where(count + train.schedule_offset >= start, train.mtp_loss_weight_at_decay,
+                     train.mtp_loss_weight)
 
 
 def stop_frozen_gradients(params, labels):

@@ -143,11 +143,28 @@ class Config:
     section: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
+        # Fields left None that take a value derived from the others (`derived_defaults`): set
+        # here, and remembered so that a config built on this one as its default derives them
+        # again (`given_values`) instead of inheriting this one's derived values.
+        derived = {k: v for k, v in self.derived_defaults().items() if getattr(self, k) is None}
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_derived", tuple(derived))
         try:
             self._check_finite()
             self.validate()
         except ConfigError as err:
             raise err.within(self.section) from None
+
+    def derived_defaults(self) -> dict[str, Any]:
+        """{field: value} for fields whose default depends on other fields (given as None)."""
+        return {}
+
+    def given_values(self) -> dict[str, Any]:
+        """The fields as given, nested configs as dicts, derived defaults left out."""
+        return {f.name: given_values(v) for f in dataclasses.fields(self)
+                if f.name not in self._derived
+                for v in [getattr(self, f.name)]}
 
     def validate(self) -> None:
         """Raises `ConfigError` for the first bad field; field groups extend it with super()."""
@@ -181,7 +198,7 @@ def build_dataclass(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
         if dataclasses.is_dataclass(default):
             if not isinstance(value, Mapping):
                 raise ValueError(f"{name}: expected a mapping of sub-fields, got {value!r}")
-            merged = dataclasses.asdict(default)
+            merged = given_values(default)
             merged.update(value)
             kwargs[key] = build_dataclass(type(default), merged, f"{name}.")
         elif isinstance(value, list):
@@ -218,6 +235,14 @@ def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:
     below `prefix` (a shared `model.` would make any two names look alike); `x` has it."""
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
     return f" (did you mean {prefix + close[0]!r}?)" if close else ""
+
+
+def given_values(value: Any) -> Any:
+    """`Config.given_values` of a config, `dataclasses.asdict` of another dataclass, any other
+    value as it is."""
+    if isinstance(value, Config):
+        return value.given_values()
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def config_to_dict(config: Any) -> dict:

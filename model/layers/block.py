@@ -47,9 +47,10 @@ class DecoderBlock(nn.Module):
                 input_norm(h), positions, segment_ids)
 
         def ffn(h):
-            if self.is_moe:
+            if self.is_moe:  # padding (segment 0) is no part of a sequence for its balance loss
                 return MoE(cfg, self.limit, self.shared_limit, self.is_hash, name="moe")(
-                    ffn_norm(h), token_ids, routed_experts)
+                    ffn_norm(h), token_ids, routed_experts,
+                    None if segment_ids is None else segment_ids > 0)
             return SwiGLU(cfg, cfg.dense_hidden, self.shared_limit, name="mlp")(ffn_norm(h)), {}
 
         if self.streams and cfg.hyper_connections.hc_mult > 1:

@@ -63,10 +63,12 @@ class MoE(nn.Module):
     is_hash: bool = False  # experts chosen by token id (needs `token_ids`)
 
     @nn.compact
-    def __call__(self, x, token_ids=None, replayed_experts=None):
+    def __call__(self, x, token_ids=None, replayed_experts=None, valid=None):
         """x [B, T, d_model]; token_ids [B, T] int (hash-routed layers only); replayed_experts
         [B, T, k] int: experts to route to instead of the router's top-k (a token with a
-        negative entry keeps its own; ignored by hash-routed layers, whose table decides)."""
+        negative entry keeps its own; ignored by hash-routed layers, whose table decides);
+        valid [B, T] bool: the tokens that are not padding (the sequence-wise loss counts
+        those; None: all)."""
         cfg, moe = self.config, self.config.moe
         dtype, param_dtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
         batch, length, d_model = x.shape
@@ -141,7 +143,7 @@ class MoE(nn.Module):
             "sequence_balance_loss": (jnp.zeros((), jnp.float32) if self.is_hash else
                                       sequence_balance_loss(
                                           routing.probs.reshape(batch, length, -1),
-                                          routing.indices.reshape(batch, length, -1))),
+                                          routing.indices.reshape(batch, length, -1), valid)),
             **stats,
         }
         if replayed_experts is not None:  # (an unrecorded token's own choice is its choice)

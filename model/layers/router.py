@@ -119,20 +119,30 @@ def ep_group_balance_loss(load: jax.Array, mean_probs: jax.Array, num_groups: in
     return num_groups * jnp.sum(jax.lax.stop_gradient(f_g) * p_g)
 
 
-def sequence_balance_loss(probs: jax.Array, indices: jax.Array) -> jax.Array:
+def sequence_balance_loss(probs: jax.Array, indices: jax.Array,
+                          valid: jax.Array | None = None) -> jax.Array:
     """DeepSeek-V4's sequence-wise balance loss (report 2.1, weight 1e-4 in 4.2.2), in
     DeepSeek-V3's form: per sequence, L = sum_i f_i P_i with f_i = E/(kT) sum_t 1[i chosen at t]
     and P_i = (1/T) sum_t s'_{i,t}; averaged over the B sequences. Equals 1 when uniform.
 
-    probs: s' [B, T, E] (carries the gradient); indices: the chosen experts [B, T, k]. The
-    caller multiplies by the loss weight. Hash-routed layers have a fixed choice and are left
-    out, as transformers records router logits of its learned-selection routers only.
+    probs: s' [B, T, E] (carries the gradient); indices: the chosen experts [B, T, k]; valid:
+    bool [B, T], the tokens of the sequence (None: all). Padding is no part of a sequence: it is
+    left out of f, P and T, and a row of padding alone out of the mean. The caller multiplies
+    by the loss weight. Hash-routed layers have a fixed choice and are left out, as
+    transformers records router logits of its learned-selection routers only.
     """
-    num_experts = probs.shape[-1]
-    load = jax.vmap(expert_load, (0, None))(indices, num_experts)  # f_i / E, [B, E]
-    mean_probs = jnp.mean(probs, axis=1)  # P_i, [B, E]
+    batch, length, num_experts = probs.shape
+    top_k = indices.shape[-1]
+    weight = (jnp.ones((batch, length), jnp.float32) if valid is None
+              else valid.astype(jnp.float32))
+    tokens = jnp.sum(weight, axis=1)  # T per sequence, [B]
+    hits = jax.vmap(lambda idx, w: jnp.zeros((num_experts,), jnp.float32).at[idx.reshape(-1)]
+                    .add(jnp.repeat(w, top_k)))(indices, weight)  # [B, E]
+    load = hits / (top_k * jnp.maximum(tokens, 1.0))[:, None]  # f_i / E
+    mean_probs = jnp.einsum("bt,bte->be", weight, probs) / jnp.maximum(tokens, 1.0)[:, None]
     per_sequence = num_experts * jnp.sum(jax.lax.stop_gradient(load) * mean_probs, axis=-1)
-    return jnp.mean(per_sequence)
+    present = tokens > 0
+    return jnp.sum(jnp.where(present, per_sequence, 0.0)) / jnp.maximum(jnp.sum(present), 1)
 
 
 def routing_confidence(probs: jax.Array, indices: jax.Array) -> jax.Array:

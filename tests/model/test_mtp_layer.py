@@ -46,11 +46,13 @@ def f64(tree):
 
 
 @jax.jit
-def model_outputs(variables):
-    out = CausalLM(CFG).apply(variables, TOKENS)
-    _, streams, _ = CausalLM(CFG).apply(variables, TOKENS, jnp.broadcast_to(
+def model_outputs(variables, tokens, segments):
+    """(MTP logits, the backbone's streams, the balance losses) of one forward."""
+    out = CausalLM(CFG).apply(variables, tokens, segments)
+    _, streams, _ = CausalLM(CFG).apply(variables, tokens, jnp.broadcast_to(
         jnp.arange(12), (2, 12)), None, method=CausalLM.backbone)
-    return out.mtp_logits, streams
+    losses = ("moe", "mtp_moe", "sequence_balance_loss", "balance_loss")
+    return out.mtp_logits, streams, {k: out.aux[k] for k in losses}
 
 
 @jax.jit
@@ -64,7 +66,7 @@ def decoder_layer(block_variables, streams):
 
 def test_the_layer_block_is_the_release_mtp_block_chained_over_two_heads():
     params, balance = VARIABLES["params"], VARIABLES["balance"]
-    mtp_logits, streams = model_outputs(VARIABLES)
+    mtp_logits, streams, _ = model_outputs(VARIABLES, TOKENS, jnp.ones_like(TOKENS))
     assert streams.shape == (2, 12, CFG.hyper_connections.hc_mult, CFG.d_model)
     embedding, head = f64(params["embed_tokens"]["embedding"]), f64(params["lm_head"]["kernel"])
     h_prev = np.asarray(streams, np.float64)
@@ -81,3 +83,25 @@ def test_the_layer_block_is_the_release_mtp_block_chained_over_two_heads():
                             p["hc_head"]["hc_scale"])
         want = rms_norm(collapsed, p["norm"]["weight"]) @ head
         np.testing.assert_allclose(mtp_logits[h], want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+def test_mtp_moe_adds_its_balance_losses_and_padding_stays_out_of_them():
+    """The MTP blocks' MoE layers add their sequence-wise (and EP-group) balance losses to those
+    of the backbone's learned-routing layers, as a backbone MoE layer does. Padding (segment 0)
+    is no part of a sequence: the backbone layers' sequence-wise losses ignore what the padding
+    tokens are (real tokens never attend to them; the MTP blocks do read the next tokens'
+    embeddings, padding's included, at a document's end)."""
+    def aux_of(tokens, segments):
+        return model_outputs(VARIABLES, tokens, segments)[2]
+
+    segments = jnp.asarray([[1] * 12, [1] * 8 + [0] * 4], jnp.int32)
+    aux = aux_of(TOKENS, segments)
+    learned = np.asarray([not CFG.is_hash_layer(i) for i in CFG.moe_layer_indices()])
+    assert not learned.all() and learned.any()  # a hash-routed layer is left out
+    for key in ("sequence_balance_loss", "balance_loss"):
+        backbone = np.sum(np.asarray(aux["moe"][key])[learned])
+        np.testing.assert_allclose(aux[key], backbone + np.sum(aux["mtp_moe"][key]), rtol=1e-5)
+    assert np.all(np.asarray(aux["mtp_moe"]["sequence_balance_loss"]) > 0.5)
+    repadded = aux_of(TOKENS.at[1, 8:].set(jnp.asarray([5, 17, 33, 60])), segments)
+    np.testing.assert_allclose(repadded["moe"]["sequence_balance_loss"],
+                               aux["moe"]["sequence_balance_loss"], rtol=1e-6)

@@ -185,3 +185,22 @@ def test_sequence_balance_loss_against_transformers_load_balancing_loss():
     indices = jax.lax.top_k(probs, 3)[1]
     got = float(sequence_balance_loss(probs[None], indices[None]))
     np.testing.assert_allclose(3 * got, expected, rtol=1e-5)
+
+
+def test_sequence_balance_loss_leaves_padding_out():
+    """Padding is no part of a sequence: f, P and T count its tokens only (the float64 loop on
+    the valid tokens alone), whatever the padding routed to; a row of padding alone leaves the
+    mean over sequences."""
+    rng = np.random.default_rng(5)
+    probs = rng.dirichlet(np.ones(8), size=(3, 10)).astype(np.float32)
+    indices = np.stack([[rng.choice(8, 3, replace=False) for _ in range(10)] for _ in range(3)])
+    valid = np.ones((3, 10), bool)
+    valid[0, 6:] = False  # a padded row
+    valid[2] = False  # a row of padding alone
+    got = float(sequence_balance_loss(jnp.asarray(probs), jnp.asarray(indices, jnp.int32),
+                                      jnp.asarray(valid)))
+    want = (np_sequence_balance_loss(probs[:1, :6], indices[:1, :6])
+            + np_sequence_balance_loss(probs[1:2], indices[1:2])) / 2
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    full = float(sequence_balance_loss(jnp.asarray(probs[1:2]), jnp.asarray(indices[1:2])))
+    np.testing.assert_allclose(full, np_sequence_balance_loss(probs[1:2], indices[1:2]), rtol=1e-5)

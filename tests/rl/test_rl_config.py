@@ -120,6 +120,11 @@ def test_algorithm_presets_set_the_switches_left_unset():
     assert resolved(RLConfig()) == (True, "token_mean", False, 0, True, 0.001, "k3_importance")
     assert resolved(RLConfig(algorithm="grpo")) == (
         True, "sequence_mean", False, 0, False, 0.04, "k3")
+    # DeepSeekMath 4.2: "the policy model only has a single update following each exploration
+    # stage"; the report's MIS-PO 4 actor minibatches (5.2.3) for the others; explicit wins
+    assert [RLConfig(algorithm=a).actor_minibatches for a in ("grpo", "mis_po", "dapo")] == [
+        1, 4, 4]
+    assert RLConfig(algorithm="grpo", actor_minibatches=4).actor_minibatches == 4
     assert resolved(RLConfig(algorithm="dapo", max_new_tokens=20)) == (
         True, "token_mean", True, 4, False, 0.0, "k3_importance")
     assert RLConfig(algorithm="dapo", max_new_tokens=3).overlong_buffer_tokens == 1

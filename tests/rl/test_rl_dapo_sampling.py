@@ -1,8 +1,9 @@
 """DAPO's batch-side techniques: overlong reward shaping (rl/objectives/overlong.py) against
 hand-computed values at the boundaries, and dynamic sampling (rl/dynamic_sampling.py) on fake
-draws whose rows carry their identity: the batch keeps its size, never keeps a group of equal
-rewards while varied ones were drawn, counts its draws, is deterministic, and fills up with the
-first equal groups when rl.max_draws is hit."""
+draws whose rows carry their identity: the batch keeps its size, never keeps a group whose
+answers are all right or all wrong while groups of mixed accuracy were drawn (DAPO eq. 11:
+0 < #correct < G, whatever the shaped rewards), counts its draws, is deterministic, and fills up
+with the first other groups when rl.max_draws is hit."""
 
 import numpy as np
 import pytest
@@ -38,11 +39,11 @@ def test_overlong_penalty_off_and_whole_budget_buffer():
 
 P, N, T = 3, 2, 4  # groups per batch, samples per group, row length
 
-# Rewards of draws 0, 1, 2, ...: one row per group.
+# Rewards of draws 0, 1, 2, ...: one row per group; 1 is a right answer (the fake verifier).
 DRAWS = [
-    [[1, 1], [0, 1], [0, 0]],  # draw 0: group 1 varied
-    [[0, 0], [0, 0], [1, 1]],  # draw 1: nothing varied
-    [[1, 0], [0.5, 0], [1, 0]],  # draw 2: all three varied, one more than needed
+    [[1, 1], [0, 1], [0, 0]],  # draw 0: group 1 of mixed accuracy
+    [[0, 0], [0, 0], [1, 1]],  # draw 1: none
+    [[1, 0], [0.5, 0], [1, 0]],  # draw 2: groups 0 and 2 (0.5: partial credit, not right)
     [[0, 1], [0, 1], [0, 1]],
 ]
 
@@ -78,9 +79,11 @@ def ids(drawn):
     return row_ids
 
 
-def test_varied_groups():
-    assert varied_groups(np.array([1, 1, 0, 1, 0.5, 0.5, 0, 0]), 2).tolist() == [
-        False, True, False, False]
+def test_varied_groups_have_some_but_not_all_answers_right():
+    pairs = np.array([1, 1, 0, 1, 0, 0, 1, 0], bool)
+    assert varied_groups(pairs, 2).tolist() == [False, True, False, True]
+    triples = np.array([1, 1, 1, 0, 0, 0, 1, 0, 1, 0, 1, 0], bool)
+    assert varied_groups(triples, 3).tolist() == [False, False, True, True]
 
 
 def test_dynamic_sampling_fills_the_batch_with_varied_groups_and_counts_draws():
@@ -90,15 +93,15 @@ def test_dynamic_sampling_fills_the_batch_with_varied_groups_and_counts_draws():
     rollouts, rewards = drawn.rollouts, drawn.rewards
     assert log == [0, 1, 2]  # stops as soon as P varied groups are in hand
     assert rollouts.tokens.shape == (P * N, T) and rewards.shape == shaped.shape == (P * N,)
-    # draw 0's group 1 (rows 2, 3), then draw 2's groups 0 and 1; draw 2's group 2 is surplus
-    assert ids(drawn) == [2, 3, 200, 201, 202, 203]  # every field moved together
-    assert rewards.tolist() == [0, 1, 1, 0, 0.5, 0]
-    assert drawn.correct.tolist() == [False, True, True, False, False, False]
-    assert varied_groups(rewards, N).all()
+    # draw 0's group 1 (rows 2, 3), then draw 2's groups 0 and 2
+    assert ids(drawn) == [2, 3, 200, 201, 204, 205]  # every field moved together
+    assert rewards.tolist() == [0, 1, 1, 0, 1, 0]
+    assert drawn.correct.tolist() == [False, True, True, False, True, False]
+    assert varied_groups(drawn.correct, N).all()
     np.testing.assert_array_equal(rollouts.mask.sum(1), [1, 2, 1, 2, 1, 2])
     assert metrics == pytest.approx({
         "sampling/draws": 3.0, "sampling/groups_drawn": 9.0,
-        "sampling/varied_frac": 4 / 9, "sampling/batch_varied_frac": 1.0,
+        "sampling/varied_frac": 3 / 9, "sampling/batch_varied_frac": 1.0,
         "sampling/drawn_reward": 7.5 / 18,  # the verifier's mean over the 18 rows drawn
         "sampling/tokens_drawn": 3 * P * (1 + 2),
     }, rel=1e-6)
@@ -120,18 +123,20 @@ def test_dynamic_sampling_at_the_draw_cap_fills_with_the_first_equal_groups():
     assert metrics["sampling/varied_frac"] == pytest.approx(1 / 6)
 
 
-def test_dynamic_sampling_checks_the_shaped_rewards():
-    """With L_max = 2, L_cache = 1 each group's second row (2 tokens) gets -1: draw 0's group 0
-    (rewards 1, 1) becomes varied and its group 1 (0, 1) equal. The verifier's rewards come
-    back unshaped, the training rewards shaped."""
+def test_dynamic_sampling_counts_right_answers_not_shaped_rewards():
+    """With L_max = 2, L_cache = 1 each group's second row (2 tokens) gets -1, so draw 0's
+    shaped rewards differ within every group, by length alone in group 0 (both right) and group
+    2 (both wrong: it would train on its lengths). Only group 1 has 0 < #correct < G; the other
+    place goes to the first other group drawn. The verifier's rewards come back unshaped, the
+    training rewards shaped."""
     def shape(drawn):
         return drawn.rewards + overlong_penalty(drawn.rollouts.response_lengths, max_length=2,
                                                 buffer=1)
 
     drawn, shaped, metrics = sample_batch(
         fake_draw([]), shape, groups=2, group_size=N, dynamic=True, max_draws=1)
-    assert ids(drawn) == [0, 1, 4, 5] and metrics["sampling/batch_varied_frac"] == 1.0
-    assert drawn.rewards.tolist() == [1, 1, 0, 0] and shaped.tolist() == [1, 0, 0, -1]
+    assert ids(drawn) == [2, 3, 0, 1] and metrics["sampling/batch_varied_frac"] == 0.5
+    assert drawn.rewards.tolist() == [0, 1, 1, 1] and shaped.tolist() == [0, 0, 1, 0]
 
 
 def test_without_dynamic_sampling_one_draw_as_it_is():

@@ -59,7 +59,8 @@ def test_indexer_warm_up_step_trains_the_indexers_alone():
     the learning rate starts to decay (here after one step)."""
     run = small_v4_run("model.num_layers=2", "model.layout=WC", "model.hyper_connections.hc_mult=1",
                        "model.shared_kv_attention.csa_attention=dense", "train.trainable=indexer",
-                       "train.router_bias_rate=0", "train.warmup_steps=0", "train.schedule=stages",
+                       "train.router_bias_rate=0", "train.warmup_steps=0", "train.steps=5",
+                       "train.schedule=stages",
                        "train.lr_stages=[[1, 1e-2, constant], [4, 1e-3, cosine]]",
                        "train.mtp_loss_weight_at_decay=0.1", "train.lr=1e-2")
     training = build_training(run)

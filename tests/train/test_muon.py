@@ -115,6 +115,16 @@ def test_hybrid_newton_schulz_matches_a_float64_loop(shape, steps, finish):
         assert np.abs(s - 1).max() < 0.05, (s.min(), s.max())
 
 
+def test_the_hybrid_orthogonalizer_alone_runs_deepseek_v4s_eight_plus_two_at_rms_0_18():
+    """DeepSeek-V4 report 2.4 eq. 28 (8 + 2 iterations) and 4.2.2 (update RMS 0.18) follow from
+    the orthogonalizer when steps / update_rms are unset (the configs: test_run_config.py)."""
+    g = _gaussian((24, 40), seed=9)
+    tx = scale_by_muon(orthogonalizer="hybrid_newton_schulz", iteration_dtype="float32")
+    update, _ = jax.jit(tx.update)(jnp.asarray(g), tx.init(jnp.zeros((24, 40))))
+    expected = _hybrid_newton_schulz_float64(g, 8, 2) * 0.18 * np.sqrt(40)
+    np.testing.assert_allclose(update, expected, atol=3e-6)
+
+
 @pytest.mark.parametrize("method, steps", [("hybrid_newton_schulz", 10), ("polar_express", 6)])
 def test_rank_deficient_gradients_stay_bounded(method, steps):
     """A gradient of rank 4 (a few tokens' worth) as a wide float32 matrix: the rank-4 part

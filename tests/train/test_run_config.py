@@ -41,6 +41,12 @@ def test_bad_value_raises_on_construction(make, message):
     ("train.trainable=indexer train.router_bias_rate=0",
      "train.trainable: 'indexer' needs a C layer in model.layout"),
     ("train.trainable=indexer", "train.router_bias_rate: must be 0 under train.trainable=indexer"),
+    # the warm-up and the stages must cover the run: no decay cut short, no silent hold
+    ("train.schedule=stages train.lr_stages=[[10,0.001,linear],[20,0.0,cosine]]",
+     "train.lr_stages: train.warmup_steps=24 + the stages' 10 + 20 = 54 steps, but "
+     "train.steps=240; make them add up"),
+    ("train.schedule=stages train.lr_stages=[[300,0.001,linear]]",
+     "train.lr_stages: train.warmup_steps=24 + the stages' 300 = 324 steps, but train.steps=240"),
     ("train.schedule=constant train.mtp_loss_weight_at_decay=0.1",
      "train.mtp_loss_weight_at_decay: the learning rate never decays"),
     ("train.data.heldout_fraction=1.0", "train.data.heldout_fraction: must be a number strictly"),
@@ -149,7 +155,7 @@ def test_a_directory_is_not_a_config_file():
 
 
 def test_min_lr_above_lr_is_accepted_where_no_cosine_uses_it():
-    stages = ["train.schedule=stages", "train.lr_stages=[[10, 1.0e-4, linear]]"]
+    stages = ["train.schedule=stages", "train.lr_stages=[[216, 1.0e-4, linear]]"]
     assert load_run_config(TINY, ["train.min_lr=0.01", *stages]).train.min_lr == 0.01
 
 
@@ -175,15 +181,48 @@ def test_a_field_added_since_a_checkpoint_counts_at_its_default():
                                                  ["train.steps=700"])) == []
 
 
-def test_family_presets_train_with_their_reports_optimizer_and_losses():
-    """DeepSeek-V4 (report 2.4 / 4.2.2): Muon with the hybrid Newton-Schulz (10 iterations, the
-    last 2 finishing), update RMS 0.18, AdamW eps 1e-20, sequence-wise loss 1e-4; MiMo (its
-    pre-training hyper-parameters): sequence auxiliary loss 1e-5. Neither has Step 3.5's
-    EP-group loss."""
-    v4 = load_run_config(REPO / "configs" / "tiny_deepseek_v4.yaml").train
-    assert (v4.muon.orthogonalizer, v4.muon.steps, v4.muon.finish_steps) == (
-        "hybrid_newton_schulz", 10, 2)
-    assert (v4.muon.update_rms, v4.adam_eps) == (0.18, 1e-20)
-    assert (v4.balance_loss_coef, v4.sequence_balance_coef) == (0.0, 1e-4)
-    mimo = load_run_config(REPO / "configs" / "tiny_mimo.yaml").train
-    assert (mimo.balance_loss_coef, mimo.sequence_balance_coef) == (0.0, 1e-5)
+def test_muon_settings_follow_the_orthogonalizer_unless_given():
+    """`steps` / `update_rms` left unset take the orthogonalizer's defaults (DeepSeek-V4 report
+    eq. 28 and 4.2.2 for the hybrid: 10 at 0.18; Step 3.5 report 4.1.1: 6 at 0.2; Keller
+    Jordan's 5), also through the defaults of a section two configs deep; a given value wins."""
+    assert (MuonConfig().steps, MuonConfig().update_rms) == (6, 0.2)
+    assert MuonConfig(orthogonalizer="newton_schulz").steps == 5
+    for overrides, expected in ((["train.muon.orthogonalizer=hybrid_newton_schulz"], (10, 0.18)),
+                                (["train.muon.update_rms=0.3",
+                                  "train.muon.orthogonalizer=hybrid_newton_schulz"], (10, 0.3))):
+        muon = load_run_config(TINY, overrides).train.muon
+        assert (muon.steps, muon.update_rms) == expected
+    from rl.config import load_rl_config  # rl -> actor -> muon
+    rl = load_rl_config(REPO / "configs" / "rl_arith.yaml",
+                        ["rl.actor.muon.orthogonalizer=hybrid_newton_schulz"]).rl
+    assert (rl.actor.muon.steps, rl.critic.muon.steps) == (10, 6)
+
+
+def _family_settings(train) -> dict:
+    """The optimizer and balance settings a family's presets share."""
+    muon = train.muon
+    return {"optimizer": train.optimizer, "muon": (muon.orthogonalizer, muon.steps,
+                                                   muon.finish_steps, muon.update_rms),
+            "adam": (train.adam_b1, train.adam_b2, train.adam_eps, train.weight_decay),
+            "balance": (train.balance_loss_coef, train.sequence_balance_coef,
+                        train.router_bias_rate)}
+
+
+@pytest.mark.parametrize("family, presets, expected", [
+    # DeepSeek-V4 (report 2.4 / 4.2.2): Muon with the hybrid Newton-Schulz (10 iterations, the
+    # last 2 finishing by default), update RMS 0.18, AdamW eps 1e-20, sequence-wise loss 1e-4.
+    ("deepseek_v4", ("tiny_deepseek_v4", "gpu_1b_deepseek_v4"),
+     {"optimizer": "muon", "muon": ("hybrid_newton_schulz", 10, None, 0.18),
+      "adam": (0.9, 0.95, 1e-20, 0.1), "balance": (0.0, 1e-4, 1e-3)}),
+    # MiMo (its pre-training hyper-parameters): sequence auxiliary loss 1e-5; the presets keep
+    # stepjax's Muon (the recipes train with the report's AdamW).
+    ("mimo", ("tiny_mimo", "gpu_1b_mimo"),
+     {"optimizer": "muon", "muon": ("polar_express", 6, None, 0.2),
+      "adam": (0.9, 0.95, 1e-8, 0.1), "balance": (0.0, 1e-5, 1e-3)}),
+])
+def test_family_presets_train_with_their_reports_optimizer_and_losses(family, presets, expected):
+    """Every preset of a family, the ~1B ones included, trains with its family's settings;
+    neither V4 nor MiMo has Step 3.5's EP-group loss."""
+    for preset in presets:
+        assert _family_settings(load_run_config(REPO / "configs" / f"{preset}.yaml").train) \
+            == expected, preset

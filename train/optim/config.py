@@ -35,9 +35,12 @@ class MuonConfig(Config):
     momentum: float = 0.95
     nesterov: bool = True
     # train.optim.muon.ORTHOGONALIZERS: polar_express (Step 3.5, report 4.1.1), newton_schulz
-    # (the classic quintic), hybrid_newton_schulz (DeepSeek-V4 report 2.4, eq. 28: steps 10).
+    # (the classic quintic), hybrid_newton_schulz (DeepSeek-V4 report 2.4, eq. 28). `steps` and
+    # `update_rms` left unset take the orthogonalizer's defaults: 6 and 0.2 for Polar Express
+    # (report 4.1.1), 5 and 0.2 for Newton-Schulz, 10 and 0.18 for the hybrid (V4 report
+    # eq. 28, 4.2.2); a value given explicitly wins.
     orthogonalizer: str = "polar_express"
-    steps: int = 6  # iterations in all (T = 6 Polar Express iterations, report 4.1.1)
+    steps: int | None = None  # iterations in all
     # Of those, the last ones with the finishing polynomial (2, -1.5, 0.5); None: the
     # orthogonalizer's default (2 for hybrid_newton_schulz; the others have none).
     finish_steps: int | None = None
@@ -47,7 +50,11 @@ class MuonConfig(Config):
     iteration_dtype: str = "auto"
     # Update-RMS matching: scale the orthogonalised update to this RMS so AdamW's learning rate
     # and weight decay carry over (Moonlight: 0.2); 0 = the original sqrt(max(1, m/n)) scale.
-    update_rms: float = 0.2
+    update_rms: float | None = None
+
+    def derived_defaults(self) -> dict[str, Any]:
+        method = ORTHOGONALIZERS.get(self.orthogonalizer)  # an unknown one is named by validate
+        return {} if method is None else {"steps": method.steps, "update_rms": method.update_rms}
 
     def validate(self) -> None:
         check_fraction("momentum", self.momentum)

@@ -74,7 +74,9 @@ class Orthogonalizer:
     table: tuple[tuple[float, float, float], ...]
     safety: float = 1.0
     finish: tuple[float, float, float] | None = None
-    finish_steps: int = 0  # the default number of finishing iterations
+    finish_steps: int = 0  # defaults: finishing iterations, iterations in all, and the update
+    steps: int = 6  # RMS (`update_scale`; Moonlight's 0.2 unless the method's paper gives one)
+    update_rms: float = 0.2
     # May float32 iterations of wide matrices run on the Gram side (`_iterate_on_gram`)? There
     # a null direction's eigenvalue of X X^T, a rounding error of ~1e-7 that may be negative,
     # grows by a^2 per step: x3.4e6 over Polar Express's 6 steps, x6e9 over eq. 28's 10, after
@@ -98,12 +100,13 @@ class Orthogonalizer:
 
 
 ORTHOGONALIZERS = {
-    "polar_express": Orthogonalizer(POLAR_EXPRESS_COEFFS, safety=_SAFETY),
-    "newton_schulz": Orthogonalizer(NEWTON_SCHULZ_COEFFS, safety=_SAFETY),
+    "polar_express": Orthogonalizer(POLAR_EXPRESS_COEFFS, safety=_SAFETY, steps=6),  # 4.1.1
+    "newton_schulz": Orthogonalizer(NEWTON_SCHULZ_COEFFS, safety=_SAFETY, steps=5),  # K. Jordan
     # DeepSeek-V4 report 2.4, eq. 28: M_0 = M / ||M||_F, 8 fast iterations then 2 that pin the
-    # singular values at 1 (10 in all: `steps` counts both kinds).
+    # singular values at 1 (10 in all: `steps` counts both kinds); update RMS 0.18 (4.2.2).
     "hybrid_newton_schulz": Orthogonalizer(NEWTON_SCHULZ_COEFFS, finish=HYBRID_FINISH_COEFFS,
-                                           finish_steps=2, gram_form=False),
+                                           finish_steps=2, gram_form=False, steps=10,
+                                           update_rms=0.18),
 }
 _FINISHING = tuple(name for name, o in ORTHOGONALIZERS.items() if o.finish is not None)
 
@@ -133,14 +136,14 @@ def resolve_iteration_dtype(name: str, backend: str | None = None) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def orthogonalize(g: jax.Array, *, method: str = "polar_express", steps: int = 6,
+def orthogonalize(g: jax.Array, *, method: str = "polar_express", steps: int | None = None,
                   finish_steps: int | None = None, dtype: Any = jnp.float16,
                   gram_form: bool | None = None) -> jax.Array:
     """Approximate polar factor U V^T of each matrix in `g` [..., m, n] -> float32 [..., m, n].
 
-    `method` names one of `ORTHOGONALIZERS`, run for `steps` iterations in all, the last
-    `finish_steps` of them with its finishing polynomial (None: its default; 2 for
-    hybrid_newton_schulz, none for the others).
+    `method` names one of `ORTHOGONALIZERS`, run for `steps` iterations in all (None: its
+    default), the last `finish_steps` of them with its finishing polynomial (None: its default;
+    2 for hybrid_newton_schulz, none for the others).
 
     Leading axes are batch axes: one independent matrix each (experts are orthogonalised per
     expert, report 4.2.3). Normalisation is in float32; the iteration state and every
@@ -158,7 +161,8 @@ def orthogonalize(g: jax.Array, *, method: str = "polar_express", steps: int = 6
     if transpose:  # iterate on the wide side so the Gram matrix X X^T is the small one
         x = jnp.swapaxes(x, -1, -2)
     iteration = orthogonalizer_of(method)
-    coefficients = iteration.coefficients(steps, finish_steps)
+    coefficients = iteration.coefficients(iteration.steps if steps is None else steps,
+                                          finish_steps)
     norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
     x = (x / (norm * iteration.safety + _NORM_EPS)).astype(dtype)  # spectral norm <= 1 / safety
     if gram_form is None:
@@ -261,14 +265,15 @@ class ScaleByMuonState(NamedTuple):
 
 
 def scale_by_muon(matrix_axes: Any = None, *, momentum: float = 0.95, nesterov: bool = True,
-                  orthogonalizer: str = "polar_express", steps: int = 6,
+                  orthogonalizer: str = "polar_express", steps: int | None = None,
                   finish_steps: int | None = None, iteration_dtype: str = "auto",
-                  update_rms: float = 0.2) -> optax.GradientTransformation:
+                  update_rms: float | None = None) -> optax.GradientTransformation:
     """Momentum -> per-matrix orthogonalisation -> update scale (no learning rate, no decay).
     The defaults are Step 3.5's (report 4.1.1): Polar Express, T = 6 iterations, in float16
     where that is fast (`resolve_iteration_dtype`: 'auto' is float32 on CPU and TPU);
-    `update_rms` as in `update_scale`. DeepSeek-V4 (its report 2.4): orthogonalizer
-    'hybrid_newton_schulz', steps 10 (finish_steps 2), update_rms 0.18. Params of other
+    `update_rms` as in `update_scale`. `steps`, `finish_steps` and `update_rms` left None take
+    the orthogonalizer's (`ORTHOGONALIZERS`): DeepSeek-V4's 'hybrid_newton_schulz' (its report
+    2.4, 4.2.2) runs 10 iterations, the last 2 finishing, at update RMS 0.18. Params of other
     groups (optax.MaskedNode, e.g. frozen ones) get no momentum and no orthogonalisation.
 
     matrix_axes: tree of logical-axis tuples lining up with the params (an entry for every
@@ -280,7 +285,10 @@ def scale_by_muon(matrix_axes: Any = None, *, momentum: float = 0.95, nesterov: 
     """
     mu = momentum
     dtype = resolve_iteration_dtype(iteration_dtype)
-    orthogonalizer_of(orthogonalizer).coefficients(steps, finish_steps)  # bad settings fail here
+    method = orthogonalizer_of(orthogonalizer)
+    steps = method.steps if steps is None else steps
+    update_rms = method.update_rms if update_rms is None else update_rms
+    method.coefficients(steps, finish_steps)  # bad settings fail here
 
     def init_fn(params):
         return ScaleByMuonState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))

@@ -56,25 +56,27 @@ def _after_warmup(lr: float, schedule: str, decay_steps: int, min_lr: float,
 
 def learning_rate_schedule(*, lr: float, warmup_steps: int, schedule: str = "constant",
                            total_steps: int = 0, min_lr: float = 0.0,
-                           stages: Sequence[tuple[int, float, str]] = ()) -> optax.Schedule:
+                           stages: Sequence[tuple[int, float, str]] = (),
+                           offset: int = 0) -> optax.Schedule:
     """Step -> learning rate: 0 at step 0, `lr` at `warmup_steps` (linear), then `schedule`:
     `constant` holds `lr`; `cosine` reaches `min_lr` at `total_steps` and stays there;
     `stages` ((steps, end_lr, shape), ...) chain from `lr` through each stage's end_lr and hold
-    the last one."""
+    the last one. `offset`: the schedule's steps before this one's step 0 (a recipe stage's
+    slice of one schedule: its step s is the schedule's step offset + s)."""
     schedules, lengths = _after_warmup(lr, schedule, total_steps - warmup_steps, min_lr, stages)
     if warmup_steps > 0:
         schedules = [optax.linear_schedule(0.0, lr, warmup_steps)] + schedules
         lengths = [warmup_steps] + lengths
-    if len(schedules) == 1:
-        return schedules[0]
-    boundaries = list(itertools.accumulate(lengths[:-1]))
-    return optax.join_schedules(schedules, boundaries)
+    whole = (schedules[0] if len(schedules) == 1 else
+             optax.join_schedules(schedules, list(itertools.accumulate(lengths[:-1]))))
+    return (lambda count: whole(count + offset)) if offset else whole
 
 
 def decay_start(*, lr: float, warmup_steps: int, schedule: str = "constant",
                 min_lr: float = 0.0, stages: Sequence[tuple[int, float, str]] = (), **_
                 ) -> int | None:
-    """The step where `learning_rate_schedule`'s decay begins (takes its keyword arguments):
+    """The step where `learning_rate_schedule`'s decay begins (takes its keyword arguments; a
+    step of the whole schedule, before any `offset`):
     cosine, right after warm-up; stages, where the first stage that ends below its start begins
     (a constant one at its end, where its lower end_lr takes over). None where the rate never
     decays. DeepSeek-V4 and MiMo switch the MTP loss weight there (DeepSeek-V4 report 4.2.2:
