@@ -261,7 +261,7 @@ class RLTrainer:
         if rl.max_staleness:
             state = state.replace(buffer=buffer)
         scored = self.training_rewards(drawn, iteration)[0]
-        rollouts, rewards = drawn.rollouts, drawn.rewards
+        rollouts = drawn.rollouts
         tokens, segments = jnp.asarray(rollouts.tokens), jnp.asarray(rollouts.segment_ids)
         mask, infer_logp = jnp.asarray(rollouts.mask), jnp.asarray(rollouts.infer_logp)
         routes = (None if rollouts.routed_experts is None

@@ -132,7 +132,7 @@ def render_markdown(report: dict) -> str:
                if device.get("mosaic_attention") else []),
              *([f"- Mosaic GPU grouped matmuls: {device['mosaic_grouped_matmuls']}"]
                if device.get("mosaic_grouped_matmuls") else []),
-             f"- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+             "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
              f"- started {report['started']}, {report['seconds']:.0f} s in all; "
              f"exit status {report['exit_status']}", "", "## Targets", "",
              markdown_table(["target", "value", "goal", "met"],
