@@ -27,9 +27,6 @@ from small_lm import (
 from model import CausalLM
 from model.config import MTPConfig
 
-# Under `pytest -n 2 --dist loadgroup` (make test) keep the small-model tests on one worker so
-# the baseline model (small_lm.baseline) is compiled once.
-pytestmark = pytest.mark.xdist_group("test_model_small_lm")
 
 
 

@@ -32,9 +32,6 @@ from model import CausalLM
 from model.layers.layer_plan import Segment, layer_kinds, plan_segments
 from model.layers.stack import scan_unroll
 
-# Under `pytest -n 2 --dist loadgroup` (make test) keep the small-model tests on one worker so
-# the baseline model (small_lm.baseline) is compiled once.
-pytestmark = pytest.mark.xdist_group("test_model_small_lm")
 
 
 
