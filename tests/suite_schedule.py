@@ -18,6 +18,7 @@ pytest >= 9.2, whose node ids xdist 3.8 can no longer suffix with the group: pyt
 
 from __future__ import annotations
 
+import pytest
 from xdist.scheduler import LoadFileScheduling
 
 # module -> the module whose unit it joins, and why
@@ -59,6 +60,7 @@ class ModuleScheduling(LoadFileScheduling):
         return unit(nodeid)
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: still loads under `-p no:xdist`
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") == "loadfile":
         return ModuleScheduling(config, log)
