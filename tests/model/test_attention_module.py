@@ -240,6 +240,7 @@ def test_pallas_impl_module_matches_xla():
 # ---- segment ids at the model level ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_causal_lm_packed_documents_match_separate_runs():
     """CausalLM derives per-document positions from segment_ids; MoE routing is per token, so
     each document of a packed row gives the same logits as that document alone."""

@@ -33,6 +33,7 @@ from model.config import MTPConfig
 # ---- causality and MTP offsets ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("position", [0, 5, 9, 15])
 def test_causality_of_main_and_mtp_logits(base, position):
     """Changing token p must not change main logits at t < p, nor MTP-h logits at t < p - h
@@ -124,6 +125,7 @@ def _init_with_output(cfg, tokens):
     return out, nn.unbox(variables)
 
 
+@pytest.mark.slow
 def test_sink_gate_tied_embeddings_and_shared_mtp_head(base):
     cfg = small_cfg("gate=sink", "tie_embeddings=true", "mtp.share_output_head=true")
     out, variables = _init_with_output(cfg, base.tokens)
@@ -145,6 +147,7 @@ def test_sink_gate_tied_embeddings_and_shared_mtp_head(base):
     assert np.all(np.isfinite(np.asarray(out.logits)))
 
 
+@pytest.mark.slow
 def test_no_gate_and_explicit_moe_layers(base):
     cfg = small_cfg("gate=none", "moe_layers=[0, 3]")
     out, variables = _init_with_output(cfg, base.tokens)

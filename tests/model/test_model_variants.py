@@ -131,6 +131,7 @@ def test_repository_converter_agrees_with_the_test_converter(base):
     assert_tree_close(back, variables, 0, 0, what="round trip")
 
 
+@pytest.mark.slow
 def test_scan_on_and_off_agree(base):
     # The baseline scans both ways: its SSS segment fully unrolled, the rest as loops of one trip.
     unrolls = [scan_unroll(seg) for seg in plan_segments(layer_kinds(base.cfg))]
@@ -146,6 +147,7 @@ def test_scan_on_and_off_agree(base):
     assert_tree_close(grads, expected_grads, what="grads")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("switch", ["attention_impl=cudnn", "moe_impl=ragged_dot"])
 def test_implementation_switches_agree(base, switch):
     cfg = small_cfg(switch)
@@ -158,6 +160,7 @@ def test_implementation_switches_agree(base, switch):
 
 @pytest.mark.parametrize("policy", ["full", "dots", "dots_with_kernels", "save_attention_out",
                                     "save_ffn_out"])
+@pytest.mark.slow
 def test_remat_policies_give_the_same_loss_and_gradients(base, policy):
     cfg = small_cfg(f"remat_policy={policy}")
     (loss, out), grads = base.run(cfg)

@@ -112,6 +112,7 @@ F32_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(F32_CASES))
 def test_float32_matches_reference_and_xla(case):
     window, length, block_q, block_k, heads, kv_heads, boundaries, with_sink = F32_CASES[case]

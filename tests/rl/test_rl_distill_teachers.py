@@ -96,6 +96,7 @@ def full_log_softmax(cfg, variables, tokens, segments):
     return logits - peak - np.log(np.exp(logits - peak).sum(-1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_each_row_is_scored_by_its_tasks_teacher_as_its_own_forward(models, mesh):
     tokens, segments, mask, tasks = rows()
     student_tokenizer = load_tokenizer("arith_chars")

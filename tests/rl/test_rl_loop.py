@@ -82,6 +82,7 @@ def full_forward_logprobs(cfg, variables, row):
     return np.asarray(_forward(cfg)(variables, jnp.asarray(padded))[0, :len(row)])
 
 
+@pytest.mark.slow
 def test_decoder_records_logprobs_of_sampled_tokens(policy):
     cfg, variables = policy
     decoder = Decoder(cfg, variables, max_len=16)
@@ -95,6 +96,7 @@ def test_decoder_records_logprobs_of_sampled_tokens(policy):
         np.testing.assert_allclose(logprobs, expected, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_speculative_generation_has_no_logprobs(policy):
     cfg, variables = policy
     decoder = Decoder(cfg, variables, max_len=16, draft=1)
@@ -362,6 +364,7 @@ def run_cli(*args, cwd=REPO):
                           cwd=cwd, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_help_and_one_line_errors(tmp_path):
     assert "MIS-PO" in run_cli("--help").stdout
     bad = run_cli("--config", "configs/rl_arith.yaml", "--workdir", str(tmp_path / "x"),
