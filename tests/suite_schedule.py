@@ -7,7 +7,7 @@
   out are then short ones and neither worker idles long at the end (xdist hands out the units in
   the order the workers collected them; it would otherwise sort them by their number of tests).
 
-HEAVY is kept by hand: the modules costing about 40 CPU seconds or more alone, measured with
+HEAVY is kept by hand: the modules costing about 25 CPU seconds or more alone, measured with
 `/usr/bin/time python -m pytest FILE -n 0` on a cold cache or read off `--durations` of `make
 test`. A heavy module missing from it still runs, only maybe late.
 
@@ -31,21 +31,29 @@ JOINED = {
 
 HEAVY = (
     "tests/train/test_faults.py",  # with test_faults_files.py
-    "tests/rl/test_rl_loop.py",
     "tests/train/test_parallel.py",
+    "tests/rl/test_rl_loop.py",
+    "tests/model/test_model_heads.py",  # with test_model_variants.py
     "tests/model/test_decode.py",
     "tests/train/test_train.py",
+    "tests/train/test_run_record.py",
     "tests/model/test_decode_shared_kv.py",
     "tests/model/test_hf_deepseek_v4_parity.py",
+    "tests/train/test_deepseek_v4_training.py",
     "tests/test_gpu_suite.py",
     "tests/train/test_multihost.py",
     "tests/train/test_interrupts.py",
     "tests/rl/test_rl_mesh.py",
-    "tests/train/test_deepseek_v4_training.py",
     "tests/train/test_notebook.py",
+    "tests/train/test_chat_sft.py",
+    "tests/pallas_kernels/test_pallas_moe.py",
     "tests/model/test_decode_mimo.py",
+    "tests/model/test_kv_compression.py",
     "tests/model/test_attention_cores.py",
+    "tests/rl/test_rl_distill_teachers.py",
     "tests/test_lowering.py",
+    "tests/pallas_kernels/test_pallas_attention.py",
+    "tests/pallas_kernels/test_pallas_model.py",
 )
 
 
