@@ -210,6 +210,7 @@ def value_and_grads(core, window, inputs):
     return np.asarray(out), [np.asarray(g) for g in grads]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 5, 130])
 def test_xla_core_gradients_with_narrow_values_match_float64(window):
     inputs = core_inputs(300, 7)

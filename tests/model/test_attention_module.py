@@ -199,6 +199,7 @@ def test_headwise_gate_multiplies_each_head_before_o_proj(attention_type):
 # ---- implementation switch -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention_type,gate", [("F", "sink"), ("S", "sink"), ("S", "headwise")])
 def test_cudnn_impl_matches_xla_outputs_and_gradients(attention_type, gate):
     x, pos, seg = module_inputs()

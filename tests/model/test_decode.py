@@ -206,6 +206,7 @@ def copying_variables(wrong_heads=()):
     return {**VARIABLES, "params": params}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong_heads, accepted_range", [((), (4.0, 4.0)), ((3,), (3.0, 3.9))])
 def test_speculative_accepts_correct_drafts(wrong_heads, accepted_range):
     variables = copying_variables(wrong_heads)

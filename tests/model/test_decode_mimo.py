@@ -158,6 +158,7 @@ def test_incremental_logits_equal_full_forward():
     assert done == lengths and checked == sum(lengths)
 
 
+@pytest.mark.slow
 def test_prefill_chunk_wider_than_the_ring():
     """A first chunk of 16 tokens (row 1: all its 13) is wider than the SWA rings (10 slots):
     only its last 10 positions stay in the rings, and the one-token steps after it still see

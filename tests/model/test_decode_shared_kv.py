@@ -124,6 +124,7 @@ def test_incremental_logits_equal_full_forward():
     assert done == lengths
 
 
+@pytest.mark.slow
 def test_rolled_back_drafts_leave_no_trace():
     """A verify chunk whose wrong drafts complete a CSA block (positions 12..15) and an HCA
     block (8..15) is rolled back; decoding resumes at position 14: the entries are recomputed
@@ -175,6 +176,7 @@ def test_greedy_speculative_equals_greedy():
     assert 1.0 <= speculative.mean_accepted <= 1.0 + DRAFT
 
 
+@pytest.mark.slow
 def test_cache_bytes_by_kind():
     """Window rings do not grow with max_len; compressed entries and indexer keys grow by one
     entry per rate tokens: per C layer c + 1 int32 position per 4 tokens, per H layer per 8."""

@@ -46,6 +46,7 @@ def export(tmp_path_factory):
     return path, variables
 
 
+@pytest.mark.slow
 def test_auto_model_for_causal_lm_refuses_step3p5(export):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -67,6 +67,7 @@ def test_mtp_head_reads_token_t_plus_h_embedding(base):
 # ---- logits on demand -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_compute_logits_false_and_project(base):
     lm = CausalLM(base.cfg)
     variables = {"params": base.params, "balance": base.balance}

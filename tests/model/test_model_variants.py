@@ -172,6 +172,7 @@ def test_remat_policies_give_the_same_loss_and_gradients(base, policy):
     assert_tree_close(grads, base.grads, rtol=1e-5, atol_rel=1e-6, what=f"remat={policy} grads")
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_is_close_to_float32(base):
     cfg = small_cfg("compute_dtype=bfloat16")
     lm = CausalLM(cfg)

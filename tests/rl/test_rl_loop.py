@@ -103,6 +103,7 @@ def test_speculative_generation_has_no_logprobs(policy):
     assert decoder.generate([[3, 4]], 3, speculative=True).logprobs is None
 
 
+@pytest.mark.slow
 def test_rollout_layout_mask_and_truncation(policy):
     cfg, variables = policy
     decoder = Decoder(cfg, variables, max_len=12)
@@ -128,6 +129,7 @@ def test_layout_rows_rejects_rows_that_do_not_fit():
         layout_rows([[1, 2, 3]], [[4, 5]], 4)
 
 
+@pytest.mark.slow
 def test_token_logprobs_and_entropy_match_the_full_forward(policy):
     cfg, variables = policy
     tokens, segments, _ = layout_rows([[3, 4, 5], [6]], [[7, 8], [9, 10, 11]], 7)
@@ -148,6 +150,7 @@ def test_token_logprobs_and_entropy_match_the_full_forward(policy):
         assert ((confidence[:, 1:] > 0) & (confidence[:, 1:] <= 1 + 1e-6)).all()
 
 
+@pytest.mark.slow
 def test_critic_starts_from_the_policy_backbone_with_zero_values(policy):
     cfg, variables = policy
     critic = ValueModel(cfg)
