@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -q --durations=15
 
-# The tests to run between edits: all but those marked `slow` (docs/getting_started.md).
+# The tests to run between edits: all but those marked `slow` (docs/getting_started.md);
+# ARGS narrow them, e.g. ARGS=tests/model.
 test-fast: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile -q -m "not slow" --durations=10
+	$(PY) -m pytest -n 2 --dist loadfile -q -m "not slow" --durations=10 $(ARGS)
 
 # Tiny Step 3.5 Flash on the embedded stdlib corpus; re-running resumes from the last checkpoint.
 TRAIN_DIR ?= runs/tiny
