@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stepjax-installed
 
-.PHONY: test train notebook rl rl-compare rl-toggle mopd sweep bench bench-torch gpu-check clean-venv
+.PHONY: test test-fast train notebook rl rl-compare rl-toggle mopd sweep bench bench-torch gpu-check clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,7 +14,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=15
+	$(PY) -m pytest -n 2 --dist loadfile -q --durations=15
+
+# The tests to run between edits: all but those marked `slow` (docs/getting_started.md);
+# ARGS narrow them, e.g. ARGS=tests/model.
+test-fast: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadfile -q -m "not slow" --durations=10 $(ARGS)
 
 # Tiny Step 3.5 Flash on the embedded stdlib corpus; re-running resumes from the last checkpoint.
 TRAIN_DIR ?= runs/tiny

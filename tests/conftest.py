@@ -22,11 +22,24 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import jax  # noqa: E402  (after XLA_FLAGS, which the backend reads when it starts)
 
+pytest_plugins = ("suite_schedule",)  # how `make test` shares the tests between its workers
+
 
 def pytest_configure(config):
     cache = Path(tempfile.gettempdir()) / f"stepjax-test-xla-cache-{os.getuid()}"
     jax.config.update("jax_compilation_cache_dir", str(cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a module's last test (its module fixtures gone), drops JAX's in-memory caches of
+    traced and compiled functions: kept for the life of the process they grew each xdist worker
+    by gigabytes over the suite, and a later module that compiles the same program finds it in
+    the persistent cache."""
+    yield
+    if nextitem is None or nextitem.path != item.path:
+        jax.clear_caches()
 
 
 # marker -> (the modules its tests import, the extra that installs them)

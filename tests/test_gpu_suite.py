@@ -37,8 +37,6 @@ from pallas_kernels import mgpu_attention_common as mgpu_common
 from pallas_kernels.attention import UNAVAILABLE, kernel_family
 from pallas_kernels.flash_attention_blocks import load_table
 
-# One worker runs the whole module, so the dry run (a module fixture) runs once.
-pytestmark = pytest.mark.xdist_group("gpu_suite")
 SECTIONS = ["checks", "legs", "train", "moe", "profile", "attention", "remat", "decode",
             "attention_sweep", "v4_layers"]
 ATTENTION_ARRAYS = {"out", "dq", "dk", "dv"}

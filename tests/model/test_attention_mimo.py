@@ -210,6 +210,7 @@ def value_and_grads(core, window, inputs):
     return np.asarray(out), [np.asarray(g) for g in grads]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 5, 130])
 def test_xla_core_gradients_with_narrow_values_match_float64(window):
     inputs = core_inputs(300, 7)
@@ -236,6 +237,7 @@ def pallas_interpret(q, k, v, *, window, segment_ids, sink):
 
 @pytest.mark.parametrize("core_name,length,window", [
     ("cudnn", 300, 130), ("cudnn", 300, None), ("pallas", 40, 7), ("pallas", 40, None)])
+@pytest.mark.slow
 def test_padded_values_give_the_xla_core(core_name, length, window):
     """Kernels that need one head dim get zero-padded values (`with_values_padded`; the cudnn
     core pads them itself, the raw Triton kernel refuses Dv != D): the xla core's output and

@@ -199,6 +199,7 @@ def test_headwise_gate_multiplies_each_head_before_o_proj(attention_type):
 # ---- implementation switch -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention_type,gate", [("F", "sink"), ("S", "sink"), ("S", "headwise")])
 def test_cudnn_impl_matches_xla_outputs_and_gradients(attention_type, gate):
     x, pos, seg = module_inputs()
@@ -240,6 +241,7 @@ def test_pallas_impl_module_matches_xla():
 # ---- segment ids at the model level ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_causal_lm_packed_documents_match_separate_runs():
     """CausalLM derives per-document positions from segment_ids; MoE routing is per token, so
     each document of a packed row gives the same logits as that document alone."""

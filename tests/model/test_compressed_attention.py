@@ -132,6 +132,7 @@ def rms(x, weight=None, eps=1e-6):
     return y if weight is None else y * weight
 
 
+@pytest.mark.slow
 @pytest.mark.parity
 def test_hca_attention_layer_matches_transformers():
     """A whole Hugging Face HCA attention layer (q low-rank path, shared-KV MQA, compressor,

@@ -84,6 +84,7 @@ def chunk_of(rows, start, size):
     return tokens, positions
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_sizes", [(5, 3, 1), (4,)])
 def test_incremental_logits_equal_full_forward(chunk_sizes):
     """Rows of lengths 24 and 15 (window 8, ring 11): prefill chunks of the given sizes, then one
@@ -116,6 +117,7 @@ def test_incremental_logits_equal_full_forward(chunk_sizes):
         start += size
 
 
+@pytest.mark.slow
 def test_rolled_back_drafts_leave_no_trace():
     """A verify chunk of 3 wrong drafts written past the window, then decoding resumes right
     after the first token: logits equal the full forward of the true sequence."""
@@ -170,6 +172,7 @@ def greedy_decoder(variables=VARIABLES):
     return shared_decoder().with_variables(variables)
 
 
+@pytest.mark.slow
 def test_greedy_speculative_equals_greedy():
     """Random (untrained) MTP heads: drafts are mostly rejected, so caches roll back often."""
     prompts = [list(SEQUENCES[0][:11]), list(SEQUENCES[1][:3])]
@@ -203,6 +206,7 @@ def copying_variables(wrong_heads=()):
     return {**VARIABLES, "params": params}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong_heads, accepted_range", [((), (4.0, 4.0)), ((3,), (3.0, 3.9))])
 def test_speculative_accepts_correct_drafts(wrong_heads, accepted_range):
     variables = copying_variables(wrong_heads)
@@ -216,6 +220,7 @@ def test_speculative_accepts_correct_drafts(wrong_heads, accepted_range):
     assert speculative.forward_passes < plain.forward_passes
 
 
+@pytest.mark.slow
 def test_stop_tokens_end_rows():
     decoder = greedy_decoder()
     prompts = [list(SEQUENCES[0][:6])]

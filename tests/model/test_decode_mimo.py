@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from routing_checks import check_recorded_routes, model_forward
 from train_helpers import REPO
 
@@ -137,6 +138,7 @@ def assert_all_match(got, got_mtp, positions, expected, expected_mtp):
     return checked
 
 
+@pytest.mark.slow
 def test_incremental_logits_equal_full_forward():
     """Rows of 30 and 13 tokens in chunks of 1-3 tokens (rows at different offsets, one row
     padding while the other runs): every position's main and MTP logits equal the full
@@ -156,6 +158,7 @@ def test_incremental_logits_equal_full_forward():
     assert done == lengths and checked == sum(lengths)
 
 
+@pytest.mark.slow
 def test_prefill_chunk_wider_than_the_ring():
     """A first chunk of 16 tokens (row 1: all its 13) is wider than the SWA rings (10 slots):
     only its last 10 positions stay in the rings, and the one-token steps after it still see
@@ -211,6 +214,7 @@ PROMPTS = [list(SEQUENCES[0][:11]), list(SEQUENCES[1][:4])]
 NEW_TOKENS = 20  # row 0 ends at position 31: its rings wrap three times
 
 
+@pytest.mark.slow
 def test_greedy_generation_equals_full_forward_argmax():
     """... and records the experts the full forward chooses, which it replays exactly
     (tests/routing_checks.py)."""
@@ -219,6 +223,7 @@ def test_greedy_generation_equals_full_forward_argmax():
     check_recorded_routes(_full_forward, PROMPTS, out, MAX_LEN)
 
 
+@pytest.mark.slow
 def test_greedy_speculative_equals_greedy():
     """Random (untrained) MTP heads: drafts are mostly rejected, so the rings roll back often."""
     plain = decoder().generate(PROMPTS, NEW_TOKENS)

@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from routing_checks import check_recorded_routes, model_forward
 from train_helpers import SMALL_V4, TINY_V4
 
@@ -102,6 +103,7 @@ def assert_logits_match(got, positions, expected, what):
                                            err_msg=f"{what} row {b} position {p}")
 
 
+@pytest.mark.slow
 def test_incremental_logits_equal_full_forward():
     """Rows of 21 and 12 tokens fed in chunks of 1-3 tokens (the rows' chunks split blocks at
     different places): every position's main and MTP logits equal the full forward's."""
@@ -122,6 +124,7 @@ def test_incremental_logits_equal_full_forward():
     assert done == lengths
 
 
+@pytest.mark.slow
 def test_rolled_back_drafts_leave_no_trace():
     """A verify chunk whose wrong drafts complete a CSA block (positions 12..15) and an HCA
     block (8..15) is rolled back; decoding resumes at position 14: the entries are recomputed
@@ -154,6 +157,7 @@ def greedy_reference(prompts, new_tokens):
 PROMPTS = [list(SEQUENCES[0][:13]), list(SEQUENCES[1][:5])]
 
 
+@pytest.mark.slow
 def test_greedy_generation_equals_full_forward_argmax():
     """... and records the experts the full forward chooses, which it replays exactly
     (tests/routing_checks.py)."""
@@ -162,6 +166,7 @@ def test_greedy_generation_equals_full_forward_argmax():
     check_recorded_routes(_full_forward, PROMPTS, out, MAX_LEN)
 
 
+@pytest.mark.slow
 def test_greedy_speculative_equals_greedy():
     """Random (untrained) MTP heads on W blocks: drafts are mostly rejected, so the window rings
     and the compressed caches roll back often."""
@@ -171,6 +176,7 @@ def test_greedy_speculative_equals_greedy():
     assert 1.0 <= speculative.mean_accepted <= 1.0 + DRAFT
 
 
+@pytest.mark.slow
 def test_cache_bytes_by_kind():
     """Window rings do not grow with max_len; compressed entries and indexer keys grow by one
     entry per rate tokens: per C layer c + 1 int32 position per 4 tokens, per H layer per 8."""
@@ -198,6 +204,7 @@ def _backbone_fp8(cache, tokens, positions):
     return CACHED_FP8.apply(VARIABLES, normed, method=CausalLM.project), mutated["cache"]
 
 
+@pytest.mark.slow
 def test_an_fp8_cache_reads_every_entry_as_stored():
     """KVCacheSpec.fp8: window and compressed entries stored in E4M3 but their RoPE channels.
     Every read goes through the format, so one token at a time and chunks of 3 give the same

@@ -94,6 +94,7 @@ def test_the_experts_are_written_as_the_mxfp4_of_their_masters(exported):
     assert dtype == "BF16" and raw.tobytes() == tensors["model.layers.1.attn.wq_a.weight"].tobytes()
 
 
+@pytest.mark.slow
 def test_qat_computes_what_the_imported_mxfp4_export_computes(exported):
     """The import dequantizes the experts (model/interop/quantized.py); the other weights are
     bfloat16 in both. QAT's FP8 tiles are exact for these weights (one scale of magnitude)."""

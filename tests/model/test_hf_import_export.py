@@ -143,6 +143,7 @@ def test_single_file_export_reimports_identically(imported, tmp_path):
     assert_same_variables(variables, reread)
 
 
+@pytest.mark.slow
 def test_imported_weights_give_the_hand_placed_model(hf_source, imported):
     _, tensors = hf_source
     config, variables = imported

@@ -174,6 +174,7 @@ def imported(release):
     return hf.load_hf_checkpoint(release[1], progress=False)
 
 
+@pytest.mark.slow
 def test_a_quantized_release_imports_as_its_dequantized_values(release, imported):
     family, _, plain_dir = release
     config, variables = imported
@@ -186,6 +187,7 @@ def test_a_quantized_release_imports_as_its_dequantized_values(release, imported
         np.testing.assert_array_equal(forward(variables), forward(want))
 
 
+@pytest.mark.slow
 def test_the_cli_import_dequantizes_into_the_param_dtype(release, tmp_path):
     """`python -m model.hf import --param-dtype bfloat16`: float32 values rounded once."""
     _, quantized_dir, plain_dir = release

@@ -46,6 +46,7 @@ def export(tmp_path_factory):
     return path, variables
 
 
+@pytest.mark.slow
 def test_auto_model_for_causal_lm_refuses_step3p5(export):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -55,6 +56,7 @@ def test_auto_model_for_causal_lm_refuses_step3p5(export):
         AutoModelForCausalLM.from_pretrained(export[0])
 
 
+@pytest.mark.slow
 def test_the_export_loads_as_the_text_model_of_step3p7_with_our_logits(export):
     import torch
     from transformers import AutoConfig, Step3p7Config, Step3p7ForConditionalGeneration

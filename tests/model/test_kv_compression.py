@@ -69,6 +69,7 @@ def test_packed_documents_match_loop_reference(overlap):
                             np.stack(rows))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True], ids=["hca", "csa"])
 def test_packed_document_compresses_as_if_alone(overlap):
     rate, lengths = 4, [9, 12, 3]
@@ -118,6 +119,7 @@ def test_block_starts_and_offsets():
     np.testing.assert_array_equal(block_starts(segments, 4), [[0, 8, 12], [0, 4, 12]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True], ids=["hca", "csa"])
 def test_gradients_reach_every_compressor_parameter(overlap):
     rate = 4

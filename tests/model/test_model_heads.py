@@ -27,15 +27,13 @@ from small_lm import (
 from model import CausalLM
 from model.config import MTPConfig
 
-# Under `pytest -n 2 --dist loadgroup` (make test) keep the small-model tests on one worker so
-# the baseline model (small_lm.baseline) is compiled once.
-pytestmark = pytest.mark.xdist_group("test_model_small_lm")
 
 
 
 # ---- causality and MTP offsets ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("position", [0, 5, 9, 15])
 def test_causality_of_main_and_mtp_logits(base, position):
     """Changing token p must not change main logits at t < p, nor MTP-h logits at t < p - h
@@ -69,6 +67,7 @@ def test_mtp_head_reads_token_t_plus_h_embedding(base):
 # ---- logits on demand -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_compute_logits_false_and_project(base):
     lm = CausalLM(base.cfg)
     variables = {"params": base.params, "balance": base.balance}
@@ -127,6 +126,7 @@ def _init_with_output(cfg, tokens):
     return out, nn.unbox(variables)
 
 
+@pytest.mark.slow
 def test_sink_gate_tied_embeddings_and_shared_mtp_head(base):
     cfg = small_cfg("gate=sink", "tie_embeddings=true", "mtp.share_output_head=true")
     out, variables = _init_with_output(cfg, base.tokens)
@@ -148,6 +148,7 @@ def test_sink_gate_tied_embeddings_and_shared_mtp_head(base):
     assert np.all(np.isfinite(np.asarray(out.logits)))
 
 
+@pytest.mark.slow
 def test_no_gate_and_explicit_moe_layers(base):
     cfg = small_cfg("gate=none", "moe_layers=[0, 3]")
     out, variables = _init_with_output(cfg, base.tokens)

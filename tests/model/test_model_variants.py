@@ -32,9 +32,6 @@ from model import CausalLM
 from model.layers.layer_plan import Segment, layer_kinds, plan_segments
 from model.layers.stack import scan_unroll
 
-# Under `pytest -n 2 --dist loadgroup` (make test) keep the small-model tests on one worker so
-# the baseline model (small_lm.baseline) is compiled once.
-pytestmark = pytest.mark.xdist_group("test_model_small_lm")
 
 
 
@@ -134,6 +131,7 @@ def test_repository_converter_agrees_with_the_test_converter(base):
     assert_tree_close(back, variables, 0, 0, what="round trip")
 
 
+@pytest.mark.slow
 def test_scan_on_and_off_agree(base):
     # The baseline scans both ways: its SSS segment fully unrolled, the rest as loops of one trip.
     unrolls = [scan_unroll(seg) for seg in plan_segments(layer_kinds(base.cfg))]
@@ -149,6 +147,7 @@ def test_scan_on_and_off_agree(base):
     assert_tree_close(grads, expected_grads, what="grads")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("switch", ["attention_impl=cudnn", "moe_impl=ragged_dot"])
 def test_implementation_switches_agree(base, switch):
     cfg = small_cfg(switch)
@@ -161,6 +160,7 @@ def test_implementation_switches_agree(base, switch):
 
 @pytest.mark.parametrize("policy", ["full", "dots", "dots_with_kernels", "save_attention_out",
                                     "save_ffn_out"])
+@pytest.mark.slow
 def test_remat_policies_give_the_same_loss_and_gradients(base, policy):
     cfg = small_cfg(f"remat_policy={policy}")
     (loss, out), grads = base.run(cfg)
@@ -172,6 +172,7 @@ def test_remat_policies_give_the_same_loss_and_gradients(base, policy):
     assert_tree_close(grads, base.grads, rtol=1e-5, atol_rel=1e-6, what=f"remat={policy} grads")
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_is_close_to_float32(base):
     cfg = small_cfg("compute_dtype=bfloat16")
     lm = CausalLM(cfg)

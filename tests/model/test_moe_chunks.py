@@ -81,6 +81,7 @@ COUNTS = {"mixed": [0, 3, 37, 9, 1, 16, 0], "single_chunk_size": [5, 0, 12, 2]}
 
 @pytest.mark.parametrize("name,max_chunk,limit", [("mixed", 32, 0.0), ("mixed", 32, 0.4),
                                                   ("single_chunk_size", 4, 0.0)])
+@pytest.mark.slow
 def test_grouped_swiglu_matches_per_row_reference(name, max_chunk, limit):
     counts = np.asarray(COUNTS[name])
     num_experts, d_model, hidden, unrouted = counts.size, 6, 5, 4

@@ -334,6 +334,7 @@ def test_replayed_experts_take_the_current_routers_weights(moe_setup, impl):
     assert 0 < np.mean(expected) < 1
 
 
+@pytest.mark.slow
 def test_expert_qat_computes_with_the_quantized_weights_and_passes_their_gradient():
     """`qat.expert_weights: mxfp4`: outputs and gradients at the float32 masters equal the plain
     module's at the weights' MXFP4 values (the straight-through estimator), the router's too."""

@@ -91,6 +91,7 @@ def _jitted_routed(impl, limit, block_size):
                                       block_size=block_size))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", CASES)
 def test_routed_experts_match_per_token_reference(impl, name):
@@ -135,6 +136,7 @@ def _dense_reference(x, idx, combine, w, limit):
     return jnp.einsum("ned,ne->nd", out, dense)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["random_clamped", "empty_experts", "many_blocks_per_expert", "skewed"])
 def test_routed_expert_gradients_agree(name):
     x, idx, combine, w, limit, block_size = _case(name)

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from train_helpers import SMALL_V4, TINY_V4
 
 from model.config import load_config
@@ -64,6 +65,7 @@ def decoder_layer(block_variables, streams):
                        None)[0]
 
 
+@pytest.mark.slow
 def test_the_layer_block_is_the_release_mtp_block_chained_over_two_heads():
     params, balance = VARIABLES["params"], VARIABLES["balance"]
     mtp_logits, streams, _ = model_outputs(VARIABLES, TOKENS, jnp.ones_like(TOKENS))

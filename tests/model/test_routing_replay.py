@@ -47,6 +47,7 @@ def forward(scan: bool):
     return model_forward(config(scan), variables(scan))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [True, False])
 def test_replaying_a_forwards_own_routes_reproduces_it_exactly(scan):
     """The routes a forward chose, replayed: bit-identical logits and no mismatch. A different
@@ -81,6 +82,7 @@ def test_replaying_the_wrong_number_of_layers_is_refused():
                                      routed_experts=jnp.zeros((2, 1, 4, 2), jnp.int32))
 
 
+@pytest.mark.slow
 def test_decoding_records_the_routes_the_full_forward_replays():
     """Sampled decoding records, per row, the experts of every token it fed through the model
     (prompt, then each generated token but the last): in float32 the training path's own

@@ -219,6 +219,7 @@ def test_csa_layer_end_to_end_matches_float64_loop_reference(csa_attention):
             assert float(aux[key]) == want_aux[key], key
 
 
+@pytest.mark.slow
 def test_csa_layer_reports_indexer_loss_and_trains_indexer_only_through_it():
     """The indexer's inputs are detached (V3.2's recipe): the LM path gives its params no
     gradient, its KL loss gives them one and the rest of the layer none."""
@@ -246,6 +247,7 @@ def test_csa_layer_reports_indexer_loss_and_trains_indexer_only_through_it():
 
 
 
+@pytest.mark.slow
 def test_indexer_learns_the_dense_attention_in_a_short_warm_up():
     """The warm-up signal (dense CSA: the KL from the attention over every visible entry)
     trains a freshly initialised indexer, alone and on fresh random inputs each step, towards

@@ -36,6 +36,7 @@ def shapes(length, heads, kv_heads, head_dim, v_dim, dtype=jnp.bfloat16):
             jax.ShapeDtypeStruct((1, length, kv_heads, v_dim), dtype))
 
 
+@pytest.mark.slow
 def test_kernels_lower_to_mosaic_gpu_for_cuda_with_every_feature():
     cases = [  # (T, H, K, Dk, Dv, window, segments, sink)
         (300, 4, 4, 128, 128, None, False, True),  # T off the tiles, full causal, sink

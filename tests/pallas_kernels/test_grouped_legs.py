@@ -56,6 +56,7 @@ def value_and_grads(plan):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PLANS))
 def test_leg_plans_match_float64_loops(name):
     x, idx, combine, w, probe = skewed_case()

@@ -33,6 +33,7 @@ def forward_and_input_gradient():
     return jax.jit(run)
 
 
+@pytest.mark.slow
 def test_interpreted_gmm_matches_float64_loops():
     """float32 here (bfloat16 operands: the lowering test below)."""
     dtype, tolerance = jnp.float32, 1e-5

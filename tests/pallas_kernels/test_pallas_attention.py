@@ -112,6 +112,7 @@ F32_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(F32_CASES))
 def test_float32_matches_reference_and_xla(case):
     window, length, block_q, block_k, heads, kv_heads, boundaries, with_sink = F32_CASES[case]
@@ -126,6 +127,7 @@ def test_float32_matches_reference_and_xla(case):
     assert_matches(actual, xla, F32_TOL, f"{case} vs xla_attention")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 7])
 def test_bfloat16_inputs(window):
     q, k, v, sink, cotangent = inputs(3, 2, 45, 4, 2, 32, jnp.bfloat16)
@@ -138,6 +140,7 @@ def test_bfloat16_inputs(window):
     assert_matches(actual, xla, BF16_TOL, "bf16 vs xla_attention")
 
 
+@pytest.mark.slow
 def test_sink_minus_infinity_equals_no_sink():
     q, k, v, _, cotangent = inputs(4, 1, 30, 4, 2, 16)
     kw = dict(window=6, segment_ids=None)
@@ -150,6 +153,7 @@ def test_sink_minus_infinity_equals_no_sink():
     np.testing.assert_array_equal(with_sink[1][3], np.zeros(4, np.float32))
 
 
+@pytest.mark.slow
 def test_registry_core_matches_xla_with_default_blocks():
     """The AttentionCore signature, default blocks and interpret=None (CPU -> interpret)."""
     assert inspect.signature(flash_attention_core) == inspect.signature(xla_attention)

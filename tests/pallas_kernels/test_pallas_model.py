@@ -17,6 +17,7 @@ from pallas_kernels import grouped_leg_table
 from pallas_kernels.grouped_legs import LegChoice
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moe_kernel", ["mosaic_tpu", "triton"])
 def test_tiny_model_pallas_impls_match_xla(monkeypatch, moe_kernel):
     monkeypatch.setattr(grouped_leg_table, "rule", lambda *_: LegChoice(moe_kernel))

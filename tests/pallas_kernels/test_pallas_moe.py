@@ -169,6 +169,7 @@ def _gmm_vjp(kind):
     return fast_jit(run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(GMM_CASES))
 def test_gmm_forward_and_gradients_match_reference_float32(name):
     lhs, rhs, sizes, dout = _gmm_case(name, jnp.float32)
@@ -194,6 +195,7 @@ def test_gmm_forward_and_gradients_match_reference_float32(name):
     assert np.all(np.asarray(through_vjp[1])[total:] == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mixed", "many_groups_per_tile"])
 def test_gmm_bfloat16(name):
     lhs, rhs, sizes, dout = _gmm_case(name, jnp.bfloat16)
@@ -316,6 +318,7 @@ def _moe_value_and_grad(impl, limit, block):
     return fast_jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["random", "empty_experts", "one_expert", "skewed"])
 def test_pallas_moe_ffn_matches_sorted_dispatch(name):
     x, idx, combine, w, limit, block = _moe_case(name)

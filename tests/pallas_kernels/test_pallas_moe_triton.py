@@ -70,6 +70,7 @@ def through_vjp():
     return jax.jit(run, compiler_options=FAST)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_and_gradients_match_float64_loops(name):
     lhs, rhs, sizes, dout = case_arrays(name, jnp.float32)

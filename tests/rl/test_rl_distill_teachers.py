@@ -96,6 +96,7 @@ def full_log_softmax(cfg, variables, tokens, segments):
     return logits - peak - np.log(np.exp(logits - peak).sum(-1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_each_row_is_scored_by_its_tasks_teacher_as_its_own_forward(models, mesh):
     tokens, segments, mask, tasks = rows()
     student_tokenizer = load_tokenizer("arith_chars")
@@ -136,6 +137,7 @@ def test_padded_rows_reach_a_power_of_two_multiple_of_the_data_ways():
     assert len(padded_rows(np.arange(5), 2)) == 8 and len(padded_rows(np.arange(8), 8)) == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1024, 3])
 def test_full_vocab_kl_from_kept_hidden_states_equals_the_two_full_forwards(models, mesh,
                                                                             chunk):
@@ -186,6 +188,7 @@ def test_the_same_vocabulary_under_another_name_is_accepted(models, mesh, tmp_pa
     assert loaded.tokenizer.name != "arith_chars" and loaded.tasks == ("add",)
 
 
+@pytest.mark.slow
 def test_a_smaller_teacher_vocabulary_or_no_checkpoint_is_refused(models, mesh, tmp_path):
     small = tiny_model_config("model.vocab_size=24")  # >= the tokenizer's 18 ids, < 32
     save_model_dir(small, random_variables(small, 4), tmp_path / "small")

@@ -77,6 +77,7 @@ def reference_confidence(cfg, variables, tokenizer, question, response_a, respon
     return math.exp(logits[a]) / (math.exp(logits[a]) + math.exp(logits[b]))
 
 
+@pytest.mark.slow
 def test_confidences_equal_full_forward_softmax_over_the_two_choices(judge_model):
     cfg, variables, tokenizer = judge_model
     judge = PairwiseJudge(cfg, variables, tokenizer, batch_size=3)  # 10 prompts: 3 + 3 + 3 + 1

@@ -82,6 +82,7 @@ def full_forward_logprobs(cfg, variables, row):
     return np.asarray(_forward(cfg)(variables, jnp.asarray(padded))[0, :len(row)])
 
 
+@pytest.mark.slow
 def test_decoder_records_logprobs_of_sampled_tokens(policy):
     cfg, variables = policy
     decoder = Decoder(cfg, variables, max_len=16)
@@ -95,12 +96,14 @@ def test_decoder_records_logprobs_of_sampled_tokens(policy):
         np.testing.assert_allclose(logprobs, expected, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_speculative_generation_has_no_logprobs(policy):
     cfg, variables = policy
     decoder = Decoder(cfg, variables, max_len=16, draft=1)
     assert decoder.generate([[3, 4]], 3, speculative=True).logprobs is None
 
 
+@pytest.mark.slow
 def test_rollout_layout_mask_and_truncation(policy):
     cfg, variables = policy
     decoder = Decoder(cfg, variables, max_len=12)
@@ -126,6 +129,7 @@ def test_layout_rows_rejects_rows_that_do_not_fit():
         layout_rows([[1, 2, 3]], [[4, 5]], 4)
 
 
+@pytest.mark.slow
 def test_token_logprobs_and_entropy_match_the_full_forward(policy):
     cfg, variables = policy
     tokens, segments, _ = layout_rows([[3, 4, 5], [6]], [[7, 8], [9, 10, 11]], 7)
@@ -146,6 +150,7 @@ def test_token_logprobs_and_entropy_match_the_full_forward(policy):
         assert ((confidence[:, 1:] > 0) & (confidence[:, 1:] <= 1 + 1e-6)).all()
 
 
+@pytest.mark.slow
 def test_critic_starts_from_the_policy_backbone_with_zero_values(policy):
     cfg, variables = policy
     critic = ValueModel(cfg)
@@ -362,6 +367,7 @@ def run_cli(*args, cwd=REPO):
                           cwd=cwd, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_help_and_one_line_errors(tmp_path):
     assert "MIS-PO" in run_cli("--help").stdout
     bad = run_cli("--config", "configs/rl_arith.yaml", "--workdir", str(tmp_path / "x"),

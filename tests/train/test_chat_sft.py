@@ -69,6 +69,7 @@ def model_logits(model, params, balance, micro):
     return np.asarray(out.logits), np.asarray(out.mtp_logits[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mask_meta", [False, True])
 def test_training_loss_counts_only_masked_targets(setup, mask_meta):
     run, model, params, balance = setup

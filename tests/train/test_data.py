@@ -364,6 +364,7 @@ def test_stdlib_pipeline_batches(tok):
     assert 0 <= batch["tokens"].min() and batch["tokens"].max() < tok.vocab_size
 
 
+@pytest.mark.slow
 def test_packed_documents_do_not_attend_to_each_other(tok, corpus):
     """Perturbing one packed document changes its own logits and no other document's."""
     from model.config import load_config

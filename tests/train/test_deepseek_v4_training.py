@@ -16,6 +16,7 @@ from train.step import loss_fn, make_train_step
 from train.telemetry.metrics import METRICS_FILE, read_metrics
 from tests.train_helpers import FAST_COMPILE, small_v4_run, synthetic_batch
 
+@pytest.mark.slow
 def test_every_trainable_parameter_gets_a_gradient():
     run = small_v4_run()
     model = CausalLM(run.model)
@@ -52,6 +53,7 @@ def test_loss_falls_on_the_embedded_corpus(tmp_path):
                for r in records)
 
 
+@pytest.mark.slow
 def test_indexer_warm_up_step_trains_the_indexers_alone():
     """DeepSeek-V4's indexer warm-up as a training step (report 4.2.2): CSA attending densely,
     `train.trainable=indexer`. Two updates change every indexer param and nothing else (router

@@ -27,8 +27,9 @@ from train.__main__ import main as train_main
 from train.config import load_run_config
 from train.loop import train
 
-# One worker runs both fault modules, so they share the session's reference run.
-pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.xdist_group("faults")]
+# One worker of `make test` runs both fault modules (tests/suite_schedule.py), so they share the
+# session's reference run.
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 __all__ = ["reference"]  # a fixture
 
 def _start(code: str, *args: str) -> subprocess.Popen:

@@ -32,7 +32,7 @@ from train.config import load_run_config
 from train.experiments.plot import main as plot_main
 from train.loop import train
 
-pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.xdist_group("faults")]
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 __all__ = ["reference"]  # a fixture
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "model" / "tokenizers" / "assets"

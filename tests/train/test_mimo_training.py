@@ -16,6 +16,7 @@ from train.telemetry.metrics import METRICS_FILE, read_metrics
 from tests.train_helpers import FAST_COMPILE, small_mimo_run, synthetic_batch
 
 
+@pytest.mark.slow
 def test_every_trainable_parameter_gets_a_gradient():
     run = small_mimo_run()
     cfg = run.model

@@ -54,8 +54,6 @@ from train.parallel.distributed import (
 )
 from train.state import abstract_state, build_training
 
-# One xdist worker runs them all: the module fixture's runs are shared, not repeated per worker.
-pytestmark = pytest.mark.xdist_group("multihost")
 
 STEPS = 4
 RESUME_FROM = 2  # the 2-process run stops here and a second launch resumes it

@@ -191,6 +191,7 @@ def one_step(tiny_sink):
                 zero_grad=zero_grad, state=state, new_state=new_state)
 
 
+@pytest.mark.slow
 def test_muon_updates_have_the_configured_rms(one_step):
     cfg, p, u = one_step["cfg"], one_step["params"], one_step["updates"]
     checked = 0

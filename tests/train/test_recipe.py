@@ -68,6 +68,7 @@ def test_shipped_recipe_loads():
     assert runs[-1].trained_mtp_heads() == 3 and runs[0].trained_mtp_heads() == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["deepseek_v4_flash", "tiny_deepseek_v4"])
 def test_deepseek_v4_recipes_follow_the_reports_schedule(name):
     """DeepSeek-V4 report 4.2.2: dense attention first (the indexer idle), a short warm-up in

@@ -47,6 +47,10 @@ def one_line_error(code: int, err: list[str], *needles: str) -> None:
         assert needle in err[0], err[0]
 
 
+# Every test starts from the module's trained workdir (a 3-step run): all `slow`.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(workdir stopped after step 1 of 3, its data directory, its tokenizer file: a copy of

@@ -110,6 +110,7 @@ def test_a_named_run_may_start_from_its_own_base(tmp_path):
         load_sweep(write_sweep(tmp_path, runs=[{"name": "a", "base": "nope.yaml"}]))
 
 
+@pytest.mark.slow
 def test_families_sweep_matches_active_parameters():
     """configs/sweeps/families.yaml: each family from its own preset, active parameters without
     embeddings and output head within 1.5% of the Step 3.5 run's (docs/experiments.md states

@@ -324,6 +324,7 @@ def trained_copy(trained, tmp_path) -> Path:
     return workdir
 
 
+@pytest.mark.slow
 def test_resume_with_an_incompatible_config_is_refused(trained_copy, capsys):
     workdir = trained_copy
     before = files_digest(workdir)
