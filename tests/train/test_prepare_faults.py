@@ -96,8 +96,10 @@ def test_one_preparation_at_a_time_holds_an_out(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     monkeypatch.setattr(prepare_module, "prepare_unit", lambda *args: signal.raise_signal(
         signal.SIGINT))
-    args = ["--source", source, "--out", str(out)]
-    assert run_main(capsys, *args)[0] == 130  # a preparation to finish
+    # one worker: the interrupting unit runs in this process, whatever the machine's core count
+    args = ["--source", source, "--out", str(out), "--workers", "1"]
+    code, err = run_main(capsys, *args)
+    assert code == 130, err  # a preparation to finish
     monkeypatch.undo()
     before = sorted(p.name for p in out.rglob("*"))
     with workdir_lock(out, "--out"):  # another preparation is finishing it
