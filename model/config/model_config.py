@@ -316,7 +316,9 @@ class ModelConfig(Config):
 
     def is_hash_layer(self, layer: int) -> bool:
         """An MoE layer among the first `moe.hash_layers` ones: routed by token id."""
-        return layer in self.moe_layer_indices()[:self.moe.hash_layers]
+        if not self.moe.hash_layers or not self.is_moe_layer(layer):
+            return False  # (the common case answered without listing the MoE layers)
+        return sum(map(self.is_moe_layer, range(layer))) < self.moe.hash_layers
 
     def is_moe_layer(self, layer: int) -> bool:
         if self.moe_layers is not None:
