@@ -12,7 +12,13 @@ import pytest
 from model.config import load_config
 from model.layers.layer_plan import LayerKind
 from train.config import load_run_config
-from train.parallel.memory_plan import activation_bytes, chunk_working_bytes, layer_bytes
+from train.parallel.activation_plan import (
+    activation_bytes,
+    chunk_working_bytes,
+    exchange_bytes,
+    layer_bytes,
+    scores_bytes,
+)
 from train.parallel.plan import PlanError, main, parse_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -167,10 +173,33 @@ def test_activation_estimate_responds_to_batch_and_remat(capsys):
     assert kernels - by_policy["dots"] == 8 * 256 * per_token
     parts = base["activation_parts_bytes"]
     assert sum(parts.values()) == base["per_device_bytes"]["activations"]
-    assert parts["logits_chunk"] == 2 * 1024 * 4096 * 4  # logits + gradient, float32
+    # logits + gradient, float32, or a layer's working set, whichever is larger
+    sets = base["working_sets_bytes"]
+    assert sets["logits_chunk"] == 2 * 1024 * 4096 * 4
+    assert parts["working_set"] == max(sets["layer"], sets["logits_chunk"])
     total = sum(base["per_device_bytes"][k] for k in ("params", "optimizer_state", "gradients",
                                                       "other_state", "activations"))
     assert base["per_device_bytes"]["total"] == total
+
+
+def test_working_set_terms_by_hand():
+    """tiny.yaml (float32, D=128, KV heads 2 of 32): attention scores while a layer runs, never
+    saved; the expert-parallel exchange and receive buffer with mesh.expert=4."""
+    cfg = load_config(TINY)
+    swa, full = LayerKind("S", True, 0.0, 0.0, False), LayerKind("F", True, 0.0, 0.0, False)
+    # float32 scores + probabilities: 6 SWA heads x 2 chunks of max(window 32, 128) keys;
+    # 4 full heads x 5/8 of 1024 keys (4 causal blocks of 256 queries)
+    assert scores_bytes(cfg, swa, 1024, 1) == 6 * 256 * 8
+    assert scores_bytes(cfg, full, 1024, 1) == 4 * 640 * 8
+    assert scores_bytes(cfg.replace(attention_impl="pallas"), full, 1024, 1) == 0
+    # padded exchange: send and receive buffers of both exchanges, 4 peers x top-4 copies of D
+    assert exchange_bytes(cfg, swa, 4) == 4 * 4 * 4 * 4 * 128
+    assert exchange_bytes(cfg.replace(ep_collective="ragged"), swa, 4) == 4 * 4 * 4 * 128
+    assert exchange_bytes(cfg, swa, 1) == exchange_bytes(cfg, LayerKind("F", False, 0, 0,
+                                                                         False), 4) == 0
+    # the saved O: the receive buffer's routed rows (in, out, gate/up/act of 64) grow 4x
+    one, four = (layer_bytes(cfg, swa, 1024, 1, expert=e)[1] for e in (1, 4))
+    assert four - one == 3 * 4 * 4 * (2 * 128 + 3 * 64)
 
 
 def test_pipeline_reports_bubble_of_gpipe_and_interleaved(capsys):
@@ -290,7 +319,7 @@ def test_v4_plans_and_mhc_streams_cost_memory(capsys):
                       "fsdp=4,expert=2,tensor=1", "--batch-size", "16")
     assert untensored["tokens_per_device"] == flash["tokens_per_device"]
     # `heads` shard over tensor: query-sized arrays and scores halve
-    assert untensored["activation_parts_bytes"]["layer_working_set"] > parts["layer_working_set"]
+    assert untensored["working_sets_bytes"]["layer"] > flash["working_sets_bytes"]["layer"]
     sizes = {"pipeline": 1, "data": 1, "fsdp": 2, "expert": 2, "tensor": 2}
 
     def tiny_parts(hc_mult: int) -> dict:
@@ -298,7 +327,7 @@ def test_v4_plans_and_mhc_streams_cost_memory(capsys):
         return activation_bytes(run, sizes)["parts"]
 
     four, one = tiny_parts(4), tiny_parts(1)
-    for part in ("layers_saved", "layer_working_set", "embeddings_and_io"):
+    for part in ("layers_saved", "working_set", "embeddings_and_io"):
         assert four[part] > one[part], part
     assert four["mtp_heads"] == one["mtp_heads"]  # the MTP block takes one stream
 

@@ -2,7 +2,7 @@
 and what GPipe and the interleaved schedule cost side by side (model/parallel/pipeline.py).
 
 Per schedule (V virtual stages per device, V = 1 GPipe): the bubble (S - 1) / (V M + S - 1)
-(interleaved 1F1B's for V > 1), the activation estimate of `memory_plan.activation_bytes` (the
+(interleaved 1F1B's for V > 1), the activation estimate of `activation_plan.activation_bytes` (the
 schedule runs as JAX's autodiff of its forward ticks: every micro-batch's stage inputs stay
 until the backward, GPipe-like, not 1F1B's), and, unless the stages hold contiguous runs of
 repeats, the step's stage-layout copy of the segment's params and its gradient (param dtype;

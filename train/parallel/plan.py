@@ -75,12 +75,13 @@ def render(plan: dict, config: str) -> str:
     mesh = " ".join(f"{a}={sizes[a]}" for a in MESH_AXES)
     lines = [
         f"memory plan for {config} (activations are an estimate; "
-        "see train/parallel/memory_plan.py)",
+        "see train/parallel/activation_plan.py)",
         f"mesh:      {mesh} -> {plan['devices']} devices, "
         f"ZeRO-1 {'on' if plan['zero1'] else 'off'}",
         f"model:     {plan['num_params']:,} params ({plan['param_dtype']}), compute "
         f"{plan['compute_dtype']}, remat {plan['remat_policy']!r}, attention "
-        f"{plan['attention_impl']!r}",
+        f"{plan['attention_impl']!r}"
+        + (f", expert exchange {plan['ep_collective']!r}" if sizes["expert"] > 1 else ""),
         f"batch:     {plan['batch_size']} x {plan['seq_len']} tokens, micro-batch "
         f"{plan['micro_batch_size']} ({plan['accumulation_steps']} accumulation step"
         f"{'s' * (plan['accumulation_steps'] != 1)}), {plan['rows_per_device']} row(s) = "
@@ -99,6 +100,9 @@ def render(plan: dict, config: str) -> str:
             ["activations (estimate)", format_bytes(pd["activations"])]]
     rows += [[f"  {k.replace('_', ' ')}", format_bytes(v)]
              for k, v in plan["activation_parts_bytes"].items()]
+    sets = plan["working_sets_bytes"]  # the larger one is the working set row
+    rows += [["    (layer, logits chunk)",
+              f"{format_bytes(sets['layer'])}, {format_bytes(sets['logits_chunk'])}"]]
     rows += [["total", format_bytes(pd["total"])],
              ["budget (--device-memory)", format_bytes(plan["budget_bytes"])]]
     lines += ["", format_table(["per device", "bytes"], rows), ""]
