@@ -110,8 +110,13 @@ from model.parallel.pipeline import pipelined_segment, stage_plan
 from model.parallel.rules import abstract_mesh
 from model.summary import param_group
 from train.config import RunConfig
-from train.parallel import pipeline_plan
-from train.parallel.sharding import check_batch_fits, data_parallel_size, state_specs
+from train.parallel import copy_plan, pipeline_plan
+from train.parallel.sharding import (
+    check_batch_fits,
+    data_parallel_size,
+    shards_master_weights,
+    state_specs,
+)
 from train.parallel.v4_activations import (
     DTYPE_BYTES,
     core_chunk_bytes,
@@ -167,12 +172,11 @@ def _tree_bytes(tree: Any, specs: Any, sizes: dict[str, int]) -> int:
 
 
 def state_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
-    """Per-device bytes of params / optimizer state / other state, params per group and per
-    scanned layer segment, and the global parameter count."""
+    """Per-device bytes of params / optimizer state / other state, params per group, and the
+    global parameter count."""
     training, state = _training_and_state(run)
     specs = state_specs(state, training.variable_axes, abstract_mesh(sizes), run)
     groups: dict[str, int] = {}
-    segments: dict[int, int] = {}  # scanned segment index -> its params' bytes
     flat_params = flatten_dict(state.params)
     flat_specs = flatten_dict(specs.params, is_leaf=lambda _, x: isinstance(x, P))
     for path, leaf in flat_params.items():
@@ -180,16 +184,12 @@ def state_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
         size = sharded_bytes(leaf.shape, leaf.dtype, flat_specs[path], sizes)
         group = param_group(keys)
         groups[group] = groups.get(group, 0) + size
-        if keys[0] == "layers" and keys[1].startswith("segment_"):
-            index = int(keys[1].removeprefix("segment_"))
-            segments[index] = segments.get(index, 0) + size
     other = sum(_tree_bytes(getattr(state, name), getattr(specs, name), sizes)
                 for name in ("balance", "step", "rng", "skipped", "consecutive_skips"))
     return {
         "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
         "params": sum(groups.values()),
         "params_by_group": dict(sorted(groups.items())),
-        "segments": segments,
         "optimizer": _tree_bytes(state.opt_state, specs.opt_state, sizes),
         "other": other,
     }
@@ -292,7 +292,7 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     seq_len, micro = train.seq_len, train.micro_batch()
     tensor, stages = sizes["tensor"], sizes["pipeline"]
     ways = math.prod(sizes[a] for a in ("data", "fsdp", "expert"))
-    rows = -(-micro // ways)
+    rows = -(-micro // (ways * stages))  # outside the pipelined segment rows split over all
     tokens = rows * seq_len
     c = DTYPE_BYTES[cfg.compute_dtype]
     d_bytes = c * cfg.d_model
@@ -304,31 +304,44 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     if stages > 1:
         piped_layers = set(plan_segments(kinds)[pipelined_segment(cfg, stages)].layers)
         plan = stage_plan(cfg, stages)
-        # a device runs k slots of the segment per tick on one micro-batch, for V M + S - 1
-        # ticks: per layer of the segment, k (V M + S - 1) / (M R) of the batch's tokens
-        piped_share = plan.slots * (plan.virtual * plan.microbatches + stages - 1) / (
-            plan.microbatches * plan.repeats)
-    saved = working = 0.0
+        # one pipeline micro-batch on a device: M of them make the rows of one stage's devices
+        piped_rows = -(-micro // (plan.microbatches * ways))
+        piped_tokens = piped_rows * seq_len
+        ticks = plan.virtual * plan.microbatches + stages - 1
+        chunk_layers = plan.slots * len(piped_layers) // plan.repeats  # k slots x period
+    saved = working = piped_keep = 0.0
     for i, kind in enumerate(kinds):
         matmul, other = layer_bytes(cfg, kind, seq_len, tensor)
         keep = saved_per_layer(cfg.remat_policy, matmul, other, input_bytes, d_bytes,
                                kernel_output_bytes(cfg, kind, tensor))
-        differentiated = (2 * tokens * (matmul + other)
-                          + rows * chunk_working_bytes(cfg, kind, seq_len, tensor))
+        chunk = chunk_working_bytes(cfg, kind, seq_len, tensor)
         if i in piped_layers:  # one micro-batch at a time
-            saved += tokens * keep * piped_share
-            working = max(working, differentiated / plan.microbatches)
+            piped_keep = max(piped_keep, keep)
+            working = max(working, 2 * piped_tokens * (matmul + other) + piped_rows * chunk)
+            if not plan.remat:  # every tick's k slots keep their layers' saved residuals
+                saved += piped_tokens * keep * plan.slots * ticks / plan.repeats
         else:
             saved += tokens * keep
-            working = max(working, differentiated)
+            working = max(working, 2 * tokens * (matmul + other) + rows * chunk)
+    if piped_layers and plan.remat:
+        # a tick saves its stage input; the backward recomputes one chunk's layers at a time
+        saved += ticks * piped_tokens * input_bytes
+        working += piped_tokens * chunk_layers * piped_keep
     # embeddings and final hidden, the pipeline's queue and stage buffer; mHC: the final
     # streams, their float32 normed copy (HyperHead)
-    extras = tokens * (2 * d_bytes + (2 * input_bytes if stages > 1 else 0))
+    extras = tokens * 2 * d_bytes
+    if stages > 1:
+        extras += 2 * plan.microbatches * piped_tokens * input_bytes
     if streams > 1:
         extras += tokens * streams * cfg.d_model * (c + 4)
     mtp_kind = LayerKind(cfg.mtp.attention_type, False, 0.0, 0.0, False)
-    mtp_block = sum(layer_bytes(cfg, mtp_kind, seq_len, tensor, streams=False))
-    mtp = run.trained_mtp_heads() * tokens * (6 * d_bytes + mtp_block)
+    mtp_matmul, mtp_other = layer_bytes(cfg, mtp_kind, seq_len, tensor, streams=False)
+    mtp_keep = saved_per_layer(cfg.remat_policy, mtp_matmul, mtp_other, d_bytes, d_bytes,
+                               kernel_output_bytes(cfg, mtp_kind, tensor))
+    heads = run.trained_mtp_heads()
+    mtp = heads * tokens * (6 * d_bytes + mtp_keep)  # the block rematerialised like a layer
+    if heads:
+        working = max(working, 2 * tokens * (mtp_matmul + mtp_other))
     chunk = min(train.loss_chunk_size, micro * seq_len)
     logits = 2 * chunk * tensor_split(cfg.vocab_size, tensor) * 4
     # the step's batch: int32 tokens, segment ids, positions and two bool masks per token
@@ -341,6 +354,19 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
 
 
 # ---- the plan --------------------------------------------------------------------------------
+
+
+def step_copy_bytes(run: RunConfig, sizes: dict[str, int]) -> int:
+    """Per-device bytes of the step's compute copy of the params (train/parallel/copy_plan.py)."""
+    training, state = _training_and_state(run)
+    return copy_plan.compute_copy_bytes(run, sizes, training.variable_axes["params"],
+                                        state.params)
+
+
+def _copy_and_gradients(run: RunConfig, sizes: dict[str, int], stored_params: int,
+                        accumulation: int) -> int:
+    copy = step_copy_bytes(run, sizes)
+    return copy + copy_plan.gradient_bytes(run, sizes, copy, stored_params, accumulation)[0]
 
 
 def plan_memory(run: RunConfig, sizes: dict[str, int], device_memory_gib: float = 80.0) -> dict:
@@ -362,20 +388,17 @@ def plan_memory(run: RunConfig, sizes: dict[str, int], device_memory_gib: float 
 
     state = state_bytes(run, sizes)
     accumulation = max(run.train.batch_sizes()) // run.train.micro_batch()
-    gradient_copies = 2 if accumulation > 1 else 1
-    gradients = gradient_copies * state["params"]
+    copy = step_copy_bytes(run, sizes)
+    gradients, gradients_counted = copy_plan.gradient_bytes(run, sizes, copy, state["params"],
+                                                            accumulation)
     activations = activation_bytes(run, sizes)
     if pipeline:
-        segment_bytes = state["segments"][pipeline["segment"]]
-        copy = pipeline_plan.stage_copy_bytes(stage_plan(run.model, stages), segment_bytes)
-        if copy:
-            activations["parts"]["pipeline_stage_params"] = copy
-            activations["total"] += copy
-        fixed = state["params"] + state["optimizer"] + gradients + state["other"]
-        pipeline["schedules"] = pipeline_plan.schedules(run, sizes, segment_bytes, fixed,
-                                                        activation_bytes)
+        fixed = state["params"] + state["optimizer"] + state["other"]
+        pipeline["schedules"] = pipeline_plan.schedules(
+            run, sizes, fixed, activation_bytes,
+            lambda variant: _copy_and_gradients(variant, sizes, state["params"], accumulation))
     per_device = {"params": state["params"], "optimizer_state": state["optimizer"],
-                  "gradients": gradients, "other_state": state["other"],
+                  "compute_params": copy, "gradients": gradients, "other_state": state["other"],
                   "activations": activations["total"]}
     total = sum(per_device.values())
     budget = int(device_memory_gib * GIB)
@@ -385,6 +408,7 @@ def plan_memory(run: RunConfig, sizes: dict[str, int], device_memory_gib: float 
                         f"{device_memory_gib:g} GiB available (--device-memory)")
     return {
         "mesh": dict(sizes), "devices": math.prod(sizes.values()), "zero1": run.mesh.zero1,
+        "sharded_master": shards_master_weights(run) and sizes["data"] > 1,
         "data_parallel_size": data_parallel_size(mesh),
         "num_params": state["num_params"], "param_dtype": run.model.param_dtype,
         "compute_dtype": run.model.compute_dtype, "remat_policy": run.model.remat_policy,
@@ -397,7 +421,7 @@ def plan_memory(run: RunConfig, sizes: dict[str, int], device_memory_gib: float 
         "per_device_bytes": {**per_device, "total": total},
         "params_by_group_bytes": state["params_by_group"],
         "activation_parts_bytes": activations["parts"],
-        "gradient_copies": gradient_copies,
+        "gradients_counted": gradients_counted,
         "budget_bytes": budget, "within_budget": within,
         "utilisation": total / budget if budget else math.inf,
         "warnings": warnings,

@@ -65,7 +65,8 @@ def render(plan: dict, config: str) -> str:
         "see train/parallel/memory_plan.py)",
         f"mesh:      {mesh} -> {plan['devices']} devices, "
         f"ZeRO-1 {'on' if plan['zero1'] else 'off'}",
-        f"model:     {plan['num_params']:,} params ({plan['param_dtype']}), compute "
+        f"model:     {plan['num_params']:,} params ({plan['param_dtype']}"
+        f"{', master weights sharded over data' if plan['sharded_master'] else ''}), compute "
         f"{plan['compute_dtype']}, remat {plan['remat_policy']!r}, attention "
         f"{plan['attention_impl']!r}",
         f"batch:     {plan['batch_size']} x {plan['seq_len']} tokens, micro-batch "
@@ -78,10 +79,10 @@ def render(plan: dict, config: str) -> str:
     if pipe:
         lines.append(render_pipeline(pipe))
     pd = plan["per_device_bytes"]
-    grads = "gradients" + (" (sum + micro-batch)" if plan["gradient_copies"] > 1 else "")
     rows = [["params", format_bytes(pd["params"])],
             ["optimizer state", format_bytes(pd["optimizer_state"])],
-            [grads, format_bytes(pd["gradients"])],
+            ["compute copy of params", format_bytes(pd["compute_params"])],
+            [f"gradients ({plan['gradients_counted']})", format_bytes(pd["gradients"])],
             ["other state", format_bytes(pd["other_state"])],
             ["activations (estimate)", format_bytes(pd["activations"])]]
     rows += [[f"  {k.replace('_', ' ')}", format_bytes(v)]
@@ -114,7 +115,7 @@ def render_pipeline(pipe: dict) -> str:
                           "bubble", "activations", "total/device"], rows)
     return (f"{head}\n{table}\n(interleaved bubble = interleaved 1F1B's; both run as JAX's "
             "autodiff of the forward ticks, with GPipe-like activations; "
-            "model.pipeline_virtual_stages=V picks V)")
+            "model.pipeline_virtual_stages=V picks V; totals include the compute copy)")
 
 
 # ---- command line ----------------------------------------------------------------------------
