@@ -49,8 +49,8 @@ def test_mixed_precision_copies_weight_matrices_in_bfloat16():
             ("mtp_0", "eh_proj", "kernel"), ("mtp_0", "output_head", "kernel"),
             ("mtp_0", "block", "self_attn", "o_proj", "kernel")]
     float32 = [(*segment, "moe", "router"),  # routing logits are float32
-               (*segment, "input_layernorm", "scale"), (*segment, "self_attn", "q_norm", "scale"),
-               ("mtp_0", "enorm", "scale"), ("norm", "scale"),
+               (*segment, "input_layernorm", "weight"), (*segment, "self_attn", "q_norm", "weight"),
+               ("mtp_0", "enorm", "weight"), ("norm", "weight"),
                ("mtp_1", "output_head", "kernel")]  # the head the loss does not run: not copied
     for path in bf16:
         assert copy[path].dtype == jnp.bfloat16, path
