@@ -124,6 +124,9 @@ class MoEConfig(Config):
     # `sorted`: largest row chunk of an expert's matmuls (256: 1.4x a dense FFN of equal FLOPs on
     # CPU, 128: 1.55x; docs/performance.md); `pallas`: the grouped matmuls' row tile.
     block_size: int = 256
+    # Tokens per device per expert-parallel exchange (model/parallel/expert_parallel.py): bounds
+    # the dropless receive buffers to ep x this x top_k rows; 0 = all of a layer's at once.
+    ep_chunk_tokens: int = 0
 
     def validate(self) -> None:
         check_int("num_experts", self.num_experts, 1)
@@ -143,6 +146,7 @@ class MoEConfig(Config):
             raise ConfigError("num_ep_groups", f"{self.num_ep_groups} does not divide "
                               f"num_experts={self.num_experts}")
         check_int("block_size", self.block_size, 1)
+        check_int("ep_chunk_tokens", self.ep_chunk_tokens, 0)
         check_int("hash_layers", self.hash_layers, 0)
         check_int("num_groups", self.num_groups, 1)
         check_int("topk_groups", self.topk_groups, 1)

@@ -118,7 +118,8 @@ class MoE(nn.Module):
         if mesh_size() > 1:
             y, stats = expert_parallel_experts(tokens.astype(dtype), routing.indices,
                                                routing.weights, weights,
-                                               collective=cfg.ep_collective, **options)
+                                               collective=cfg.ep_collective,
+                                               chunk=moe.ep_chunk_tokens, **options)
         else:
             y, stats = routed_experts(tokens.astype(dtype), routing.indices, routing.weights,
                                       weights, **options)

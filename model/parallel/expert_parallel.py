@@ -11,7 +11,11 @@ the other axes). Per device:
   4. send the results back along the same routes and combine them with the router weights.
 The receive buffer holds ep * n * k rows: dropless needs room for every peer sending all its
 copies here (the skewed worst case). Unused rows carry the id "no expert" and cost no FLOPs in
-the `sorted` path.
+the `sorted` path. `chunk` (model.moe.ep_chunk_tokens) bounds that: each device exchanges its
+tokens `chunk` at a time (`lax.map`, every chunk rematerialised in the backward pass), so the
+buffers and the expert intermediates hold ep * chunk * k rows whatever the batch, for one more
+pass of the exchange and the experts in the backward. Same result: a token's copies travel
+together, and the statistics add over chunks.
 
 When the tokens are not sharded over `expert` (decoding one row: model/parallel/device_mesh.py's
 rules keep the batch whole), every device already holds every token: each runs its own experts
@@ -115,11 +119,38 @@ def _local_experts(x, indices, combine_weights, gate, up, down, *, num_experts, 
     return y, sums
 
 
+def _in_chunks(body, chunk: int):
+    """`body`(x [n, D], indices, combine_weights, *weights) -> (y, sums), run on the tokens
+    `chunk` at a time when 0 < chunk < n (module docstring)."""
+
+    def run(x, indices, combine_weights, *weights):
+        n = x.shape[0]
+        if not chunk or chunk >= n:
+            return body(x, indices, combine_weights, *weights)
+        if n % chunk:
+            raise ValueError(f"model.moe.ep_chunk_tokens: {chunk} does not divide the {n} tokens "
+                             "each device routes per layer")
+
+        def one(part):
+            return body(*part, *weights)
+
+        split = lambda a: a.reshape(n // chunk, chunk, *a.shape[1:])  # noqa: E731
+        y, sums = jax.lax.map(jax.checkpoint(one, prevent_cse=False),
+                              (split(x), split(indices), split(combine_weights)))
+        sums = {k: (jnp.max if k == "expert_out_norm_max" else jnp.sum)(v, axis=0)
+                for k, v in sums.items()}
+        return y.reshape(n, *y.shape[2:]), sums
+
+    return run
+
+
 def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights, *,
-                            clamp: SwiGLUClamp, impl: str, block_size: int, collective: str):
+                            clamp: SwiGLUClamp, impl: str, block_size: int, collective: str,
+                            chunk: int = 0):
     """`model.layers.moe.routed_experts` with the experts spread over the mesh axis `expert`
     (under a mesh context and the logical-axis rules; see module docstring).
-    x [N, D], indices/combine_weights [N, k] -> (y [N, D], per-expert stats dict of [E])."""
+    x [N, D], indices/combine_weights [N, k] -> (y [N, D], per-expert stats dict of [E]).
+    `chunk`: tokens per device per exchange (0: all of them at once)."""
     num_experts = weights.gate.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
     peers = mesh.shape[AXIS]
@@ -142,7 +173,8 @@ def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights,
     # over the mesh; outputs and gradients are compared with the unsharded path in
     # tests/train/test_parallel.py.
     y, sums = jax.shard_map(
-        body, in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec, expert_spec),
+        _in_chunks(body, chunk),
+        in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec, expert_spec),
         out_specs=(token_spec, P(AXIS)), check_vma=False,
     )(x, indices, combine_weights, *weights)
     return y, finalize_statistics(sums, weights.gate.shape[-1])

@@ -111,6 +111,7 @@ from model.parallel.rules import abstract_mesh
 from model.summary import param_group
 from train.config import RunConfig
 from train.parallel import copy_plan, pipeline_plan
+from train.parallel.exchange_plan import exchange_bytes
 from train.parallel.sharding import (
     check_batch_fits,
     data_parallel_size,
@@ -317,12 +318,14 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
         chunk = chunk_working_bytes(cfg, kind, seq_len, tensor)
         if i in piped_layers:  # one micro-batch at a time
             piped_keep = max(piped_keep, keep)
-            working = max(working, 2 * piped_tokens * (matmul + other) + piped_rows * chunk)
+            working = max(working, 2 * piped_tokens * (matmul + other) + piped_rows * chunk
+                          + exchange_bytes(cfg, kind, piped_tokens, sizes))
             if not plan.remat:  # every tick's k slots keep their layers' saved residuals
                 saved += piped_tokens * keep * plan.slots * ticks / plan.repeats
         else:
             saved += tokens * keep
-            working = max(working, 2 * tokens * (matmul + other) + rows * chunk)
+            working = max(working, 2 * tokens * (matmul + other) + rows * chunk
+                          + exchange_bytes(cfg, kind, tokens, sizes))
     if piped_layers and plan.remat:
         # a tick saves its stage input; the backward recomputes one chunk's layers at a time
         saved += ticks * piped_tokens * input_bytes
