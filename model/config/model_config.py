@@ -124,8 +124,8 @@ class MoEConfig(Config):
     # `sorted`: largest row chunk of an expert's matmuls (256: 1.4x a dense FFN of equal FLOPs on
     # CPU, 128: 1.55x; docs/performance.md); `pallas`: the grouped matmuls' row tile.
     block_size: int = 256
-    # Tokens per device per expert-parallel exchange (model/parallel/expert_parallel.py): bounds
-    # the dropless receive buffers to ep x this x top_k rows; 0 = all of a layer's at once.
+    # Most tokens per device per expert-parallel exchange (model/parallel/expert_parallel.py):
+    # bounds the dropless receive buffers to ep x this x top_k rows; 0 = all of a layer's at once.
     ep_chunk_tokens: int = 0
 
     def validate(self) -> None:

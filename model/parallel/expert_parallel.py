@@ -12,7 +12,7 @@ the other axes). Per device:
 The receive buffer holds ep * n * k rows: dropless needs room for every peer sending all its
 copies here (the skewed worst case). Unused rows carry the id "no expert" and cost no FLOPs in
 the `sorted` path. `chunk` (model.moe.ep_chunk_tokens) bounds that: each device exchanges its
-tokens `chunk` at a time (`lax.map`, every chunk rematerialised in the backward pass), so the
+tokens at most `chunk` at a time (the largest divisor of its token count not above it) (`lax.map`, every chunk rematerialised in the backward pass), so the
 buffers and the expert intermediates hold ep * chunk * k rows whatever the batch, for one more
 pass of the exchange and the experts in the backward. Same result: a token's copies travel
 together, and the statistics add over chunks.
@@ -119,22 +119,28 @@ def _local_experts(x, indices, combine_weights, gate, up, down, *, num_experts, 
     return y, sums
 
 
+def exchange_chunk(n: int, chunk: int) -> int:
+    """Tokens per exchange of a device routing `n` tokens with model.moe.ep_chunk_tokens =
+    `chunk`: the largest divisor of n not above it (0: all n)."""
+    if not chunk or chunk >= n:
+        return n
+    return max(d for d in range(1, chunk + 1) if n % d == 0)
+
+
 def _in_chunks(body, chunk: int):
-    """`body`(x [n, D], indices, combine_weights, *weights) -> (y, sums), run on the tokens
-    `chunk` at a time when 0 < chunk < n (module docstring)."""
+    """`body`(x [n, D], indices, combine_weights, *weights) -> (y, sums), run on the tokens in
+    chunks of the largest divisor of n not above `chunk` when 0 < chunk < n (module docstring)."""
 
     def run(x, indices, combine_weights, *weights):
         n = x.shape[0]
-        if not chunk or chunk >= n:
+        size = exchange_chunk(n, chunk)
+        if size == n:
             return body(x, indices, combine_weights, *weights)
-        if n % chunk:
-            raise ValueError(f"model.moe.ep_chunk_tokens: {chunk} does not divide the {n} tokens "
-                             "each device routes per layer")
 
         def one(part):
             return body(*part, *weights)
 
-        split = lambda a: a.reshape(n // chunk, chunk, *a.shape[1:])  # noqa: E731
+        split = lambda a: a.reshape(n // size, size, *a.shape[1:])  # noqa: E731
         y, sums = jax.lax.map(jax.checkpoint(one, prevent_cse=False),
                               (split(x), split(indices), split(combine_weights)))
         sums = {k: (jnp.max if k == "expert_out_norm_max" else jnp.sum)(v, axis=0)

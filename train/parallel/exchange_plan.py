@@ -1,12 +1,13 @@
 """The expert-parallel exchange's share of an MoE layer's working set, for the activation
 estimate (train/parallel/memory_plan.py). model/parallel/expert_parallel.py sends each device's
 routed copies to the experts' owners with a dropless receive buffer of ep * n * k rows (room for
-every peer sending all its copies), for n tokens per device at a time: all of a layer's, or
-`model.moe.ep_chunk_tokens` of them under `lax.map`, each chunk rematerialised in the backward
-pass so that its rows and the experts' intermediates live one chunk at a time."""
+every peer sending all its copies), for n tokens per device at a time: all of a layer's, or at
+most `model.moe.ep_chunk_tokens` of them under `lax.map`, each chunk rematerialised in the
+backward pass so that its rows and the experts' intermediates live one chunk at a time."""
 
 from model.config import ModelConfig
 from model.layers.layer_plan import LayerKind
+from model.parallel.expert_parallel import exchange_chunk
 from train.parallel.v4_activations import DTYPE_BYTES, tensor_split
 
 
@@ -19,6 +20,6 @@ def exchange_bytes(cfg: ModelConfig, kind: LayerKind, tokens: int, sizes: dict[s
     if not kind.is_moe or all(size == 1 for size in sizes.values()):
         return 0.0  # one device: no exchange, no chunks
     moe, c = cfg.moe, DTYPE_BYTES[cfg.compute_dtype]
-    n = min(tokens, moe.ep_chunk_tokens or tokens)
+    n = exchange_chunk(tokens, moe.ep_chunk_tokens)
     row = c * (2 * cfg.d_model + 3 * tensor_split(moe.expert_hidden, sizes["tensor"]))
     return 2 * moe.top_k * row * (sizes["expert"] * n - tokens)
