@@ -117,7 +117,7 @@ bench-torch: $(STAMP)
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 GPU_OUT ?= benchmarks/results
 gpu-check:
-	$(GPU_PYTHON) -m benchmarks.gpu_suite --out $(GPU_OUT) $(ARGS)
+	$(GPU_PYTHON) -m benchmarks.gpu.suite --out $(GPU_OUT) $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -28,7 +28,7 @@ def time_moe_layer(*, tokens: int, d_model: int, experts: int, top_k: int, exper
                    block_size: int, rounds: int, impls, dtype=jnp.float32) -> list[dict]:
     """Forward + backward median seconds of the routed experts per `moe_impl` in `impls` and of
     the dense SwiGLU of equal active FLOPs ("dense FFN"), interleaved; one record per case with
-    its GFLOP/s and its ratio to the dense time. Also used by benchmarks.gpu_suite."""
+    its GFLOP/s and its ratio to the dense time. Also used by benchmarks.gpu.suite."""
     n, d, e, k, f = tokens, d_model, experts, top_k, expert_hidden
     keys = jax.random.split(jax.random.key(0), 6)
     x = jax.random.normal(keys[0], (n, d), dtype)

@@ -1,4 +1,4 @@
-"""Timing of the jitted train step, shared by benchmarks.train_step and benchmarks.gpu_suite.
+"""Timing of the jitted train step, shared by benchmarks.train_step and benchmarks.gpu.suite.
 
 Imports the step and nothing of the input pipeline (grain, tokenizers), so that the GPU suite
 runs on an accelerator image that lacks them.

@@ -1,6 +1,7 @@
 """Hugging Face checkpoint import and export: the documented path (the code is in model/interop/).
 
     python -m model.hf import HF_DIR --out MODEL_DIR           # -> a stepjax model directory
+    python -m model.hf import --hf ORG/NAME --out MODEL_DIR    # downloads it first ([hub] extra)
     python -m model.hf export MODEL_DIR_OR_WORKDIR --out HF_DIR [--dtype bfloat16]
         [--names release] [--expert-dtype fp4]                 # DeepSeek-V4's release layout
 
@@ -29,7 +30,10 @@ except DeepSeek-V4's MXFP4 routed experts on request (`--expert-dtype fp4`: the 
 quantization-aware training computes with, `qat.expert_weights: mxfp4`), optionally under the
 release's own tensor names (`--names release`).
 Config keys that do not change the network (token ids, max_position_embeddings, torch_dtype,
-...) are ignored on import.
+...) are ignored on import. An import writes bfloat16 params by default (`--dtype float32` on
+request), streaming tensor by tensor (host memory holds a few copies of one tensor, not the
+model), copies the
+release's tokenizer and chat template beside them and prints one summary line.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ from typing import Sequence
 from model.config import DTYPES, ModelConfig
 from model.config.cli import ArgumentParser, report_error
 from model.interop.hf import load_hf_checkpoint, save_hf_checkpoint
-from model.interop.model_dir import locked_output, save_model_dir
+from model.interop.hf_import import import_release
+from model.interop.hub import check_repo_id, download_release
+from model.interop.model_dir import locked_output
 from model.interop.workdir import CheckpointError, latest_run_config, saved_tokenizer
 from model.interop.workdir_lock import WorkdirInUse
 from model.tokenizers.text import TextTokenizer, load_tokenizer
@@ -61,12 +67,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "import", help="Hugging Face checkpoint -> stepjax model directory",
         description="Converts a Hugging Face Step 3.5, DeepSeek-V4 or MiMo-V2-Flash directory "
                     "(config.json + safetensors) into a stepjax model directory "
-                    "(model/interop/model_dir.py); FP8 / MXFP4 releases are dequantized "
-                    "into --param-dtype.")
-    imports.add_argument("source", metavar="HF_DIR")
+                    "(model/interop/model_dir.py) with its tokenizer files, streaming tensor by "
+                    "tensor; FP8 / MXFP4 releases are dequantized into --dtype.")
+    release = imports.add_mutually_exclusive_group(required=True)
+    release.add_argument("source", metavar="HF_DIR", nargs="?",
+                         help="a local Hugging Face directory (config.json + *.safetensors)")
+    release.add_argument("--hf", metavar="ORG/NAME",
+                         help="download this Hub model first (its safetensors, config and "
+                              "tokenizer files only; needs pip install 'stepjax[hub]')")
+    imports.add_argument("--revision", metavar="REV", default=None,
+                         help="with --hf: a branch, tag or commit (default: main)")
     imports.add_argument("--out", required=True, metavar="MODEL_DIR", help="new or empty")
-    imports.add_argument("--param-dtype", choices=DTYPES, default=None,
-                         help="dtype of the imported params (default float32)")
+    imports.add_argument("--dtype", "--param-dtype", dest="dtype", choices=DTYPES,
+                         default="bfloat16",
+                         help="dtype of the imported params (default bfloat16: half the bytes "
+                              "of float32; router biases stay float32)")
     exports = commands.add_parser(
         "export", help="stepjax model directory or training workdir -> Hugging Face checkpoint",
         description="Writes a Hugging Face directory from a stepjax model directory or a "
@@ -93,13 +108,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "model directory has none): 'default', 'arith_chars' or a "
                               "tokenizer.json")
     args = parser.parse_args(argv)
+    if args.command == "import" and args.revision and not args.hf:
+        parser.error("--revision: only with --hf ORG/NAME")
+    if args.command == "import" and args.hf:
+        try:
+            check_repo_id(args.hf)
+        except ValueError as err:
+            parser.error(str(err))
+    summary = None
     try:
         if args.command == "export" and args.max_shard_gib <= 0:
             raise ValueError(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
         with locked_output(Path(args.out)):  # before the long load: nothing is overwritten
             if args.command == "import":
-                config, variables = load_hf_checkpoint(args.source, param_dtype=args.param_dtype)
-                save_model_dir(config, variables, args.out)
+                source = (download_release(args.hf, args.revision) if args.hf else args.source)
+                summary = import_release(source, args.out, dtype=args.dtype)
             else:
                 config, variables = load_model(args.source)
                 if args.drop_mtp:
@@ -112,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # CheckpointError: a bad workdir; WorkdirInUse: another command is writing --out
     except (ValueError, OSError, CheckpointError, WorkdirInUse) as err:
         return report_error(err)
-    print(f"wrote {args.out}")
+    print(summary.line() if summary else f"wrote {args.out}")
     return 0
 
 

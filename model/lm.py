@@ -110,10 +110,14 @@ def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
 
 class CausalLM(nn.Module):
     """`kv_cache` set: the same network with KV caches for incremental decoding, driven
-    through `decode_chunk` / `mtp_chunk` (model/inference/decode.py); params are unchanged."""
+    through `decode_chunk` / `mtp_chunk` (model/inference/decode.py); params are unchanged.
+    `staged_pipeline`: under a pipeline mesh axis, the pipelined segment's params are given
+    already in their stage layout [S, V, k, ...] (model/parallel/pipeline.py `stage_layout`;
+    the train step's copy of the params), not as the stored [R, ...] stacks."""
 
     config: ModelConfig
     kv_cache: KVCacheSpec | None = None
+    staged_pipeline: bool = False
 
     def setup(self):
         cfg = self.config
@@ -121,7 +125,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embed(
             cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
             embedding_init=normal_init(cfg.init_std, ("vocab", "embed")))
-        self.layers = LayerStack(cfg, self.kv_cache)
+        self.layers = LayerStack(cfg, self.kv_cache, self.staged_pipeline)
         hc = cfg.hyper_connections
         if hc.hc_mult > 1:
             self.hc_head = HyperHead(hc_eps=hc.eps, norm_eps=cfg.norm_eps, init_std=cfg.init_std,

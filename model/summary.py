@@ -83,10 +83,11 @@ def param_group(path: tuple[str, ...]) -> str:
     return "other"
 
 
-def count_params(cfg: ModelConfig) -> dict:
-    """Parameter counts of `cfg` (see the module docstring for every key). All values are ints."""
+def count_params(cfg: ModelConfig, shapes: dict | None = None) -> dict:
+    """Parameter counts of `cfg` (see the module docstring for every key). All values are ints.
+    `shapes`: `param_shapes(cfg)` when the caller has them already."""
     breakdown = {group: {"total": 0, "active": 0} for group in GROUPS}
-    for path, shape in param_shapes(cfg).items():
+    for path, shape in (param_shapes(cfg) if shapes is None else shapes).items():
         group, size = param_group(path), math.prod(shape)
         breakdown[group]["total"] += size
         # Each routed-expert leaf has an [E] expert axis, so its size is a multiple of E.

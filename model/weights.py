@@ -32,17 +32,25 @@ from model.interop.workdir import WORKDIR_KINDS, Checkpointer, latest_run_config
 __all__ = ["load_model", "save_model_dir"]
 
 
-def load_model(path: str | Path, mesh: jax.sharding.Mesh | None = None) -> tuple[ModelConfig, dict]:
+def load_model(path: str | Path, mesh: jax.sharding.Mesh | None = None, *,
+               param_dtype: str | None = None) -> tuple[ModelConfig, dict]:
     """(config, variables) from a stepjax model directory, a Hugging Face checkpoint or a
     training or RL workdir (its latest checkpoint's params and router biases only; of the
-    policy for RL)."""
+    policy for RL). `param_dtype`: the params cast to it as they load, the config saying so
+    (training from a bfloat16 model directory with float32 masters); default: as stored (a
+    model directory's, a workdir's run config's; float32 for a Hugging Face checkpoint)."""
     path = Path(path)
     if is_model_dir(path):
-        return load_model_dir(path, mesh)
+        return load_model_dir(path, mesh, param_dtype=param_dtype)
     if (path / "config.json").is_file():
-        return load_hf_checkpoint(path, mesh, progress=False)
+        return load_hf_checkpoint(path, mesh, param_dtype=param_dtype, progress=False)
     if (path / "checkpoints").is_dir():
-        return _load_workdir(path, mesh)
+        config, variables = _load_workdir(path, mesh)
+        if param_dtype is None or param_dtype == config.param_dtype:
+            return config, variables
+        config = config.replace(param_dtype=param_dtype)
+        target = variables_target(config, mesh)
+        return config, jax.tree.map(lambda x, t: x.astype(t.dtype), variables, target)
     problem = "does not exist" if not path.exists() else "is not a model directory"
     raise ValueError(f"{path} {problem}: expected a stepjax model directory ({MODEL_CONFIG}), a "
                      "Hugging Face checkpoint (config.json + *.safetensors) or a "

@@ -3,7 +3,7 @@
 Entries are keyed "{Dk}x{Dv}" (query/key and value head dims) with a "default" for other dims;
 each kernel (forward, dq, dkv) gets [block, stream, compute warpgroups, ring stages]
 (`mgpu_attention_common.Blocks`). The committed table says in its "status" whether it was
-measured: `python -m benchmarks.gpu_attention_sweep` times candidates on the device (one call
+measured: `python -m benchmarks.gpu.attention_sweep` times candidates on the device (one call
 of `make gpu-check`, section `attention_sweep`) and writes the chosen table with the device
 and date; copy it here to adopt it.
 """

@@ -2,7 +2,7 @@
 matmuls: measured rows first, then the rule.
 
 A row of grouped_leg_table.json records the fastest correct choice that `make gpu-check`'s
-per-leg sweep (benchmarks/gpu_moe_legs.py) measured for one device kind, JAX minor version,
+per-leg sweep (benchmarks/gpu/moe_legs.py) measured for one device kind, JAX minor version,
 dtype, leg and matmul width (k: lhs columns, contracted by fwd/dx and the rows of dw's [E, k, n]
 output; n: output columns), with its TFLOP/s. The sweep writes DIR/grouped_leg_table.json (the
 committed rows with its own in place of those of the same key): copy it here to adopt it; rows

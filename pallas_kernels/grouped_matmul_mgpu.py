@@ -24,7 +24,7 @@ Blocks: `Blocks` holds the kernels' tuning knobs; one wgmma tile is block_m x bl
 step of block_k, `max_concurrent_steps` pipeline stages in shared memory (at most 227 KiB per
 block on sm90; lowering refuses more) and `grid_block_n` column tiles per planar-snake band.
 The defaults are upstream's benchmark shapes' usual picks, not measured here; the GPU suite's
-per-leg sweep (benchmarks/gpu_moe_legs.py) measures alternatives. Dtypes: wgmma takes 16-bit
+per-leg sweep (benchmarks/gpu/moe_legs.py) measures alternatives. Dtypes: wgmma takes 16-bit
 (and 8-bit) inputs; float32 would run as TF32, so callers keep float32 on other kernels.
 
 Verified on CPU (jax 0.10.2): gmm results in the Mosaic GPU interpreter against float64 loops,

@@ -99,8 +99,8 @@ class RLTrainer:
         if self.resume_step is not None:
             run = resumed_config(run, self.checkpoints.read_config(self.resume_step),
                                  self.workdir)
-        elif init_from:
-            config, self.initial_variables = load_model(init_from, self.mesh)
+        elif init_from:  # float32 masters, whatever the checkpoint stores (a bfloat16 import)
+            config, self.initial_variables = load_model(init_from, self.mesh, param_dtype="float32")
             run = run.with_model(config, checkpoint=True)
         elif run.model is None:
             raise TrainingError("no policy to start from: pass --init-from (a training workdir, "

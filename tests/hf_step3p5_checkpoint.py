@@ -165,15 +165,15 @@ def assert_same_variables(expected: dict, got: dict) -> None:
 
 def refusal_before_reads(path: Path, monkeypatch, reading_modules=()) -> str:
     """The one-line error `load_hf_checkpoint(path)` refuses with while every tensor-data read
-    fails the test (`read_tensors` of model.interop.hf, `read_tensor` of each module in
+    fails the test (`read_tensors` of model.interop.hf_stream, `read_tensor` of each module in
     `reading_modules`): the checks must name the problem from the headers alone."""
-    from model.interop import hf
+    from model.interop import hf, hf_stream
     from model.interop.safetensors_io import CheckpointFormatError
 
     def no_reads(*args, **kwargs):
         raise AssertionError("tensor data read before the checks")
 
-    monkeypatch.setattr(hf, "read_tensors", no_reads)
+    monkeypatch.setattr(hf_stream, "read_tensors", no_reads)
     for module in reading_modules:
         monkeypatch.setattr(module, "read_tensor", no_reads)
     try:

@@ -1,15 +1,15 @@
 """The MoE parts of `make gpu-check` on hand-written inputs: the profile section's attribution
-(benchmarks/gpu_profile.py: HLO instructions to JAX paths, paths to categories, nested trace
+(benchmarks/profiling.py: HLO instructions to JAX paths, paths to categories, nested trace
 events to self times), the per-leg targets, the kernels the MoE checks name, the grouped-matmul
 probe and the remat section (with a stubbed step). The dry run of tests/test_gpu_suite.py
 attributes a real trace of two tiny train steps."""
 
 import pytest
 
-from benchmarks import gpu_profile
-from benchmarks.gpu_checks import moe_kernels
-from benchmarks.gpu_plans import ACCELERATOR
-from benchmarks.gpu_report import targets
+from benchmarks.gpu import profiling
+from benchmarks.gpu.checks import moe_kernels
+from benchmarks.gpu.plans import ACCELERATOR
+from benchmarks.gpu.report import targets
 from train.config import load_run_config
 
 STEP = "jit(step_fn)/while/body/closed_call"
@@ -37,7 +37,7 @@ def test_paths_fall_into_their_categories():
         f"{STEP}/while": "other",
     }
     for path, want in cases.items():
-        assert gpu_profile.category(path) == want, path
+        assert profiling.category(path) == want, path
 
 
 def test_instruction_names_come_from_the_module_text():
@@ -52,22 +52,22 @@ ENTRY %main.9 (p: bf16[4,8]) -> bf16[4,8] {
   ROOT %fusion.7 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_computation.3, metadata={op_name="jit(step_fn)/mul"}
 }
 """
-    assert gpu_profile.module_name(hlo) == "jit_step_fn"
-    assert gpu_profile.op_names(hlo) == {"tanh.1": "jit(step_fn)/tanh",
+    assert profiling.module_name(hlo) == "jit_step_fn"
+    assert profiling.op_names(hlo) == {"tanh.1": "jit(step_fn)/tanh",
                                          "custom-call.2": "jit(step_fn)/moe/experts/pallas_call",
                                          "fusion.7": "jit(step_fn)/mul"}
-    seconds, unnamed = gpu_profile.attribute(
+    seconds, unnamed = profiling.attribute(
         [("custom-call.2", 3_000_000), ("fusion.7", 1_000_000), ("copy.4", 500_000)],
-        gpu_profile.op_names(hlo))
+        profiling.op_names(hlo))
     assert seconds["expert matmuls"] == 3e-3 and seconds["norms and elementwise"] == 1e-3
     assert seconds["other"] == 5e-4 and unnamed == 5e-4
-    assert list(seconds) == list(gpu_profile.CATEGORIES)
+    assert list(seconds) == list(profiling.CATEGORIES)
 
 
 def test_nested_events_count_their_self_time():
     # a loop [0, 100) holding two ops [10, 30) and [40, 90), the second holding [50, 60)
     events = [(0, 100, "while"), (10, 20, "a"), (40, 50, "b"), (50, 10, "c"), (200, 5, "d")]
-    assert sorted(gpu_profile._self_times(events)) == [
+    assert sorted(profiling._self_times(events)) == [
         ("a", 20), ("b", 40), ("c", 10), ("d", 5), ("while", 30)]
 
 
@@ -94,16 +94,16 @@ def test_moe_checks_name_the_grouped_matmul_kernels_of_each_leg(monkeypatch):
 
 
 def test_grouped_probe_takes_out_the_legs_that_failed(monkeypatch):
-    from benchmarks import gpu_moe_probe
+    from benchmarks.gpu import moe_probe
     from pallas_kernels import grouped_leg_table as table
 
     monkeypatch.setattr(table, "UNAVAILABLE", {})
     stdout = "\n".join(['noise', 'PROBE {"fwd": {"error": 0.004}}',
                         'PROBE {"dx": {"error": 0.9}}',
                         'PROBE {"dw": {"exception": "ValueError: bad"}}'])
-    assert gpu_moe_probe.verdicts(stdout) == {
+    assert moe_probe.verdicts(stdout) == {
         "fwd": None, "dx": "relative error 9.00e-01 over 0.05", "dw": "ValueError: bad"}
-    assert gpu_moe_probe.verdicts("")["fwd"] == "did not finish"
+    assert moe_probe.verdicts("")["fwd"] == "did not finish"
 
     class Child:  # a child that printed the lines above and exited
         returncode = 0
@@ -111,7 +111,7 @@ def test_grouped_probe_takes_out_the_legs_that_failed(monkeypatch):
         def communicate(self, timeout=None):
             return stdout, ""
 
-    assert gpu_moe_probe.finish(Child()).startswith("fwd ok; dx relative error")
+    assert moe_probe.finish(Child()).startswith("fwd ok; dx relative error")
     assert set(table.UNAVAILABLE) == {("mosaic_gpu", "dx"), ("mosaic_gpu", "dw")}
     h100 = table.Device("gpu", "NVIDIA H100 80GB HBM3", True, "0.11")
     assert [table.rule(leg, "bfloat16", h100).backend for leg in ("fwd", "dx", "dw")] == \
@@ -119,7 +119,7 @@ def test_grouped_probe_takes_out_the_legs_that_failed(monkeypatch):
 
 
 def test_remat_section_times_the_step_again_under_the_other_policy(monkeypatch):
-    from benchmarks import gpu_train
+    from benchmarks.gpu import training
 
     run = load_run_config("configs/gpu_1b.yaml")
     policies = []
@@ -128,13 +128,13 @@ def test_remat_section_times_the_step_again_under_the_other_policy(monkeypatch):
         policies.append(run.model.remat_policy)
         return {"remat_policy": run.model.remat_policy, "step_s_median": 0.4, "mfu": 0.3}, None
 
-    monkeypatch.setattr(gpu_train, "measure_training", measure)
-    trained = gpu_train.Trained(run, "state", "data", "step")
+    monkeypatch.setattr(training, "measure_training", measure)
+    trained = training.Trained(run, "state", "data", "step")
     baseline = {"status": "done", "remat_policy": "dots", "step_s_median": 0.5, "mfu": 0.24}
-    section = gpu_train.remat_section(trained, baseline, "dots_with_kernels", warmup=1, steps=2,
+    section = training.remat_section(trained, baseline, "dots_with_kernels", warmup=1, steps=2,
                                       peak_tflops=989.0)
     assert policies == ["dots_with_kernels"] and section["speedup"] == pytest.approx(1.25)
     assert [r["remat_policy"] for r in section["records"]] == ["dots", "dots_with_kernels"]
-    assert "| dots_with_kernels | 0.4 |" in "\n".join(gpu_train.remat_markdown(section))
-    assert gpu_train.remat_section(None, baseline, "dots", warmup=1, steps=1,
+    assert "| dots_with_kernels | 0.4 |" in "\n".join(training.remat_markdown(section))
+    assert training.remat_section(None, baseline, "dots", warmup=1, steps=1,
                                    peak_tflops=None)["status"] == "skipped"

@@ -1,4 +1,4 @@
-"""`make gpu-check` (benchmarks.gpu_suite) on CPU: its dry run writes both report files with
+"""`make gpu-check` (benchmarks.gpu.suite) on CPU: its dry run writes both report files with
 every section, and its correctness checks really compare: two deliberately wrong
 implementations, added to the implementation tables, are caught where their bug shows and
 only there, while every real implementation passes.
@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 from train_helpers import REPO, SUBPROCESS_XLA_FLAGS
 
-from benchmarks import gpu_attention_sweep as sweep
-from benchmarks import gpu_decode, gpu_suite
-from benchmarks import gpu_mosaic_probe as mosaic_probe
-from benchmarks.gpu_attention_checks import cudnn_verdict, pallas_verdict
-from benchmarks.gpu_attention_targets import attention_targets
-from benchmarks.gpu_checks import kernel_note, unsupported
-from benchmarks.gpu_plans import ACCELERATOR
-from benchmarks.gpu_v4_layers import v4_targets
+from benchmarks.gpu import attention_sweep as sweep
+from benchmarks.gpu import decode, suite
+from benchmarks.gpu import mosaic_probe
+from benchmarks.gpu.attention_checks import cudnn_verdict, pallas_verdict
+from benchmarks.gpu.attention_targets import attention_targets
+from benchmarks.gpu.checks import kernel_note, unsupported
+from benchmarks.gpu.plans import ACCELERATOR
+from benchmarks.gpu.v4_layers import v4_targets
 from model.inference.decode import Generation
 from model.ops.attention_cores import xla_attention
 from model.ops.moe_dispatch import sorted_block_ffn
@@ -62,7 +62,7 @@ import sys
 from model.ops.tables import ATTENTION, MOE
 ATTENTION.entries["window_ignored"] = "test_gpu_suite:attention_ignoring_window"
 MOE.entries["clamp_ignored"] = "test_gpu_suite:moe_ignoring_clamp"
-from benchmarks.gpu_suite import main
+from benchmarks.gpu.suite import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -226,7 +226,7 @@ def test_bad_arguments_get_one_line_errors(capsys):
                           (["--limit", "train=soon"], "'soon' is not a number"),
                           (["--train-override", "model.no_such_field=1"], "no_such_field")):
         with pytest.raises(SystemExit) as exit_info:
-            gpu_suite.main(argv)
+            suite.main(argv)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
 
@@ -244,7 +244,7 @@ def test_pallas_is_checked_and_timed_on_gpu_and_tpu():
 def test_train_section_falls_back_one_kernel_switch_at_a_time(monkeypatch):
     """A failing Pallas MoE leaves Pallas attention in place: the next attempt changes only the
     MoE to `ragged_dot`, and the failed attempt is reported with both switches."""
-    from benchmarks import gpu_train
+    from benchmarks.gpu import training
 
     tried = []
 
@@ -254,17 +254,17 @@ def test_train_section_falls_back_one_kernel_switch_at_a_time(monkeypatch):
         if pair[1] == "pallas":
             raise RuntimeError("Triton compilation failed")
         return ({"status": "done", "attention_impl": pair[0], "moe_impl": pair[1]},
-                gpu_train.Trained(run, "state", "data", "step"))
+                training.Trained(run, "state", "data", "step"))
 
-    monkeypatch.setattr(gpu_train, "measure_training", measure)
-    record, trained = gpu_train.train_section(
+    monkeypatch.setattr(training, "measure_training", measure)
+    record, trained = training.train_section(
         "configs/gpu_1b.yaml", ["model.moe_impl=pallas"], warmup=1, steps=1, peak_tflops=None)
     assert tried == [("pallas", "pallas"), ("pallas", "ragged_dot")]
     assert (record["attention_impl"], record["moe_impl"]) == ("pallas", "ragged_dot")
     assert record["failed"] == [{"attention_impl": "pallas", "moe_impl": "pallas",
                                  "error": "RuntimeError: Triton compilation failed"}]
     assert trained[1:] == ("state", "data", "step")
-    assert gpu_train.kernel_attempts("xla", "sorted") == [("xla", "sorted"), ("xla", "ragged_dot")]
+    assert training.kernel_attempts("xla", "sorted") == [("xla", "sorted"), ("xla", "ragged_dot")]
 
 
 H100 = (9, 0)
@@ -354,18 +354,18 @@ class FakeDecoder:
 
 
 def test_decode_records_rates_speedups_accuracy_and_failures(monkeypatch):
-    monkeypatch.setattr(gpu_decode, "Decoder", FakeDecoder)
+    monkeypatch.setattr(decode, "Decoder", FakeDecoder)
     prompts = np.zeros((2, 3), np.int32)
     truth = np.array([[5, 6, 0, 0], [5, 0, 0, 0]])
-    records = gpu_decode._rates("m", None, None, prompts, 4, 1, truth, (1, 2),
+    records = decode._rates("m", None, None, prompts, 4, 1, truth, (1, 2),
                                 deadline=float("inf"))
     by_case = {(r["batch"], r["draft"]): r for r in records}
     assert by_case[(1, 0)]["tokens_per_s"] == 100 and by_case[(1, 1)]["speedup"] == 1.5
     assert by_case[(1, 1)]["chain_accuracy"] == 0.5
     assert by_case[(2, 0)]["status"] == "error" and "out of memory" in by_case[(2, 0)]["note"]
-    late = gpu_decode._rates("m", None, None, prompts, 4, 0, None, (1,), deadline=0.0)
+    late = decode._rates("m", None, None, prompts, 4, 0, None, (1,), deadline=0.0)
     assert [r["status"] for r in late] == ["skipped"]
-    section = gpu_decode.decode_section(None, (("bad", "configs/no_such.yaml", ()),),
+    section = decode.decode_section(None, (("bad", "configs/no_such.yaml", ()),),
                                         prompt_len=3, new_tokens=4, batches=(1,),
                                         deadline=float("inf"))
     assert [r["status"] for r in section["records"]] == ["skipped", "error"]

@@ -84,24 +84,28 @@ def _summed_loss(project, params, hidden, tokens, weights):
 def _summed_loss_fwd(project, params, hidden, tokens, weights):
     """The loss and, in the same pass over the chunks, its gradients (the backward only scales
     them): each chunk's logits are formed once, where rematerialising them for the backward
-    would cost a fourth vocabulary-sized matmul per chunk."""
+    would cost a fourth vocabulary-sized matmul per chunk. The head's gradient is summed over
+    the chunks in float32 whatever the params' dtype (bfloat16 under mixed precision would
+    round every partial sum) and rounded to it once, in the backward."""
     chunk_grad = jax.value_and_grad(_chunk_loss, argnums=(1, 2))
 
     def body(carry, xs):
         total, d_params = carry
         loss, (dp, dh) = chunk_grad(project, params, *xs)
-        return (total + loss, jax.tree.map(jnp.add, d_params, dp)), dh
+        return (total + loss, jax.tree.map(lambda a, b: a + b.astype(a.dtype), d_params, dp)), dh
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)),
+                         params)
     (total, d_params), d_hidden = jax.lax.scan(
         body, (jnp.zeros((), jnp.float32), zeros), (hidden, tokens, weights))
-    return total, (d_params, d_hidden)
+    dtypes = jax.tree.map(lambda p: jnp.zeros((0,), p.dtype), params)  # the params' dtypes
+    return total, (d_params, d_hidden, dtypes)
 
 
 def _summed_loss_bwd(project, residuals, g):
-    d_params, d_hidden = residuals
-    scale = lambda x: (x * g).astype(x.dtype)  # noqa: E731
-    return jax.tree.map(scale, d_params), scale(d_hidden), None, None
+    d_params, d_hidden, dtypes = residuals
+    d_params = jax.tree.map(lambda d, t: (d * g).astype(t.dtype), d_params, dtypes)
+    return d_params, (d_hidden * g).astype(d_hidden.dtype), None, None
 
 
 _summed_loss.defvjp(_summed_loss_fwd, _summed_loss_bwd)

@@ -93,7 +93,7 @@ def apply_finite_update(state: TrainState, optimizer: optax.GradientTransformati
     goes with the update, None: unchanged. Returns (new state, the optimizer's updates,
     {"grad_norm": float32 [], "skipped": int32 [] 0 or 1}).
     """
-    with jax.named_scope("optimizer"):  # profile attribution (benchmarks/gpu_profile.py)
+    with jax.named_scope("optimizer"):  # profile attribution (benchmarks/gpu/profiling.py)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

@@ -124,6 +124,9 @@ class MoEConfig(Config):
     # `sorted`: largest row chunk of an expert's matmuls (256: 1.4x a dense FFN of equal FLOPs on
     # CPU, 128: 1.55x; docs/performance.md); `pallas`: the grouped matmuls' row tile.
     block_size: int = 256
+    # Most tokens per device per expert-parallel exchange (model/parallel/expert_parallel.py):
+    # bounds the dropless receive buffers to ep x this x top_k rows; 0 = all of a layer's at once.
+    ep_chunk_tokens: int = 0
 
     def validate(self) -> None:
         check_int("num_experts", self.num_experts, 1)
@@ -143,6 +146,7 @@ class MoEConfig(Config):
             raise ConfigError("num_ep_groups", f"{self.num_ep_groups} does not divide "
                               f"num_experts={self.num_experts}")
         check_int("block_size", self.block_size, 1)
+        check_int("ep_chunk_tokens", self.ep_chunk_tokens, 0)
         check_int("hash_layers", self.hash_layers, 0)
         check_int("num_groups", self.num_groups, 1)
         check_int("topk_groups", self.topk_groups, 1)
@@ -207,11 +211,14 @@ class ModelConfig(Config):
     # model/parallel/pipeline.py): the collective that moves tokens to their experts' devices
     # (`ragged`: ragged_all_to_all, GPU/TPU; `padded`: all_to_all of worst-case-sized chunks, any
     # backend; `auto`: padded on CPU, whose XLA lacks ragged_all_to_all), the micro-batches per
-    # pipelined forward (0 = twice the number of stages) and the virtual stages per device
-    # (1: GPipe; V > 1: the interleaved schedule).
+    # pipelined forward (0 = twice the number of stages), the virtual stages per device
+    # (1: GPipe; V > 1: the interleaved schedule) and whether each pipeline tick saves only its
+    # stage input for the backward pass, recomputing the stage (activations that grow by one
+    # layer input per micro-batch, for one more forward of the pipelined layers).
     ep_collective: str = "auto"
     pipeline_microbatches: int = 0
     pipeline_virtual_stages: int = 1
+    pipeline_stage_remat: bool = True
 
     def __post_init__(self) -> None:
         check_int("num_layers", self.num_layers, 1)  # the per-layer lists below depend on it
@@ -296,6 +303,7 @@ class ModelConfig(Config):
         check_choice("ep_collective", self.ep_collective, EP_COLLECTIVES)
         check_int("pipeline_microbatches", self.pipeline_microbatches, 0)
         check_int("pipeline_virtual_stages", self.pipeline_virtual_stages, 1)
+        check_bool("pipeline_stage_remat", self.pipeline_stage_remat)
         for name in ("qk_norm", "tie_embeddings", "scan_layers"):
             check_bool(name, getattr(self, name))
 

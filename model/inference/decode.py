@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -203,10 +203,13 @@ class Decoder:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  sampling: Sampling = Sampling(), speculative: bool = False,
                  key: jax.Array | None = None, stop_ids: Sequence[int] = (),
-                 progress: bool = False, record_routing: bool = False) -> Generation:
+                 progress: bool = False, record_routing: bool = False,
+                 on_tokens: Callable[[list[list[int]]], None] | None = None) -> Generation:
         """Continues every prompt (a non-empty list of token ids) by up to `max_new_tokens`,
         stopping a row early at any of `stop_ids`. `record_routing`: also return the experts
-        every token was routed to (`Generation.routed_experts`; plain decoding only)."""
+        every token was routed to (`Generation.routed_experts`; plain decoding only).
+        `on_tokens`: called as tokens are committed (streaming), with each row's new tokens:
+        once after the prompt, then after every main-model pass."""
         sampling.validate()
         if record_routing and speculative:
             raise ValueError("record_routing: recording the routed experts needs plain decoding "
@@ -228,6 +231,8 @@ class Decoder:
         prefill_seconds = time.perf_counter() - started
 
         outputs = [[int(t)] for t in first]
+        if on_tokens is not None:
+            on_tokens([list(row) for row in outputs])
         logprobs = None if draft else [[float(p)] for p in np.asarray(first_logprob)]
         done = np.array([t in stop_ids for t in first]) | (max_new_tokens <= 1)
         current, position = first.astype(np.int32), lengths.astype(np.int32)
@@ -253,6 +258,7 @@ class Decoder:
                 new_logprobs = np.asarray(token_logprob)
             passes += 1
             step_tokens = 0
+            committed_now = [[] for _ in range(batch)]
             for b in np.flatnonzero(~done):
                 row_passes += 1
                 row_tokens += len(new[b])
@@ -262,6 +268,7 @@ class Decoder:
                 if stops:
                     taken = taken[:stops[0] + 1]
                 outputs[b].extend(taken)
+                committed_now[b] = taken
                 if logprobs is not None and taken:
                     logprobs[b].append(float(new_logprobs[b]))
                 step_tokens += len(taken)
@@ -269,6 +276,8 @@ class Decoder:
                 current[b] = new[b][-1]
                 done[b] = bool(stops) or len(outputs[b]) >= max_new_tokens
             bar.update(step_tokens)
+            if on_tokens is not None:
+                on_tokens(committed_now)
             if timer is None:
                 timer = time.perf_counter()  # the first pass compiled the step
             else:

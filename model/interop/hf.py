@@ -3,96 +3,43 @@
     cfg, variables = load_hf_checkpoint("Step-3.5-Flash/")     # streams shard by shard
     save_hf_checkpoint(cfg, variables, "exported/", dtype="bfloat16")
 
-config.json's `model_type` picks the family (`FAMILIES`): its module translates the config and
-names every tensor (model/interop/step3p5.py, model/interop/deepseek_v4.py,
-model/interop/mimo_v2_flash.py); the safetensors reading and writing is shared
+config.json's `model_type` picks the family (`FAMILIES`, model/interop/families.py): its module
+translates the config and names every tensor (model/interop/step3p5.py,
+model/interop/deepseek_v4.py, model/interop/mimo_v2_flash.py); the checked, streamed reading is
+model/interop/hf_stream.py, the safetensors reading and writing is shared
 (model/interop/safetensors_io.py), and so is the dequantization of FP8 / MXFP4 releases
 (model/interop/quantized.py). A family may give each tensor a second name (DeepSeek-V4's
-release): an import uses the names the files hold. Adding a family means adding its module and
-one entry here.
+release): an import uses the names the files hold.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.config import DTYPES, SHARED_KV_KINDS, ModelConfig
-from model.interop import deepseek_v4, mimo_v2_flash, quantized, step3p5
-from model.interop.model_dir import fresh_directory, variable_shardings
-from model.interop.safetensors_io import (
-    CheckpointFormatError,
-    check_tensors,
-    read_headers,
-    read_json,
-    read_tensors,
-    shard_names,
-    write_tensors,
-)
+from model.config import DTYPES, ModelConfig
+from model.interop import quantized
+from model.interop.families import checkpoint_family, model_type_of
+from model.interop.hf_stream import open_hf_checkpoint
 from model.interop.io_errors import os_reason
+from model.interop.model_dir import fresh_directory, variable_shardings
+from model.interop.safetensors_io import CheckpointFormatError, write_tensors
 from model.interop.tensor_names import Entry, lookup
 from model.lm import abstract_variables
 from model.tokenizers.chat import write_tokenizer_files
 from model.tokenizers.text import TextTokenizer
 
 
-class Family(NamedTuple):
-    """One checkpoint family: config.json <-> ModelConfig and its tensor-name table."""
-
-    config_from_hf: Callable[[Mapping[str, Any]], ModelConfig]
-    config_to_hf: Callable[[ModelConfig], dict]
-    tensor_table: Callable[[ModelConfig, dict], list[Entry]]
-    ignored_tensors: str | None = None  # regex of stored tensors an import skips
-    # another name of each table name, read where the files use it (DeepSeek-V4's release)
-    alternative_name: Callable[[str], str] | None = None
-    # regex of the routed experts' table names, for exports in MXFP4 (DeepSeek-V4's release)
-    expert_tensors: str | None = None
-    # (config, config.json, stored tensor names) -> the config of what the files hold
-    # (DeepSeek-V4: the MTP layers, which transformers' checkpoints lack)
-    stored_config: Callable[[ModelConfig, Mapping[str, Any], Any], ModelConfig] | None = None
-
-
 EXPORT_NAMES = ("transformers", "release")
-
-
-FAMILIES = {
-    step3p5.MODEL_TYPE: Family(step3p5.config_from_hf, step3p5.config_to_hf,
-                               step3p5.tensor_table),
-    deepseek_v4.MODEL_TYPE: Family(deepseek_v4.config_from_hf, deepseek_v4.config_to_hf,
-                                   deepseek_v4.tensor_table, None, deepseek_v4.release_name,
-                                   deepseek_v4.EXPERT_TENSORS, deepseek_v4.with_stored_mtp),
-    mimo_v2_flash.MODEL_TYPE: Family(mimo_v2_flash.config_from_hf, mimo_v2_flash.config_to_hf,
-                                     mimo_v2_flash.tensor_table,
-                                     mimo_v2_flash.IGNORED_TENSORS),
-}
-
-
-def checkpoint_family(model_type: Any) -> Family:
-    if model_type not in FAMILIES:
-        raise CheckpointFormatError(f"model_type: {model_type!r} is not supported, known "
-                                    f"checkpoint families: {sorted(FAMILIES)}")
-    return FAMILIES[model_type]
-
-
-def model_type_of(config: ModelConfig) -> str:
-    """The family a config exports to: DeepSeek-V4 when it has W/C/H layers; MiMo-V2-Flash when
-    its GQA layers use what only that format holds (a sink, per-type geometry, values narrower
-    than keys or scaled, group-limited routing); else Step 3.5."""
-    if any(kind in SHARED_KV_KINDS for kind in config.layout):
-        return deepseek_v4.MODEL_TYPE
-    if mimo_v2_flash.uses_mimo_attention(config):
-        return mimo_v2_flash.MODEL_TYPE
-    return step3p5.MODEL_TYPE
 
 
 # ---- import -------------------------------------------------------------------------------------
@@ -106,97 +53,30 @@ def load_hf_checkpoint(path: str | Path, mesh: jax.sharding.Mesh | None = None, 
     variables = {"params": ..., "balance": ...} as `nn.meta.unbox(init_variables(CausalLM(cfg),
     ...))`, in `param_dtype` (default the config's float32; the router bias stays float32), on
     one device or in the training shardings of `mesh`. Every tensor goes to its devices as it
-    is read (`safetensors_io.read_tensors`): a layer of a scanned (stacked) variable is written
-    into its slot of a buffer that already lives in the variable's sharding, so host memory
-    never holds more than one tensor beyond the open shard. A quantized release (FP8 block-wise,
-    MXFP4 experts: `quantized.py`) is dequantized tensor by tensor as it streams, through
-    float32 to `param_dtype`. DeepSeek-V4's own release layout (its tensor names and config
-    keys) is read as well as transformers' (model/interop/deepseek_v4.py).
+    is read (`HFSource.pieces`, model/interop/hf_stream.py): a layer of a scanned (stacked)
+    variable is written into its slot of a buffer that already lives in the variable's
+    sharding, so host memory never holds more than one tensor beyond the open shard. A
+    quantized release (FP8 block-wise, MXFP4 experts: `quantized.py`) is dequantized tensor by
+    tensor as it streams, through float32 to `param_dtype`. DeepSeek-V4's own release layout
+    (its tensor names and config keys) is read as well as transformers'
+    (model/interop/deepseek_v4.py).
     """
-    path = Path(path)
-    hf_config = read_json(path / "config.json")
-    family = checkpoint_family(hf_config.get("model_type"))
-    scheme = quantized.scheme_of(hf_config)
-    config = _translated(family, hf_config, path / "config.json")
-    if param_dtype is not None:
-        config = config.replace(param_dtype=param_dtype)
-    files = _without_ignored(shard_names(path), family.ignored_tensors)
-    stored = read_headers(path, files)
-    if family.stored_config is not None:
-        config = family.stored_config(config, hf_config, stored)
-    abstract = nn.meta.unbox(abstract_variables(config))
-    entries = _named_as_stored(family.tensor_table(config, abstract), stored,
-                               family.alternative_name)
-    headers, plan = quantized.plan(scheme, stored)
-    check_tensors(path, headers, {name: e.hf_shape for name, e in entries.items()},
-                  integer={name for name, e in entries.items()
-                           if np.issubdtype(lookup(abstract[e.collection], e.path).dtype,
-                                            np.integer)})
-    shardings = variable_shardings(config, mesh)
+    source = open_hf_checkpoint(path, param_dtype=param_dtype)
+    shardings = variable_shardings(source.config, mesh)
     variables: dict = {}
-    tensors = {file: [n for n in names if n in headers] for file, names in files.items()}
-    # Closed on an error, so the progress bar ends its line before the error is printed.
-    with contextlib.closing(read_tensors(path, tensors, progress=progress)) as stream:
-        for name, array in quantized.dequantize(stream, path, stored, plan):
-            _check_finite(name, array, stored[name].file)
-            entry = entries[name]
-            leaf = lookup(abstract[entry.collection], entry.path)
-            sharding = lookup(shardings[entry.collection], entry.path)
-            value = entry.transform.to_ours(array, entry.shape).astype(leaf.dtype)
-            if not entry.index:
-                _insert(variables, entry, _place(value, sharding))
-                continue
-            stacked = lookup(variables.get(entry.collection, {}), entry.path)
-            if stacked is None:
-                stacked = jnp.zeros(leaf.shape, leaf.dtype, device=sharding)
-            slice_sharding = _slice_sharding(sharding, len(entry.index))
-            _insert(variables, entry, _write_slice(stacked, _place(value, slice_sharding),
-                                                   np.asarray(entry.index, np.int32)))
-    return config, variables
-
-
-def _translated(family: Family, hf_config: dict, where: Path) -> ModelConfig:
-    """The family's translation of config.json; a value it cannot use (a type or combination
-    the checks before it did not name) is a one-line error naming the file."""
-    try:
-        return family.config_from_hf(hf_config)
-    except CheckpointFormatError:
-        raise
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as err:
-        reason = " ".join(str(err).split())[:200]
-        raise CheckpointFormatError(f"{where}: a value does not fit its key ({type(err).__name__}"
-                                    f": {reason})") from None
-
-
-def _check_finite(name: str, array: np.ndarray, file: str) -> None:
-    """Refuses a tensor holding NaN or an infinity: the model would compute NaN everywhere."""
-    if np.issubdtype(array.dtype, np.integer):
-        return
-    bad = ~np.isfinite(array)
-    if bad.any():
-        raise CheckpointFormatError(f"{name} (in {file}): {int(bad.sum())} of {array.size} values "
-                                    "are NaN or infinite; the checkpoint is damaged, download or "
-                                    "export it again")
-
-
-def _named_as_stored(table: list[Entry], stored: Mapping[str, Any],
-                     alternative: Callable[[str], str] | None) -> dict[str, Entry]:
-    """{name: entry} under the table's names, or under the family's alternative names when the
-    files hold more of those (so the checks name what is missing in the files' own layout)."""
-    entries = {e.name: e for e in table}
-    if alternative is None:
-        return entries
-    renamed = {alternative(name): e for name, e in entries.items()}
-    if sum(n in stored for n in renamed) > sum(n in stored for n in entries):
-        return renamed
-    return entries
-
-
-def _without_ignored(files: dict[str, list[str]], pattern: str | None) -> dict[str, list[str]]:
-    """{shard file: tensor names} less the names the family's import skips."""
-    if pattern is None:
-        return files
-    return {file: [n for n in names if not re.search(pattern, n)] for file, names in files.items()}
+    for entry, value in source.pieces(progress):
+        leaf = lookup(source.abstract[entry.collection], entry.path)
+        sharding = lookup(shardings[entry.collection], entry.path)
+        if not entry.index:
+            _insert(variables, entry, _place(value, sharding))
+            continue
+        stacked = lookup(variables.get(entry.collection, {}), entry.path)
+        if stacked is None:
+            stacked = jnp.zeros(leaf.shape, leaf.dtype, device=sharding)
+        slice_sharding = _slice_sharding(sharding, len(entry.index))
+        _insert(variables, entry, _write_slice(stacked, _place(value, slice_sharding),
+                                               np.asarray(entry.index, np.int32)))
+    return source.config, variables
 
 
 def _place(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:

@@ -222,7 +222,21 @@ def shard_plan(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:
     return shards + [current] if current else shards
 
 
-def _default_file_mode() -> int:
+def shard_files(count: int) -> list[str]:
+    """File names of `count` shards: `model.safetensors`, or `model-0000k-of-0000N.safetensors`
+    (listed in the INDEX)."""
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+
+
+def write_index(directory: Path, weight_map: Mapping[str, str], total_size: int) -> None:
+    """The INDEX of a sharded directory: {tensor name: shard file}."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
+    (directory / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+
+
+def default_file_mode() -> int:
     """The mode `open()` gives a new file under the process's umask."""
     umask = os.umask(0)
     os.umask(umask)
@@ -236,8 +250,7 @@ def write_tensors(directory: Path, names: Sequence[str], sizes: Sequence[int],
     i-th) as `model.safetensors`, or as shards of at most `max_shard_bytes` plus the index,
     holding one shard on the host at a time."""
     plan = shard_plan(sizes, max_shard_bytes)
-    files = ([SINGLE_FILE] if len(plan) == 1 else
-             [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))])
+    files = shard_files(len(plan))
     for file, shard in tqdm(list(zip(files, plan)), desc="export", unit="shard",
                             disable=not progress, file=sys.stderr):
         try:
@@ -247,9 +260,7 @@ def write_tensors(directory: Path, names: Sequence[str], sizes: Sequence[int],
             raise OSError(f"{file}: {os_reason(err)}") from None
         # safetensors creates its files 0600 whatever the umask; shards are meant to be shared
         # like the config.json written beside them.
-        os.chmod(directory / file, _default_file_mode())
+        os.chmod(directory / file, default_file_mode())
     if len(plan) > 1:
-        index = {"metadata": {"total_size": sum(sizes)},
-                 "weight_map": {names[i]: file for file, shard in zip(files, plan)
-                                for i in shard}}
-        (directory / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+        write_index(directory, {names[i]: file for file, shard in zip(files, plan) for i in shard},
+                    sum(sizes))

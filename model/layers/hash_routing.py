@@ -19,7 +19,7 @@ from model.config import MoEConfig
 from model.layers.router import Routing, affinity_scores, combine_weights
 
 
-@jax.named_scope("router")  # profile attribution (benchmarks/gpu_profile.py)
+@jax.named_scope("router")  # profile attribution (benchmarks/gpu/profiling.py)
 def hash_route(token_ids: jax.Array, table: jax.Array, logits: jax.Array,
                cfg: MoEConfig) -> Routing:
     """token_ids: [N] int; table: tid2eid [vocab, k] int with k = cfg.top_k; logits: the

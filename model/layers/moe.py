@@ -37,7 +37,7 @@ EXPERT_WEIGHT_FORMATS = {"none": lambda weight: weight, "mxfp4": fake_mxfp4_weig
 def routed_experts(x, indices, combine_weights, weights: ExpertWeights, *, clamp: SwiGLUClamp,
                    impl: str, block_size: int):
     """x: [N, D]; indices/combine_weights: [N, k] -> (y [N, D], per-expert stats dict of [E])."""
-    with jax.named_scope("experts"):  # profile attribution (benchmarks/gpu_profile.py)
+    with jax.named_scope("experts"):  # profile attribution (benchmarks/gpu/profiling.py)
         copy_out, sums = MOE.resolve(impl)(x, indices, weights, clamp, block_size)
     with jax.named_scope("dispatch"):
         y = combine_copies(copy_out, combine_weights, x.dtype)
@@ -118,7 +118,8 @@ class MoE(nn.Module):
         if mesh_size() > 1:
             y, stats = expert_parallel_experts(tokens.astype(dtype), routing.indices,
                                                routing.weights, weights,
-                                               collective=cfg.ep_collective, **options)
+                                               collective=cfg.ep_collective,
+                                               chunk=moe.ep_chunk_tokens, **options)
         else:
             y, stats = routed_experts(tokens.astype(dtype), routing.indices, routing.weights,
                                       weights, **options)

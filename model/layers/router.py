@@ -74,7 +74,7 @@ def limit_to_groups(selection: jax.Array, num_groups: int, topk_groups: int) -> 
     return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(tokens, num_experts)
 
 
-@jax.named_scope("router")  # profile attribution (benchmarks/gpu_profile.py)
+@jax.named_scope("router")  # profile attribution (benchmarks/gpu/profiling.py)
 def route(logits: jax.Array, bias: jax.Array | None, cfg: MoEConfig,
           replayed: jax.Array | None = None) -> Routing:
     """logits: [N, E] float32; bias: [E] or None; replayed: [N, k] int experts to use instead

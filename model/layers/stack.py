@@ -112,10 +112,12 @@ class LayerStack(nn.Module):
     of length num_layers). `token_ids` [B, T] feed the hash-routed MoE layers;
     `routed_experts` [L_moe, B, T, k] replays an expert choice (model/layers/router.py). With
     `kv_cache` the layers decode incrementally; their caches are the `cache` collection,
-    stacked like params."""
+    stacked like params. `staged_pipeline`: the pipelined segment's params come in their stage
+    layout (see `model.lm.CausalLM`)."""
 
     config: ModelConfig
     kv_cache: KVCacheSpec | None = None
+    staged_pipeline: bool = False
 
     @nn.compact
     def __call__(self, x, positions, segment_ids, token_ids=None, routed_experts=None):
@@ -173,7 +175,8 @@ class LayerStack(nn.Module):
                      if name in tree}
         group = BlockGroup(self.config, unit, parent=None)
         return pipeline_forward(lambda v, h, *r: group.apply(v, h, *r), variables, x, rows,
-                                stage_plan(self.config, stages))
+                                stage_plan(self.config, stages),
+                                staged=("params",) if self.staged_pipeline else ())
 
 
 def _scatter_aux(per_layer_aux: list, seg: Segment, auxes: tuple) -> None:

@@ -14,7 +14,7 @@ import jax
 
 def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     """x [S, D], index [R] -> [R, D]; row r is x[index[r]], or zeros where index[r] >= S."""
-    with jax.named_scope("dispatch"):  # profile attribution (benchmarks/gpu_profile.py)
+    with jax.named_scope("dispatch"):  # profile attribution (benchmarks/gpu/profiling.py)
         return x.at[index].get(mode="fill", fill_value=0)
 
 

@@ -11,7 +11,15 @@ the other axes). Per device:
   4. send the results back along the same routes and combine them with the router weights.
 The receive buffer holds ep * n * k rows: dropless needs room for every peer sending all its
 copies here (the skewed worst case). Unused rows carry the id "no expert" and cost no FLOPs in
-the `sorted` path.
+the `sorted` path. `chunk` (model.moe.ep_chunk_tokens) bounds that: each device exchanges its
+tokens at most `chunk` at a time (the largest divisor of its token count not above it) (`lax.map`, every chunk rematerialised in the backward pass), so the
+buffers and the expert intermediates hold ep * chunk * k rows whatever the batch, for one more
+pass of the exchange and the experts in the backward. Same result: a token's copies travel
+together, and the statistics add over chunks.
+
+When the tokens are not sharded over `expert` (decoding one row: model/parallel/device_mesh.py's
+rules keep the batch whole), every device already holds every token: each runs its own experts
+on the copies routed to them and one psum over `expert` adds the results, with no exchange.
 """
 
 from __future__ import annotations
@@ -111,11 +119,44 @@ def _local_experts(x, indices, combine_weights, gate, up, down, *, num_experts, 
     return y, sums
 
 
+def exchange_chunk(n: int, chunk: int) -> int:
+    """Tokens per exchange of a device routing `n` tokens with model.moe.ep_chunk_tokens =
+    `chunk`: the largest divisor of n not above it (0: all n)."""
+    if not chunk or chunk >= n:
+        return n
+    return max(d for d in range(1, chunk + 1) if n % d == 0)
+
+
+def _in_chunks(body, chunk: int):
+    """`body`(x [n, D], indices, combine_weights, *weights) -> (y, sums), run on the tokens in
+    chunks of the largest divisor of n not above `chunk` when 0 < chunk < n (module docstring)."""
+
+    def run(x, indices, combine_weights, *weights):
+        n = x.shape[0]
+        size = exchange_chunk(n, chunk)
+        if size == n:
+            return body(x, indices, combine_weights, *weights)
+
+        def one(part):
+            return body(*part, *weights)
+
+        split = lambda a: a.reshape(n // size, size, *a.shape[1:])  # noqa: E731
+        y, sums = jax.lax.map(jax.checkpoint(one, prevent_cse=False),
+                              (split(x), split(indices), split(combine_weights)))
+        sums = {k: (jnp.max if k == "expert_out_norm_max" else jnp.sum)(v, axis=0)
+                for k, v in sums.items()}
+        return y.reshape(n, *y.shape[2:]), sums
+
+    return run
+
+
 def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights, *,
-                            clamp: SwiGLUClamp, impl: str, block_size: int, collective: str):
+                            clamp: SwiGLUClamp, impl: str, block_size: int, collective: str,
+                            chunk: int = 0):
     """`model.layers.moe.routed_experts` with the experts spread over the mesh axis `expert`
     (under a mesh context and the logical-axis rules; see module docstring).
-    x [N, D], indices/combine_weights [N, k] -> (y [N, D], per-expert stats dict of [E])."""
+    x [N, D], indices/combine_weights [N, k] -> (y [N, D], per-expert stats dict of [E]).
+    `chunk`: tokens per device per exchange (0: all of them at once)."""
     num_experts = weights.gate.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
     peers = mesh.shape[AXIS]
@@ -124,8 +165,11 @@ def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights,
     token_spec = logical_spec("batch", None)
     token_axes = spec_axes(token_spec[0])
     if AXIS not in token_axes:
-        raise ValueError("expert parallelism needs the batch sharded over the `expert` axis "
-                         f"(rules give {token_spec})")
+        if token_axes:
+            raise ValueError("expert parallelism needs the batch sharded over the `expert` axis "
+                             f"or not at all (rules give {token_spec})")
+        return _experts_of_whole_tokens(x, indices, combine_weights, weights, token_spec,
+                                        clamp=clamp, impl=impl, block_size=block_size)
     stat_axes = tuple(a for a in token_axes if a != AXIS and mesh.shape[a] > 1)
     body = functools.partial(
         _local_experts, num_experts=num_experts, clamp=clamp, impl=impl, block_size=block_size,
@@ -134,6 +178,32 @@ def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights,
     # check_vma=False: the `sorted` path's loops start from zero buffers, not typed as varying
     # over the mesh; outputs and gradients are compared with the unsharded path in
     # tests/train/test_parallel.py.
+    y, sums = jax.shard_map(
+        _in_chunks(body, chunk),
+        in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec, expert_spec),
+        out_specs=(token_spec, P(AXIS)), check_vma=False,
+    )(x, indices, combine_weights, *weights)
+    return y, finalize_statistics(sums, weights.gate.shape[-1])
+
+
+def _own_experts(x, indices, combine_weights, gate, up, down, *, clamp, impl, block_size):
+    """Per-device body when every device holds the same tokens. x [n, D]; indices /
+    combine_weights [n, k]; gate/up [E_loc, D, F]. Copies routed to other devices' experts get
+    the id "no expert" (no FLOPs in the `sorted` path) and weight 0; the psum adds theirs."""
+    local = gate.shape[0]
+    me = jax.lax.axis_index(AXIS)
+    mine = indices // local == me
+    ids = jnp.where(mine, indices - me * local, local)
+    out, sums = MOE.resolve(impl)(x, ids, ExpertWeights(gate, up, down), clamp, block_size)
+    y = combine_copies(out, jnp.where(mine, combine_weights, 0.0), jnp.float32)
+    return jax.lax.psum(y, AXIS).astype(x.dtype), sums
+
+
+def _experts_of_whole_tokens(x, indices, combine_weights, weights: ExpertWeights, token_spec, *,
+                             clamp, impl, block_size):
+    """`expert_parallel_experts` for tokens not sharded over `expert` (module docstring)."""
+    body = functools.partial(_own_experts, clamp=clamp, impl=impl, block_size=block_size)
+    expert_spec = P(AXIS, None, None)
     y, sums = jax.shard_map(
         body, in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec, expert_spec),
         out_specs=(token_spec, P(AXIS)), check_vma=False,

@@ -227,6 +227,19 @@ def test_stop_tokens_end_rows():
         assert out.tokens[0] == plain.tokens[0][:first + 1]
 
 
+def test_on_tokens_streams_exactly_the_committed_tokens():
+    """What `on_tokens` receives, after the prompt and then pass by pass, is what generate
+    returns per row (a stop token ending a row early; speculative passes commit several)."""
+    decoder, prompts = greedy_decoder(), [list(SEQUENCES[0][:7]), list(SEQUENCES[1][:4])]
+    stop = decoder.generate(prompts, 10).tokens[0][5]
+    for speculative in (False, True):
+        calls = []
+        out = decoder.generate(prompts, 10, speculative=speculative, stop_ids=[stop],
+                               on_tokens=calls.append)
+        assert [sum((c[b] for c in calls), []) for b in (0, 1)] == out.tokens
+        assert len(calls) == out.forward_passes + 1
+
+
 def test_generate_rejects_bad_requests():
     decoder = greedy_decoder()
     with pytest.raises(ValueError, match="max_len"):

@@ -28,6 +28,7 @@ from hf_step3p5_checkpoint import (
 )
 
 import model.interop.hf as hf
+from model.interop import deepseek_v4
 from model.config import config_from_dict, config_to_dict
 from model.interop.deepseek_v4 import config_from_hf, config_to_hf
 from model.interop.safetensors_io import CheckpointFormatError
@@ -326,7 +327,7 @@ def test_import_then_export_is_tensor_exact(source, tmp_path):
     assert written["num_nextn_predict_layers"] == 1
     hf.save_hf_checkpoint(config, variables, tmp_path / "release", dtype="bfloat16",
                           names="release", progress=False)
-    assert_same_tensors({hf.deepseek_v4.release_name(name): a for name, a in tensors.items()},
+    assert_same_tensors({deepseek_v4.release_name(name): a for name, a in tensors.items()},
                         read_dir(tmp_path / "release"))
 
 

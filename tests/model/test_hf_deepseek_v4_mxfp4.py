@@ -19,6 +19,7 @@ from test_hf_quantized import blockwise, e2m1_values
 from test_mx_quant import mxfp4_reference, mxfp4_values
 
 import model.interop.hf as hf
+from model.interop import deepseek_v4
 from model.config import QATConfig
 from model.lm import CausalLM
 
@@ -62,7 +63,7 @@ def test_the_experts_are_written_as_the_mxfp4_of_their_masters(exported):
     experts = [n for n in tensors if ".ffn.experts." in n]
     assert any(n.startswith("mtp.0.") for n in experts)
     for name in experts:
-        release = hf.deepseek_v4.release_name(name)
+        release = deepseek_v4.release_name(name)
         (dtype, shape, packed), (scale_dtype, _, exponent) = (
             stored[release], stored[release.removesuffix("weight") + "scale"])
         master = np.asarray(tensors[name], np.float32)  # [out, in]

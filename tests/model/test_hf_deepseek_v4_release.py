@@ -135,7 +135,7 @@ def test_a_quantized_release_dequantizes_under_the_release_names(saved, tmp_path
                              {**RELEASE_CONFIG, **quant})
     want = hf.load_hf_checkpoint(v4.write_hf_dir(tmp_path / "plain", plain, v4.HF_CONFIG),
                                  progress=False)[1]
-    assert main(["import", str(path), "--out", str(tmp_path / "model")]) == 0
+    assert main(["import", str(path), "--out", str(tmp_path / "model"), "--dtype", "float32"]) == 0
     assert_same_variables(want, load_model(tmp_path / "model")[1])
 
 

@@ -15,10 +15,10 @@ from train.config import load_run_config
 from train.parallel.activation_plan import (
     activation_bytes,
     chunk_working_bytes,
-    exchange_bytes,
     layer_bytes,
     scores_bytes,
 )
+from train.parallel.exchange_plan import exchange_bytes
 from train.parallel.plan import PlanError, main, parse_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,19 +82,24 @@ def test_step35_preset_counts_and_expert_sharding(capsys):
 
     # The report's PP8 x EP8 (3.2): the [S F S S] x 10 segment in 8 uneven stages (2, 2, 1 x 6
     # repeats); its expert matrices split 64 ways (the `layers` axis does not divide by 8, so
-    # `pipeline` takes the 4096-wide one), the 2 clamped MoE layers after it 8 ways.
+    # `pipeline` takes the 4096-wide one), the 2 clamped MoE layers after it 8 ways, and, as
+    # float32 master weights of a bfloat16 model under ZeRO-1, all of them over data=64 too.
     pp8 = plan(capsys, "--config", STEP35, "--mesh", "data=64,expert=8,pipeline=8")
     pipe = pp8["pipeline"]
     assert (pipe["segment_period"], pipe["segment_repeats"]) == (4, 10)
     assert pipe["chunk_repeats"] == [2, 2, 1, 1, 1, 1, 1, 1] and pipe["idle_slots"] == 6
     per_layer = routed // 42
-    assert pp8["params_by_group_bytes"]["moe_routed"] == per_layer * 40 // 64 + per_layer * 2 // 8
+    assert pp8["sharded_master"]
+    assert pp8["params_by_group_bytes"]["moe_routed"] == (per_layer * 40 // (64 * 64)
+                                                          + per_layer * 2 // (8 * 64))
     gpipe, interleaved = pipe["schedules"]  # 16 micro-batches; 2 virtual stages: 16 chunks
     assert gpipe["bubble_fraction"] == pytest.approx(7 / 23)
     assert interleaved["virtual_stages"] == 2
     assert interleaved["bubble_fraction"] == pytest.approx(7 / 39)
     assert interleaved["slots_per_device"] == gpipe["slots_per_device"] == 2
-    assert pp8["activation_parts_bytes"]["pipeline_stage_params"] > 0
+    # the step's bfloat16 copy holds the segment in the stage layout: 2 repeat slots per device
+    # (of 4 layers: 4 x 288 / 8 experts of 3 matrices) besides the rest of the model
+    assert pp8["per_device_bytes"]["compute_params"] > 2 * 4 * per_layer // 8 // 2
 
 
 def test_mimo_v2_flash_counts_and_expert_sharding(capsys):
@@ -166,10 +171,11 @@ def test_activation_estimate_responds_to_batch_and_remat(capsys):
     assert by_policy["full"] < by_policy["dots"] < by_policy["none"]
     # dots_with_kernels adds, per token and layer (float32, no tensor split), the attention
     # core's output and log-sum-exp (H * (4 * 32 + 4): 3 full layers of 4 heads, 6 SWA layers
-    # of 6) and the 8 MoE layers' routed gate/up and outputs (4 * top_k 4 * (2 * 64 + 128))
+    # of 6, and the trained MTP head's SWA block, rematerialised like a layer) and the 8 MoE
+    # layers' routed gate/up and outputs (4 * top_k 4 * (2 * 64 + 128))
     kernels = plan(capsys, "--config", TINY, "--mesh", "data=1",
                    "model.remat_policy=dots_with_kernels")["per_device_bytes"]["activations"]
-    per_token = (3 * 4 + 6 * 6) * (4 * 32 + 4) + 8 * 4 * 4 * (2 * 64 + 128)
+    per_token = (3 * 4 + 7 * 6) * (4 * 32 + 4) + 8 * 4 * 4 * (2 * 64 + 128)
     assert kernels - by_policy["dots"] == 8 * 256 * per_token
     parts = base["activation_parts_bytes"]
     assert sum(parts.values()) == base["per_device_bytes"]["activations"]
@@ -213,7 +219,6 @@ def test_pipeline_reports_bubble_of_gpipe_and_interleaved(capsys):
     assert [(r["virtual_stages"], r["slots_per_device"]) for r in pipe["schedules"]] == [
         (1, 4), (4, 4)]
     assert pipe["schedules"][1]["bubble_fraction"] == pytest.approx(1 / (4 * micro + 1))
-    assert "pipeline_stage_params" not in out["activation_parts_bytes"]  # a reshape, no copy
     assert main(["--config", TINY, "--mesh", "pipeline=2,data=1", *PIPELINABLE]) == 0
     assert "bubble 20.0%" in capsys.readouterr().out
 

@@ -53,7 +53,8 @@ def test_step_time_terms():
                      "model.num_dense_layers=0", "model.swiglu_limits=0",
                      "model.swiglu_limits_shared=0", sizes={"data": 1})
     assert piped["bubble"] == pytest.approx(1 / 5)
-    assert piped["compute"] < whole["compute"] < 2 * piped["compute"]
+    # (the embeddings and heads split their rows over the stages too)
+    assert piped["compute"] == pytest.approx(whole["compute"] / 2)
     assert piped["seconds"] == pytest.approx(piped["compute"] / (1 - 1 / 5)
                                              + piped["exposed_communication"])
 

@@ -4,8 +4,9 @@ and the working set of the layer it differentiates.
 
 Activation estimate. T = train.seq_len, c = bytes of model.compute_dtype, D = d_model,
 t = mesh.tensor (divides head/FFN-sized tensors when it divides the head count / hidden size).
-Tokens per device N = micro_batch * T / (data * fsdp * expert) (rows split over the batch axes;
-rounded up, with a warning, when they do not split). Per token, each decoder layer has
+Tokens per device N = micro_batch * T / (data * fsdp * expert * pipeline) (rows split over the
+batch axes, `pipeline` too outside the pipelined segment; rounded up, with a warning, when they
+do not split). Per token, each decoder layer has
   projections   M = c * [(H*hd + 2*KV*hd + G)/t + D]                          (q, k, v, gate, o)
                   + c * [2*F/t + D]  or  4*E + c * Ns*(2*Hs/t + D)              (dense SwiGLU, or
                                                                   MoE router + shared experts)
@@ -25,6 +26,10 @@ rounded up, with a warning, when they do not split). Per token, each decoder lay
   (4 + c) with attention_impl=xla (float32 scores and probabilities; 0 for the flash kernels of
   the other cores), and with e > 1 the expert exchange, X = c*k*e*D*(4 with the `padded`
   collective: send and receive buffers of both exchanges; 1 with `ragged`: its landing buffer).
+  The exchange runs n = exchange_chunk(N, model.moe.ep_chunk_tokens) tokens at a time, each
+  chunk rematerialised (train/parallel/exchange_plan.py): X and the routed rows r =
+  c*k*e*(2*D + 3*He/t) of O count for n tokens in the working set, and with n < N the routed
+  rows (and their kernel outputs in K) are not saved.
 DeepSeek-V4 layers W / C / H (train/parallel/v4_activations.py) replace the attention terms;
 the FFN terms stay. Hq = H*hd/t query channels on the device (`heads` shards over tensor; the
 latent, output-group, compressor and indexer widths do not), L = q_lora_rank, G*R = o_groups
@@ -56,22 +61,25 @@ What a layer keeps for the backward pass depends on model.remat_policy:
   log-sum-exp; F / S layers) + c*k*e*(2*He/t + D) (routed gate/up pre-activations, outputs);
   save_attention_out / save_ffn_out -> I + c*D;  full -> I (the layer input only).
 Activations = N * sum over the device's layers of that
-            + max(max over layers of N*(2*(M + O) + 2*S + X)  (the working set: the layer
-                    + rows * chunk,                 being differentiated, its recomputed
+            + max(max over layers of N*2*(M + O - r + S)  (the working set: the layer
+                    + n*(2*r + X) + rows * chunk,   being differentiated, its recomputed
                   2 * min(loss_chunk_size, micro_batch*T) * V/t * 4)  forward and cotangents,
                                             or one float32 logits chunk and its gradient, which
                                             the loss forms before the layers' backward pass)
-            + N * (2*c*D + 2*I with a pipeline)       (embeddings, final hidden, pipeline I/O;
+            + N * 2*c*D                               (embeddings, final hidden;
               + N * n*D*(c + 4) with mHC               final streams, HyperHead's normed copy)
-            + N * per trained MTP head (6*c*D + M + O of its dense SWA block, never rematted)
+            + N * per trained MTP head (6*c*D + what its dense SWA block keeps under the
+              policy, rematerialised like a layer; its 2*(M + O) joins the working sets)
 With mesh.pipeline = S > 1 the pipelined segment (model/parallel/pipeline.py: R repeats in
 S x V chunks of k = ceil(R / (S V)) slots, V virtual stages) runs on each device as k V slots,
-each for one micro-batch per tick over the V m + S - 1 ticks of the schedule (bubble ticks
-included; m = pipeline micro-batches): a segment layer's saved activations are scaled by
-k (V m + S - 1) / (m R) and its working set by 1 / m; the pipeline's queue and stage buffer add
-two layer inputs per token. Unless the stages hold contiguous runs of repeats (V = 1 and S
-divides R), the step also holds a stage-layout copy of the segment's params and its gradient
-(row `pipeline stage params`; train/parallel/pipeline_plan.py).
+each for one micro-batch of Np = micro_batch * T / (m * data * fsdp * expert) tokens per tick
+over the V m + S - 1 ticks of the schedule (bubble ticks included; m = pipeline micro-batches).
+A segment layer's working set counts Np tokens. With model.pipeline_stage_remat (default) a
+tick saves only its stage input, (V m + S - 1) * Np * I, and the backward recomputes one
+chunk's k * period layers at a time, adding Np * k * period * (the most a segment layer keeps)
+to the working set; without it every tick keeps its slots' saved activations, k (V m + S - 1)
+/ R * Np * (what the layer keeps) per segment layer. The pipeline's queue and stage buffer add
+2 * m * Np * I.
 
 Checked against XLA (`python -m train.plan --measure`, docs/parallelism.md "Checking the
 estimate against XLA"): within 25% of the compiled step's peak on 8 host devices for the tiny
@@ -87,9 +95,14 @@ import math
 from model.config import SHARED_KV_KINDS, ModelConfig
 from model.layers.layer_plan import LayerKind, layer_kinds, plan_segments
 from model.ops.attention_cores import CAUSAL_BLOCKS, MIN_CHUNK
-from model.parallel.expert_parallel import resolve_collective
 from model.parallel.pipeline import pipelined_segment, stage_plan
 from train.config import RunConfig
+from train.parallel.exchange_plan import (
+    exchange_bytes,
+    exchange_tokens,
+    routed_kernel_bytes,
+    routed_rows_bytes,
+)
 from train.parallel.v4_activations import (
     DTYPE_BYTES,
     core_chunk_bytes,
@@ -150,15 +163,14 @@ def layer_bytes(cfg: ModelConfig, kind: LayerKind, seq_len: int, tensor: int,
     if kind.is_moe:
         moe = cfg.moe
         shared = moe.num_shared_experts
-        hidden = tensor_split(moe.expert_hidden, tensor)
         shared_hidden = tensor_split(moe.shared_hidden, tensor)
         # Routed-expert products are ragged/batched dots, which the `dots` policy recomputes:
         # they count as "other", with the dispatched rows, activations and combine.
         matmul += 4 * moe.num_experts + c * shared * (2 * shared_hidden + d)
         # Expert parallelism computes on a receive buffer with room for every peer's copies
         # (dropless, the worst case): `expert` times the routed rows.
-        other += 4 * moe.num_experts + c * (3 * d + moe.top_k * expert * (2 * d + 3 * hidden)
-                                            + shared * shared_hidden)
+        other += (4 * moe.num_experts + c * (3 * d + shared * shared_hidden)
+                  + routed_rows_bytes(cfg, kind, tensor, expert))
     else:
         matmul += c * (2 * tensor_split(cfg.dense_hidden, tensor) + d)
         other += c * (2 * d + tensor_split(cfg.dense_hidden, tensor))
@@ -166,16 +178,6 @@ def layer_bytes(cfg: ModelConfig, kind: LayerKind, seq_len: int, tensor: int,
         hc_matmul, hc_other = hyper_connection_bytes(cfg)
         matmul, other = matmul + hc_matmul, other + hc_other
     return matmul, other
-
-
-def exchange_bytes(cfg: ModelConfig, kind: LayerKind, expert: int) -> float:
-    """Bytes per token of an MoE layer's expert-parallel exchange while it runs (its backward
-    exchanges cotangents the same way, not at the same time): `padded` sends and receives
-    [peers, copies, D] both ways, `ragged` lands the copies in one receive buffer."""
-    if not kind.is_moe or expert == 1:
-        return 0.0
-    buffers = {"padded": 4, "ragged": 1}[resolve_collective(cfg.ep_collective)]
-    return buffers * expert * cfg.moe.top_k * DTYPE_BYTES[cfg.compute_dtype] * cfg.d_model
 
 
 def chunk_working_bytes(cfg: ModelConfig, kind: LayerKind, seq_len: int, tensor: int) -> float:
@@ -198,11 +200,7 @@ def kernel_output_bytes(cfg: ModelConfig, kind: LayerKind, tensor: int,
         geo = cfg.attention_geometry(kind.attention_type)
         heads = tensor_split(geo.num_heads, tensor)
         saved += heads * (c * geo.v_head_dim + 4)
-    if kind.is_moe:
-        moe = cfg.moe
-        saved += c * moe.top_k * expert * (2 * tensor_split(moe.expert_hidden, tensor)
-                                           + cfg.d_model)
-    return saved
+    return saved + routed_kernel_bytes(cfg, kind, tensor, expert)
 
 
 def saved_per_layer(policy: str, matmul: float, other: float, input_bytes: float,
@@ -221,13 +219,36 @@ def saved_per_layer(policy: str, matmul: float, other: float, input_bytes: float
     return input_bytes  # full
 
 
+def _layer_terms(cfg: ModelConfig, kind: LayerKind, seq_len: int, sizes: dict[str, int],
+                 rows: int, input_bytes: float) -> tuple[float, float]:
+    """(bytes per token kept for the backward pass, working set while differentiated) of one
+    layer run on `rows` batch rows of the device at a time."""
+    tensor, expert, tokens = sizes["tensor"], sizes["expert"], rows * seq_len
+    matmul, other = layer_bytes(cfg, kind, seq_len, tensor, expert=expert)
+    kernels = kernel_output_bytes(cfg, kind, tensor, expert)
+    routed = routed_rows_bytes(cfg, kind, tensor, expert)
+    n = exchange_tokens(cfg, tokens, sizes) if kind.is_moe else tokens
+    if n < tokens:  # chunks rematerialised one at a time: their routed rows are never saved
+        kept_other = other - routed
+        kernels -= routed_kernel_bytes(cfg, kind, tensor, expert)
+    else:
+        kept_other = other
+    keep = saved_per_layer(cfg.remat_policy, matmul, kept_other, input_bytes,
+                           DTYPE_BYTES[cfg.compute_dtype] * cfg.d_model, kernels)
+    # its recomputed forward and cotangents; the routed rows and exchange buffers of one chunk
+    working = (tokens * 2 * (matmul + other - routed + scores_bytes(cfg, kind, seq_len, tensor))
+               + n * (2 * routed + exchange_bytes(cfg, kind, expert))
+               + rows * chunk_working_bytes(cfg, kind, seq_len, tensor))
+    return keep, working
+
+
 def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     """Activation estimate per device (module docstring), with its parts."""
     cfg, train = run.model, run.train
     seq_len, micro = train.seq_len, train.micro_batch()
-    tensor, stages, expert = sizes["tensor"], sizes["pipeline"], sizes["expert"]
+    tensor, stages = sizes["tensor"], sizes["pipeline"]
     ways = math.prod(sizes[a] for a in ("data", "fsdp", "expert"))
-    rows = -(-micro // ways)
+    rows = -(-micro // (ways * stages))  # outside the pipelined segment rows split over all
     tokens = rows * seq_len
     c = DTYPE_BYTES[cfg.compute_dtype]
     d_bytes = c * cfg.d_model
@@ -239,32 +260,43 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     if stages > 1:
         piped_layers = set(plan_segments(kinds)[pipelined_segment(cfg, stages)].layers)
         plan = stage_plan(cfg, stages)
-        # a device runs k slots of the segment per tick on one micro-batch, for V M + S - 1
-        # ticks: per layer of the segment, k (V M + S - 1) / (M R) of the batch's tokens
-        piped_share = plan.slots * (plan.virtual * plan.microbatches + stages - 1) / (
-            plan.microbatches * plan.repeats)
-    saved = working = 0.0
+        # one pipeline micro-batch on a device: M of them make the rows of one stage's devices
+        piped_rows = -(-micro // (plan.microbatches * ways))
+        piped_tokens = piped_rows * seq_len
+        ticks = plan.virtual * plan.microbatches + stages - 1
+        chunk_layers = plan.slots * len(piped_layers) // plan.repeats  # k slots x period
+    saved = working = piped_keep = 0.0
     for i, kind in enumerate(kinds):
-        matmul, other = layer_bytes(cfg, kind, seq_len, tensor, expert=expert)
-        keep = saved_per_layer(cfg.remat_policy, matmul, other, input_bytes, d_bytes,
-                               kernel_output_bytes(cfg, kind, tensor, expert))
-        differentiated = (tokens * (2 * (matmul + other) + exchange_bytes(cfg, kind, expert)
-                                    + 2 * scores_bytes(cfg, kind, seq_len, tensor))
-                          + rows * chunk_working_bytes(cfg, kind, seq_len, tensor))
         if i in piped_layers:  # one micro-batch at a time
-            saved += tokens * keep * piped_share
-            working = max(working, differentiated / plan.microbatches)
+            keep, differentiated = _layer_terms(cfg, kind, seq_len, sizes, piped_rows,
+                                                input_bytes)
+            piped_keep = max(piped_keep, keep)
+            if not plan.remat:  # every tick's k slots keep their layers' saved residuals
+                saved += piped_tokens * keep * plan.slots * ticks / plan.repeats
         else:
+            keep, differentiated = _layer_terms(cfg, kind, seq_len, sizes, rows, input_bytes)
             saved += tokens * keep
-            working = max(working, differentiated)
+        working = max(working, differentiated)
+    if piped_layers and plan.remat:
+        # a tick saves its stage input; the backward recomputes one chunk's layers at a time
+        saved += ticks * piped_tokens * input_bytes
+        working += piped_tokens * chunk_layers * piped_keep
     # embeddings and final hidden, the pipeline's queue and stage buffer; mHC: the final
     # streams, their float32 normed copy (HyperHead)
-    extras = tokens * (2 * d_bytes + (2 * input_bytes if stages > 1 else 0))
+    extras = tokens * 2 * d_bytes
+    if stages > 1:
+        extras += 2 * plan.microbatches * piped_tokens * input_bytes
     if streams > 1:
         extras += tokens * streams * cfg.d_model * (c + 4)
     mtp_kind = LayerKind(cfg.mtp.attention_type, False, 0.0, 0.0, False)
-    mtp_block = sum(layer_bytes(cfg, mtp_kind, seq_len, tensor, streams=False))
-    mtp = run.trained_mtp_heads() * tokens * (6 * d_bytes + mtp_block)
+    mtp_matmul, mtp_other = layer_bytes(cfg, mtp_kind, seq_len, tensor, streams=False)
+    mtp_keep = saved_per_layer(cfg.remat_policy, mtp_matmul, mtp_other, d_bytes, d_bytes,
+                               kernel_output_bytes(cfg, mtp_kind, tensor))
+    heads = run.trained_mtp_heads()
+    mtp = heads * tokens * (6 * d_bytes + mtp_keep)  # the block rematerialised like a layer
+    if heads:
+        working = max(working, tokens * 2 * (mtp_matmul + mtp_other + scores_bytes(
+            cfg, mtp_kind, seq_len, tensor)))
     chunk = min(train.loss_chunk_size, micro * seq_len)
     logits = 2 * chunk * tensor_split(cfg.vocab_size, tensor) * 4
     # the step's batch: int32 tokens, segment ids, positions and two bool masks per token

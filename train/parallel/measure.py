@@ -78,14 +78,14 @@ def measure_step(run: RunConfig, sizes: dict[str, int]) -> dict:
 def matched_rows(plan: dict, measured: dict) -> list[tuple[str, int, int]]:
     """(row, estimate, XLA) for the rows both sides have: the step's inputs (state + batch), its
     outputs beyond the donated state (the metrics; the planner counts none), the temporaries
-    (gradients + activations) and the total against the peak."""
+    (compute copy, gradients, activations) and the total against the peak."""
     pd = plan["per_device_bytes"]
     inputs = (pd["params"] + pd["optimizer_state"] + pd["other_state"]
               + plan["activation_parts_bytes"]["batch"])
     return [("state + batch (arguments)", inputs, measured["argument_bytes"]),
             ("outputs not written into the donated state", 0,
              measured["output_bytes"] - measured["alias_bytes"]),
-            ("gradients + activations (temporaries)", pd["total"] - inputs,
+            ("compute copy + gradients + activations (temporaries)", pd["total"] - inputs,
              measured["temp_bytes"]),
             ("total (peak)", pd["total"], measured["peak_bytes"])]
 

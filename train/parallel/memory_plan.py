@@ -9,12 +9,14 @@ prod(shape) / prod(mesh sizes of the axes in its spec) * itemsize.
 Rows (per device):
 - params: the `params` collection (param_dtype, sharded like training shards it: `embed` over
   fsdp, heads/FFN/vocab over tensor, routed experts over expert, the pipelined segment's
-  `layers` axis over pipeline).
+  `layers` axis over pipeline; float32 master weights of a mixed-precision model also over
+  data under ZeRO-1).
 - optimizer state: every optax leaf (Muon momentum, Adam moments, counts), with ZeRO-1
   (`mesh.zero1`) sharding it over `data` as well.
-- gradients: one param-shaped float32 tree sharded like the params; two when the step
-  accumulates gradients over several micro-batches (train.batch_size > micro-batch: the
-  running sum and the current micro-batch's gradient are both live).
+- compute copy and gradients (train/parallel/copy_plan.py): the copy of the params the step
+  computes with (mixed precision, pipeline stage layout) and the gradients it forms: of the
+  copy plus the float32 sum kept like the master weights, or param-shaped trees without a
+  copy; a second sum when the step accumulates over micro-batches.
 - other state: the `balance` collection (router biases), step, rng.
 - activations: an ESTIMATE (train/parallel/activation_plan.py), not a measurement; XLA's buffer
   assignment, fusion and collective buffers move the real peak either way; `--measure` shows
@@ -34,13 +36,17 @@ from jax.sharding import PartitionSpec as P
 
 from model.parallel.expert_parallel import resolve_collective
 from model.parallel.mesh import spec_axes
-from model.parallel.pipeline import pipelined_segment, stage_plan
 from model.parallel.rules import abstract_mesh
 from model.summary import param_group
 from train.config import RunConfig
-from train.parallel import pipeline_plan
+from train.parallel import copy_plan, pipeline_plan
 from train.parallel.activation_plan import activation_bytes
-from train.parallel.sharding import check_batch_fits, data_parallel_size, state_specs
+from train.parallel.sharding import (
+    check_batch_fits,
+    data_parallel_size,
+    shards_master_weights,
+    state_specs,
+)
 from train.state import abstract_state, build_training
 
 GIB = 2**30
@@ -93,12 +99,11 @@ def _tree_bytes(tree: Any, specs: Any, sizes: dict[str, int]) -> int:
 
 
 def state_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
-    """Per-device bytes of params / optimizer state / other state, params per group and per
-    scanned layer segment, and the global parameter count."""
+    """Per-device bytes of params / optimizer state / other state, params per group, the
+    step's compute copy of the params, and the global parameter count."""
     training, state = _training_and_state(run)
     specs = state_specs(state, training.variable_axes, abstract_mesh(sizes), run)
     groups: dict[str, int] = {}
-    segments: dict[int, int] = {}  # scanned segment index -> its params' bytes
     flat_params = flatten_dict(state.params)
     flat_specs = flatten_dict(specs.params, is_leaf=lambda _, x: isinstance(x, P))
     for path, leaf in flat_params.items():
@@ -106,16 +111,14 @@ def state_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
         size = sharded_bytes(leaf.shape, leaf.dtype, flat_specs[path], sizes)
         group = param_group(keys)
         groups[group] = groups.get(group, 0) + size
-        if keys[0] == "layers" and keys[1].startswith("segment_"):
-            index = int(keys[1].removeprefix("segment_"))
-            segments[index] = segments.get(index, 0) + size
     other = sum(_tree_bytes(getattr(state, name), getattr(specs, name), sizes)
                 for name in ("balance", "step", "rng", "skipped", "consecutive_skips"))
     return {
         "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
         "params": sum(groups.values()),
         "params_by_group": dict(sorted(groups.items())),
-        "segments": segments,
+        "compute_copy": copy_plan.compute_copy_bytes(run, sizes, training.variable_axes["params"],
+                                                     state.params),
         "optimizer": _tree_bytes(state.opt_state, specs.opt_state, sizes),
         "other": other,
     }
@@ -126,24 +129,18 @@ def state_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
 
 def device_rows(run: RunConfig, sizes: dict[str, int], state: dict) -> dict:
     """Per-device rows of `run` on a mesh of `sizes` from its `state_bytes`: {"per_device":
-    {params, optimizer_state, gradients, other_state, activations}, "activations" (total, parts,
-    rows and tokens per device; with a pipeline, its stage-layout copy), "accumulation_steps",
-    "gradient_copies"}."""
+    {params, optimizer_state, compute_params, gradients, other_state, activations},
+    "activations" (total, parts, working sets, rows and tokens per device),
+    "accumulation_steps", "gradients_counted"}."""
     accumulation = max(run.train.batch_sizes()) // run.train.micro_batch()
-    gradient_copies = 2 if accumulation > 1 else 1
+    copy = state["compute_copy"]
+    gradients, counted = copy_plan.gradient_bytes(run, sizes, copy, state["params"], accumulation)
     activations = activation_bytes(run, sizes)
-    stages = sizes["pipeline"]
-    if stages > 1:
-        segment_bytes = state["segments"][pipelined_segment(run.model, stages)]
-        copy = pipeline_plan.stage_copy_bytes(stage_plan(run.model, stages), segment_bytes)
-        if copy:
-            activations["parts"]["pipeline_stage_params"] = copy
-            activations["total"] += copy
     per_device = {"params": state["params"], "optimizer_state": state["optimizer"],
-                  "gradients": gradient_copies * state["params"], "other_state": state["other"],
+                  "compute_params": copy, "gradients": gradients, "other_state": state["other"],
                   "activations": activations["total"]}
     return {"per_device": per_device, "activations": activations,
-            "accumulation_steps": accumulation, "gradient_copies": gradient_copies}
+            "accumulation_steps": accumulation, "gradients_counted": counted}
 
 
 def plan_memory(run: RunConfig, sizes: dict[str, int], device_memory_gib: float = 80.0) -> dict:
@@ -167,9 +164,8 @@ def plan_memory(run: RunConfig, sizes: dict[str, int], device_memory_gib: float 
     rows = device_rows(run, sizes, state)
     per_device, activations = rows["per_device"], rows["activations"]
     if pipeline:
-        fixed = sum(v for k, v in per_device.items() if k != "activations")
         pipeline["schedules"] = pipeline_plan.schedules(
-            run, sizes, state["segments"][pipeline["segment"]], fixed, activation_bytes)
+            run, sizes, lambda variant: device_rows(variant, sizes, state_bytes(variant, sizes)))
     total = sum(per_device.values())
     budget = int(device_memory_gib * GIB)
     within = total <= budget
@@ -178,6 +174,7 @@ def plan_memory(run: RunConfig, sizes: dict[str, int], device_memory_gib: float 
                         f"{device_memory_gib:g} GiB available (--device-memory)")
     return {
         "mesh": dict(sizes), "devices": math.prod(sizes.values()), "zero1": run.mesh.zero1,
+        "sharded_master": shards_master_weights(run) and sizes["data"] > 1,
         "data_parallel_size": data_parallel_size(mesh),
         "num_params": state["num_params"], "param_dtype": run.model.param_dtype,
         "compute_dtype": run.model.compute_dtype, "remat_policy": run.model.remat_policy,
@@ -192,7 +189,7 @@ def plan_memory(run: RunConfig, sizes: dict[str, int], device_memory_gib: float 
         "params_by_group_bytes": state["params_by_group"],
         "activation_parts_bytes": activations["parts"],
         "working_sets_bytes": activations["working_sets"],
-        "gradient_copies": rows["gradient_copies"],
+        "gradients_counted": rows["gradients_counted"],
         "budget_bytes": budget, "within_budget": within,
         "utilisation": total / budget if budget else math.inf,
         "warnings": warnings,

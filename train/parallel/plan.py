@@ -27,6 +27,7 @@ import sys
 from typing import Sequence
 
 from model.config.cli import ArgumentParser, format_table
+from model.parallel.device_mesh import parse_mesh as parse_axis_sizes
 from model.parallel.rules import MESH_AXES
 from train.config import RunConfig, load_run_config
 from train.parallel import memory_plan
@@ -40,24 +41,10 @@ from train.parallel.step_time import Hardware
 
 def parse_mesh(text: str) -> dict[str, int]:
     """'data=8,expert=8,pipeline=8' -> {'data': 8, 'expert': 8, 'pipeline': 8}."""
-    sizes: dict[str, int] = {}
-    for item in text.split(","):
-        name, sep, value = (part.strip() for part in item.partition("="))
-        if not sep or not name:
-            raise PlanError(f"--mesh: expected comma-separated axis=size, e.g. "
-                            f"data=8,expert=8,pipeline=8; got {text!r}")
-        if name not in MESH_AXES:
-            raise PlanError(f"--mesh: unknown axis {name!r}; axes are {', '.join(MESH_AXES)}")
-        if name in sizes:
-            raise PlanError(f"--mesh: axis {name!r} given twice")
-        try:
-            size = int(value)
-        except ValueError:
-            raise PlanError(f"--mesh: {name}={value!r} is not an integer") from None
-        if size < 1 and size != -1:
-            raise PlanError(f"--mesh: {name}={size} must be a positive integer or -1")
-        sizes[name] = size
-    return sizes
+    try:
+        return parse_axis_sizes(text)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
 
 
 def resolve_mesh(run: RunConfig, devices: int | None) -> dict[str, int]:
@@ -85,7 +72,8 @@ def render(plan: dict, config: str) -> str:
         "see train/parallel/activation_plan.py)",
         f"mesh:      {mesh} -> {plan['devices']} devices, "
         f"ZeRO-1 {'on' if plan['zero1'] else 'off'}",
-        f"model:     {plan['num_params']:,} params ({plan['param_dtype']}), compute "
+        f"model:     {plan['num_params']:,} params ({plan['param_dtype']}"
+        f"{', master weights sharded over data' if plan['sharded_master'] else ''}), compute "
         f"{plan['compute_dtype']}, remat {plan['remat_policy']!r}, attention "
         f"{plan['attention_impl']!r}"
         + (f", expert exchange {plan['ep_collective']!r}" if sizes["expert"] > 1 else ""),
@@ -99,10 +87,10 @@ def render(plan: dict, config: str) -> str:
     if pipe:
         lines.append(render_pipeline(pipe))
     pd = plan["per_device_bytes"]
-    grads = "gradients" + (" (sum + micro-batch)" if plan["gradient_copies"] > 1 else "")
     rows = [["params", format_bytes(pd["params"])],
             ["optimizer state", format_bytes(pd["optimizer_state"])],
-            [grads, format_bytes(pd["gradients"])],
+            ["compute copy of params", format_bytes(pd["compute_params"])],
+            [f"gradients ({plan['gradients_counted']})", format_bytes(pd["gradients"])],
             ["other state", format_bytes(pd["other_state"])],
             ["activations (estimate)", format_bytes(pd["activations"])]]
     rows += [[f"  {k.replace('_', ' ')}", format_bytes(v)]
@@ -138,7 +126,7 @@ def render_pipeline(pipe: dict) -> str:
                           "bubble", "activations", "total/device"], rows)
     return (f"{head}\n{table}\n(interleaved bubble = interleaved 1F1B's; both run as JAX's "
             "autodiff of the forward ticks, with GPipe-like activations; "
-            "model.pipeline_virtual_stages=V picks V)")
+            "model.pipeline_virtual_stages=V picks V; totals include the compute copy)")
 
 
 # ---- command line ----------------------------------------------------------------------------

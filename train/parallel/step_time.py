@@ -3,8 +3,9 @@ the time goes, for comparing layouts of one run, not a prediction to the second.
 
     step = compute / (1 - bubble) + exposed communication
 
-compute = N * [3 F_o + (3 F_l + R) * (1 - s + s k V / Rp)] / t / (peak * mfu)
-    N: tokens per device and step (the batch over data x fsdp x expert), t: mesh.tensor. F_l:
+compute = N * [(3 F_o + (3 F_l + R) (1 - s)) / S + (3 F_l + R) s k V / Rp] / t / (peak * mfu)
+    N: tokens per stage's device and step (the batch over data x fsdp x expert), t: mesh.tensor,
+    S: mesh.pipeline. F_l:
     the decoder layers' forward FLOPs per token at train.seq_len, F_o: the rest (output heads,
     the MTP heads that train) (model/flops.py; matmuls only); 3 F: forward and backward. R: the
     forward FLOPs the remat policy recomputes in the backward pass: none 0; dots_with_kernels
@@ -12,17 +13,18 @@ compute = N * [3 F_o + (3 F_l + R) * (1 - s + s k V / Rp)] / t / (peak * mfu)
     saved by `dots_with_no_batch_dims_saveable`); full, save_attention_out, save_ffn_out the
     decoder layers' forward. With a pipeline, s is the pipelined segment's share of the layers,
     of whose Rp repeats a device runs k V slots (model/parallel/pipeline.py); the other layers,
-    embeddings and heads run on every stage. peak: --peak-tflops per device (default 989:
+    embeddings and heads split their rows over the S stages as well. peak: --peak-tflops per device (default 989:
     H100/H800 dense BF16), mfu: --mfu, the share of it the kernels reach (default 0.4).
 bubble = (S - 1) / (V M + S - 1) with S pipeline stages, V virtual stages, M micro-batches.
 
 Communication, bytes per device per step, ring collectives over w devices moving (w - 1) / w of
 the buffer each way:
     data parallel   the gradient all-reduce over data x fsdp x expert: 2 (w-1)/w * gradient
-                    bytes (ZeRO-1's reduce-scatter and all-gather move the same)
+                    bytes (ZeRO-1's reduce-scatter and all-gather move the same; P: the
+                    device's params, times mesh.data when float32 master weights shard over it)
     fsdp            the all-gather of the params before the forward and again before the
-                    backward, per accumulated micro-batch: 2 a (f-1) * the device's param
-                    bytes (an upper bound: params fsdp does not shard need no gather)
+                    backward, per accumulated micro-batch: 2 a (f-1) * P (an upper bound:
+                    params fsdp does not shard need no gather)
     tensor          two all-reduces of the layer's [tokens, D] output per layer (attention,
                     FFN) forward and two backward: 4 * 2 (t-1)/t * N c D per layer
     expert          dispatch and combine all-to-alls, forward and backward: 4 (e-1)/e * N k c D
@@ -50,6 +52,7 @@ from model.layers.layer_plan import layer_kinds, plan_segments
 from model.parallel.pipeline import pipelined_segment, stage_plan
 from model.parallel.rules import MESH_AXES
 from train.config import RunConfig
+from train.parallel.sharding import shards_master_weights
 from train.parallel.v4_activations import DTYPE_BYTES
 
 GB = 1e9
@@ -99,15 +102,18 @@ def step_time(run: RunConfig, sizes: dict[str, int], rows: dict, hardware: Hardw
     cfg, train = run.model, run.train
     layer_flops, other_flops, recomputed = token_flops(cfg, train.seq_len,
                                                        run.trained_mtp_heads())
-    stages, bubble, layer_work = sizes["pipeline"], 0.0, 1.0
+    stages, bubble, layer_work, other_work = sizes["pipeline"], 0.0, 1.0, 1.0
     if stages > 1:
         plan = stage_plan(cfg, stages)
         segment = plan_segments(layer_kinds(cfg))[pipelined_segment(cfg, stages)]
         share = segment.period * segment.repeats / cfg.num_layers
-        layer_work = 1 - share + share * plan.slots * plan.virtual / plan.repeats
+        layer_work = (1 - share) / stages + share * plan.slots * plan.virtual / plan.repeats
+        other_work = 1 / stages
         bubble = plan.bubble
-    local_tokens = rows["activations"]["tokens_per_device"] * rows["accumulation_steps"]
-    flops = local_tokens * (3 * other_flops + (3 * layer_flops + recomputed) * layer_work)
+    ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    local_tokens = -(-train.micro_batch() // ways) * train.seq_len * rows["accumulation_steps"]
+    flops = local_tokens * (3 * other_flops * other_work
+                            + (3 * layer_flops + recomputed) * layer_work)
     compute = flops / sizes["tensor"] / (hardware.peak_tflops * 1e12 * hardware.mfu)
 
     per_device = rows["per_device"]
@@ -118,9 +124,10 @@ def step_time(run: RunConfig, sizes: dict[str, int], rows: dict, hardware: Hardw
     ring = lambda w: (w - 1) / w  # noqa: E731
     width = cfg.hyper_connections.hc_mult * d
     replicas = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    params = per_device["params"] * (sizes["data"] if shards_master_weights(run) else 1)
     volume = {
-        "data": 2 * ring(replicas) * per_device["params"] if replicas > 1 else 0.0,
-        "fsdp": 2 * accumulation * (sizes["fsdp"] - 1) * per_device["params"],
+        "data": 2 * ring(replicas) * params if replicas > 1 else 0.0,
+        "fsdp": 2 * accumulation * (sizes["fsdp"] - 1) * params,
         "tensor": 8 * ring(sizes["tensor"]) * local_tokens * c * d * layers,
         "expert": 4 * ring(sizes["expert"]) * local_tokens * cfg.moe.top_k * c * d * moe_layers,
         "pipeline": 0.0,

@@ -1,30 +1,30 @@
 """`make gpu-check`: the accelerator check in one command, on whatever JAX sees.
 
-    python -m benchmarks.gpu_suite [--dry-run] [--out DIR] [--sections checks attention ...]
+    python -m benchmarks.gpu.suite [--dry-run] [--out DIR] [--sections checks attention ...]
         [--train-config PATH] [--train-override KEY=VALUE ...] [--limit SECTION=SECONDS ...]
         [--budget SECONDS]
 
-Sections, in this order (benchmarks.gpu_plans sizes them; each records its results or
+Sections, in this order (benchmarks.gpu.plans sizes them; each records its results or
 "skipped: reason"):
 1. checks: every `attention_impl` and `moe_impl` of the implementation tables against an XLA
-   reference, forward and gradients, tiny and medium shapes (benchmarks.gpu_checks); the
-   expert-parallel `ragged` collective when several devices are present (gpu_ep_check).
+   reference, forward and gradients, tiny and medium shapes (benchmarks.gpu.checks); the
+   expert-parallel `ragged` collective when several devices are present (benchmarks.gpu.ep_check).
 2. legs: the MoE's grouped matmuls per leg (fwd, dx, dw) on each candidate kernel and
-   configuration; the fastest correct ones serve the rest of the run (benchmarks.gpu_moe_legs)
+   configuration; the fastest correct ones serve the rest of the run (benchmarks.gpu.moe_legs)
    and are written to DIR/grouped_leg_table.json.
 3. train: configs/gpu_1b.yaml (~1B, bfloat16) for a few dozen steps: tokens/s, MFU against
    the device's dense bf16 peak (benchmarks.pallas_attention.PEAKS; unknown device: omitted),
    XLA's scratch memory beside train.plan's estimate.
 4. moe: the MoE layer per `moe_impl` against a dense FFN of equal active FLOPs.
-5. profile: two more train steps under jax.profiler, time per category (gpu_profile).
+5. profile: two more train steps under jax.profiler, time per category (benchmarks.gpu.profiling).
 6. attention: forward + backward of `xla`, `cudnn`, `pallas` at 4k-32k, SWA and full.
 7. remat: the train step with remat_policy=dots_with_kernels against the config's policy.
 8. decode: tokens/s at batch 1 and 32, without and with MTP speculation: the trained model and
-   the MiMo and DeepSeek-V4 ~1B configs (benchmarks.gpu_decode).
+   the MiMo and DeepSeek-V4 ~1B configs (benchmarks.gpu.decode).
 9. attention_sweep: block sizes of the Mosaic GPU flash attention (sm90), writes the chosen
-   table DIR/flash_attention_blocks.json (benchmarks.gpu_attention_sweep).
+   table DIR/flash_attention_blocks.json (benchmarks.gpu.attention_sweep).
 10. v4_layers: DeepSeek-V4's CSA, HCA and sliding-window layers against a dense full-attention
-   layer, 8k-64k (benchmarks.gpu_v4_layers).
+   layer, 8k-64k (benchmarks.gpu.v4_layers).
 Writes DIR/gpu_report.json and DIR/gpu_report.md (default benchmarks/results/;
 docs/kernels.md, "make gpu-check", says how to read them). Exit status 1 if a correctness check
 failed or raised or a whole section failed (a timing case that fails, e.g. out of memory, is
@@ -47,20 +47,20 @@ from typing import NamedTuple, Sequence
 
 import jax
 
-from benchmarks import gpu_moe_probe
+from benchmarks.gpu import moe_probe
 from benchmarks.common import RESULTS
-from benchmarks.gpu_attention_sweep import run_attention_sweep as attention_sweep
-from benchmarks.gpu_checks import TOLERANCE, check_attention, check_moe, first_line
-from benchmarks.gpu_decode import decode_section
-from benchmarks.gpu_ep_check import check_ragged_collective
-from benchmarks.gpu_moe_legs import run_legs
-from benchmarks.gpu_mosaic_probe import probe_mosaic
-from benchmarks.gpu_plans import ACCELERATOR, DRY_RUN, SECTIONS, Plan, attention_shapes
-from benchmarks.gpu_profile import run_profile
-from benchmarks.gpu_report import targets, write_report
-from benchmarks.gpu_timings import time_attention, time_moe
-from benchmarks.gpu_train import run_remat, train_section
-from benchmarks.gpu_v4_layers import run_v4_layers as v4_layers
+from benchmarks.gpu.attention_sweep import run_attention_sweep as attention_sweep
+from benchmarks.gpu.checks import TOLERANCE, check_attention, check_moe, first_line
+from benchmarks.gpu.decode import decode_section
+from benchmarks.gpu.ep_check import check_ragged_collective
+from benchmarks.gpu.moe_legs import run_legs
+from benchmarks.gpu.mosaic_probe import probe_mosaic
+from benchmarks.gpu.plans import ACCELERATOR, DRY_RUN, SECTIONS, Plan, attention_shapes
+from benchmarks.gpu.profiling import run_profile
+from benchmarks.gpu.report import targets, write_report
+from benchmarks.gpu.timings import time_attention, time_moe
+from benchmarks.gpu.training import run_remat, train_section
+from benchmarks.gpu.v4_layers import run_v4_layers as v4_layers
 from benchmarks.pallas_attention import peak_for
 from model.config import ModelConfig
 from pallas_kernels.attention import UNAVAILABLE
@@ -224,7 +224,7 @@ def parse_pairs(parser: argparse.ArgumentParser, items: list[str], flag: str) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu_suite", description=__doc__.split("\n\n")[0],
+        prog="python -m benchmarks.gpu.suite", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes, a couple of steps (the default without an accelerator)")
@@ -257,12 +257,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if not dry_run and is_hopper(compute_capability()):
-        grouped_probe = gpu_moe_probe.start()  # runs alongside the attention probe
+        grouped_probe = moe_probe.start()  # runs alongside the attention probe
         usable, device["mosaic_attention"] = probe_mosaic()
         if not usable:
             UNAVAILABLE["mosaic"] = device["mosaic_attention"]
         print(f"[gpu-check] Mosaic GPU flash attention: {device['mosaic_attention']}", flush=True)
-        device["mosaic_grouped_matmuls"] = gpu_moe_probe.finish(grouped_probe)
+        device["mosaic_grouped_matmuls"] = moe_probe.finish(grouped_probe)
         print(f"[gpu-check] Mosaic GPU grouped matmuls: {device['mosaic_grouped_matmuls']}",
               flush=True)
     ctx = Context(plan, model, device["backend"], device["peak_bf16_tflops"],

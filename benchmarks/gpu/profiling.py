@@ -1,4 +1,4 @@
-"""The profile section of `make gpu-check` (benchmarks.gpu_suite): where a train step's time goes.
+"""The profile section of `make gpu-check` (benchmarks.gpu.suite): where a train step's time goes.
 
 Two steps of the train section's compiled step run under `jax.profiler.trace`; the trace's XLA
 op events (device planes' "XLA Ops" lines on GPU/TPU; on CPU the host threads' thunk events)
@@ -190,7 +190,7 @@ def profile_steps(compiled, state, batches: list, mask_meta) -> tuple[dict, obje
 
 
 def run_profile(ctx, deadline: float) -> dict:
-    """The section runner (benchmarks.gpu_suite): the train section's step and state."""
+    """The section runner (benchmarks.gpu.suite): the train section's step and state."""
     trained = ctx.shared.get("trained")
     if trained is None:
         return {"status": "skipped", "note": "no trained model (train section not run or failed)"}

@@ -1,4 +1,4 @@
-"""The attention targets of `make gpu-check` (benchmarks.gpu_report), from the attention
+"""The attention targets of `make gpu-check` (benchmarks.gpu.report), from the attention
 section's records (batch 1, bfloat16, the train config's SWA and full layers):
 
 - full attention fwd+bwd at 8192 / bf16 peak, best implementation: >= 0.35;

@@ -1,4 +1,4 @@
-"""`gpu_report.json` and `gpu_report.md` of `make gpu-check` (benchmarks.gpu_suite): the device,
+"""`gpu_report.json` and `gpu_report.md` of `make gpu-check` (benchmarks.gpu.suite): the device,
 the versions, every section's records and the targets, as data and as tables."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks import gpu_attention_report as attention_report
-from benchmarks import gpu_moe_legs, gpu_profile
+from benchmarks.gpu import attention_report
+from benchmarks.gpu import moe_legs, profiling
 from benchmarks.common import markdown_table
-from benchmarks.gpu_attention_targets import attention_targets
-from benchmarks.gpu_train import remat_markdown
-from benchmarks.gpu_v4_layers import v4_targets
+from benchmarks.gpu.attention_targets import attention_targets
+from benchmarks.gpu.training import remat_markdown
+from benchmarks.gpu.v4_layers import v4_targets
 
 # The GPU run's targets, checked from the section records (`targets`).
 MFU_TARGET = 0.30  # train step of the ~1B config (aim: 0.45)
@@ -142,8 +142,8 @@ def render_markdown(report: dict) -> str:
     renderers = {"checks": lambda s: [_checks_table(s.get("records", []))],
                  "attention": lambda s: [_attention_table(s.get("records", []))],
                  "moe": lambda s: [_moe_table(s.get("records", []))],
-                 "train": _train_lines, "legs": gpu_moe_legs.markdown,
-                 "profile": gpu_profile.markdown, "remat": remat_markdown,
+                 "train": _train_lines, "legs": moe_legs.markdown,
+                 "profile": profiling.markdown, "remat": remat_markdown,
                  **attention_report.RENDERERS}
     for name, section in report["sections"].items():
         lines += ["", f"## {SECTION_TITLES[name]}", "",

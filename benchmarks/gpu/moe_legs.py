@@ -1,4 +1,4 @@
-"""The per-leg grouped-matmul sweep of `make gpu-check` (benchmarks.gpu_suite): which kernel and
+"""The per-leg grouped-matmul sweep of `make gpu-check` (benchmarks.gpu.suite): which kernel and
 configuration runs each leg of the MoE's expert matmuls fastest on this device.
 
 For each expert matmul of the train config's model (gate/up fused: [M, D] x [E, D, 2F]; down:
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import markdown_table, time_compiled
-from benchmarks.gpu_checks import first_line, relative_errors
+from benchmarks.gpu.checks import first_line, relative_errors
 from model.ops.pallas_moe import expert_matmuls, expert_plan, leg_widths
 from pallas_kernels import grouped_leg_table, mosaic_gpu
 from pallas_kernels.grouped_common import Tiling, resolve_interpret
@@ -186,7 +186,7 @@ def plan_of(model) -> dict[str, dict[str, str]]:
 
 
 def run_legs(ctx, deadline: float) -> dict:
-    """The section runner (benchmarks.gpu_suite): rows of the timed MoE layer, timing dtype."""
+    """The section runner (benchmarks.gpu.suite): rows of the timed MoE layer, timing dtype."""
     plan, model = ctx.plan, ctx.model
     section = sweep(model, rows=plan.moe_tokens * model.moe.top_k, dtype=plan.timing_dtype,
                     repeats=plan.legs_repeats, backend=ctx.backend,

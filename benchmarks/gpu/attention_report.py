@@ -1,10 +1,10 @@
 """Report tables of the decode, attention_sweep and v4_layers sections of `make gpu-check`
-(merged into benchmarks.gpu_report's renderers)."""
+(merged into benchmarks.gpu.report's renderers)."""
 
 from __future__ import annotations
 
 from benchmarks.common import markdown_table
-from benchmarks.gpu_attention_sweep import sweep_table
+from benchmarks.gpu.attention_sweep import sweep_table
 
 
 def _num(value, digits: int = 3) -> str:

@@ -1,5 +1,5 @@
 """What actually ran behind an attention implementation in a `make gpu-check` correctness check
-(benchmarks.gpu_checks), read from the compiled HLO, and whether it is what should have run:
+(benchmarks.gpu.checks), read from the compiled HLO, and whether it is what should have run:
 
 - `cudnn` on a GPU: where `model.ops.cudnn_attention.cudnn_fallback_reason` finds nothing
   cuDNN cannot express, the HLO must hold cuDNN's fused-attention custom call, and for SWA

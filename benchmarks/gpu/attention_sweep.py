@@ -21,8 +21,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from benchmarks.gpu_checks import first_line
-from benchmarks.gpu_timings import AttentionShape, attention_seconds
+from benchmarks.gpu.checks import first_line
+from benchmarks.gpu.timings import AttentionShape, attention_seconds
 from pallas_kernels.flash_attention_blocks import KERNELS, load_table
 from pallas_kernels.mgpu_attention_common import Blocks
 

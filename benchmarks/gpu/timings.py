@@ -1,4 +1,4 @@
-"""Kernel timings of `make gpu-check` (benchmarks.gpu_suite): attention forward + backward per
+"""Kernel timings of `make gpu-check` (benchmarks.gpu.suite): attention forward + backward per
 `attention_impl` at long contexts, SWA and full, and the MoE layer (`moe_impl`) against a dense
 SwiGLU of equal active FLOPs (benchmarks.moe_dispatch); `moe_impl=pallas` runs the Triton grouped
 matmuls on GPU with `moe.block_size` rows per tile (rounded up to a power of two).
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import time_compiled
-from benchmarks.gpu_checks import first_line
+from benchmarks.gpu.checks import first_line
 from benchmarks.moe_dispatch import time_moe_layer
 from model.flops import visible_pairs
 from model.ops.tables import ATTENTION

@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from benchmarks.gpu_checks import first_line
+from benchmarks.gpu.checks import first_line
 from model.config import load_config
 from model.inference.decode import Decoder
 from model.lm import CausalLM, init_variables, join_variables
@@ -66,7 +66,7 @@ def _rates(label: str, model, variables, prompts: np.ndarray, new_tokens: int, d
 def trained_records(trained: tuple, *, prompt_len: int, new_tokens: int,
                     batches: tuple[int, ...], deadline: float) -> list[dict]:
     """The train section's model (run, state, data) on held-out rows of its cycle."""
-    run, state, data = trained[:3]  # benchmarks.gpu_train.Trained
+    run, state, data = trained[:3]  # benchmarks.gpu.training.Trained
     rows = data.rows(max(batches), prompt_len + new_tokens, np.random.default_rng(12345))
     return _rates(TRAINED, run.model, join_variables(state.params, state.balance),
                   rows[:, :prompt_len], new_tokens, run.trained_mtp_heads(),

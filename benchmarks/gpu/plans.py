@@ -1,4 +1,4 @@
-"""What `make gpu-check` (benchmarks.gpu_suite) runs: the accelerator plan, sized to finish in
+"""What `make gpu-check` (benchmarks.gpu.suite) runs: the accelerator plan, sized to finish in
 about 8 minutes on one H100, and the dry run (tiny shapes, a couple of steps) for CPU.
 
 Every section has a time limit: a section stops starting new cases past it (a compile or a
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from benchmarks.gpu_checks import AttentionCase, MoECase
-from benchmarks.gpu_timings import AttentionShape
+from benchmarks.gpu.checks import AttentionCase, MoECase
+from benchmarks.gpu.timings import AttentionShape
 from model.config import ModelConfig
 from pallas_kernels.grouped_common import Tiling
 from pallas_kernels.grouped_legs import LegChoice
@@ -47,11 +47,11 @@ class Plan:
     # untrained configs to decode: (label, config path, overrides)
     decode_others: tuple[tuple[str, str, tuple[str, ...]], ...]
     v4_cases: tuple[tuple[int, str], ...]  # (T, layer kind) of the v4_layers section, in order
-    v4_dry_run: bool  # shrink the V4 layers (benchmarks.gpu_v4_layers.layer_config)
+    v4_dry_run: bool  # shrink the V4 layers (benchmarks.gpu.v4_layers.layer_config)
     limits: dict  # section -> seconds after which it starts no new case
     budget_s: float  # sections starting later than this are skipped
     legs_repeats: int = 10  # timed calls per grouped-matmul candidate
-    legs_candidates: dict | None = None  # leg -> LegChoices; None: gpu_moe_legs.CANDIDATES
+    legs_candidates: dict | None = None  # leg -> LegChoices; None: moe_legs.CANDIDATES
     profile_steps: int = 2
     remat_policy: str = "dots_with_kernels"  # timed against the train config's policy
     remat_steps: int = 10
@@ -155,7 +155,7 @@ DRY_RUN = ACCELERATOR.with_changes(
     decode_prompt=8,
     decode_new_tokens=8,
     decode_batches=(1,),
-    decode_others=(),  # benchmarks.gpu_decode's untrained path: tests/test_gpu_suite.py
+    decode_others=(),  # benchmarks.gpu.decode's untrained path: tests/test_gpu_suite.py
     v4_cases=((128, "W"),),  # a shrunken V4 sliding-window layer
     v4_dry_run=True,
     limits={"checks": 60, "legs": 30, "train": 60, "moe": 30, "profile": 30, "attention": 30,

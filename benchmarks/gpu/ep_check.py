@@ -1,4 +1,4 @@
-"""The expert-parallel `ragged` collective of `make gpu-check` (benchmarks.gpu_suite): the routed
+"""The expert-parallel `ragged` collective of `make gpu-check` (benchmarks.gpu.suite): the routed
 experts spread over every device on the mesh axis `expert` (report 3.2), tokens exchanged with
 `lax.ragged_all_to_all`, against the same experts on one device: outputs and gradients.
 
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.gpu_checks import TOLERANCE, first_line, relative_errors, verdict
+from benchmarks.gpu.checks import TOLERANCE, first_line, relative_errors, verdict
 from model.layers.moe import routed_experts
 from model.ops.moe_dispatch import ExpertWeights
 from model.ops.swiglu import SwiGLUClamp

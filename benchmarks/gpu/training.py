@@ -1,6 +1,6 @@
-"""Train step of `make gpu-check` (benchmarks.gpu_suite), and the same step under another remat
-policy (the remat section); the profile and decode sections (benchmarks.gpu_profile,
-gpu_decode) continue from the trained state.
+"""Train step of `make gpu-check` (benchmarks.gpu.suite), and the same step under another remat
+policy (the remat section); the profile and decode sections (benchmarks.gpu.profiling,
+benchmarks.gpu.decode) continue from the trained state.
 
 Train: a run config (configs/gpu_1b.yaml on an accelerator) trained for a few dozen steps
 through the jitted `train.step` (benchmarks.step_timing: forward, backward, Muon/AdamW,
@@ -26,8 +26,8 @@ import jax
 import numpy as np
 
 from benchmarks.common import markdown_table
-from benchmarks.gpu_checks import first_line
-from benchmarks.gpu_moe_legs import plan_of
+from benchmarks.gpu.checks import first_line
+from benchmarks.gpu.moe_legs import plan_of
 from benchmarks.step_timing import timed_steps
 from model.parallel.rules import MESH_AXES
 from model.summary import count_params
@@ -171,7 +171,7 @@ def remat_section(trained: Trained | None, baseline: dict | None, policy: str, *
 
 
 def run_remat(ctx, deadline: float) -> dict:
-    """The section runner (benchmarks.gpu_suite)."""
+    """The section runner (benchmarks.gpu.suite)."""
     plan = ctx.plan
     return remat_section(ctx.shared.get("trained"), ctx.shared.get("train_record"),
                          plan.remat_policy, warmup=plan.train_warmup, steps=plan.remat_steps,

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from benchmarks.common import time_compiled
 from benchmarks.compressed_attention_scaling import model_layer_step
-from benchmarks.gpu_checks import first_line
+from benchmarks.gpu.checks import first_line
 from model.config import load_config
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 V4_CONFIG, DENSE_CONFIG = CONFIGS / "gpu_1b_deepseek_v4.yaml", CONFIGS / "gpu_1b.yaml"
 TARGET_LENGTH = 16384
 CSA_VS_DENSE = 0.5

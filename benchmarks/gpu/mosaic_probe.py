@@ -17,12 +17,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.gpu_checks import TOLERANCE
+from benchmarks.gpu.checks import TOLERANCE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHILD = """
 import json
-from benchmarks.gpu_checks import (AttentionCase, attention_inputs, attention_outputs,
+from benchmarks.gpu.checks import (AttentionCase, attention_inputs, attention_outputs,
                                    reference_attention, relative_errors)
 from pallas_kernels.attention import mosaic_attention
 case = AttentionCase("probe", 1, 384, 4, 2, 128, 100, True, True, "bfloat16")

@@ -1,5 +1,5 @@
 """A first run of the Mosaic GPU grouped matmuls in a child process, before `make gpu-check`
-relies on them (as benchmarks/gpu_mosaic_probe.py does for the flash attention): upstream's
+relies on them (as benchmarks/gpu/mosaic_probe.py does for the flash attention): upstream's
 kernels have never run under stepjax, its own GPU test of the transposed ragged dot (the weight
 gradient) is skipped as broken, and a kernel that hangs would stall the suite past its lease.
 
@@ -18,14 +18,14 @@ import os
 import subprocess
 import sys
 
-from benchmarks.gpu_checks import TOLERANCE
-from benchmarks.gpu_mosaic_probe import REPO, _error_line
+from benchmarks.gpu.checks import TOLERANCE
+from benchmarks.gpu.mosaic_probe import REPO, _error_line
 from pallas_kernels import grouped_leg_table
 
 CHILD = """
 import json
 import jax.numpy as jnp, numpy as np
-from benchmarks.gpu_moe_legs import leg_call, operands, relative_error
+from benchmarks.gpu.moe_legs import leg_call, operands, relative_error
 from pallas_kernels.grouped_legs import LegChoice
 for leg in ("fwd", "dx", "dw"):
     try:

@@ -1,4 +1,4 @@
-"""Correctness checks of `make gpu-check` (benchmarks.gpu_suite): every attention and MoE
+"""Correctness checks of `make gpu-check` (benchmarks.gpu.suite): every attention and MoE
 implementation of the implementation tables against a plain XLA reference, forward and
 gradients, and the expert-parallel `ragged` collective against one device.
 
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.gpu_attention_checks import attention_verdict
+from benchmarks.gpu.attention_checks import attention_verdict
 from model.ops.moe_dispatch import ExpertWeights
 from model.ops.pallas_moe import expert_plan
 from model.ops.swiglu import SwiGLUClamp
