@@ -113,3 +113,23 @@ def test_plan_counts_the_copy_and_both_gradients():
     assert mixed["params"] < plain["params"] / 3  # 1/4, but for the unsharded small vectors
     assert plain["params"] / 2 < mixed["compute_params"] < 0.6 * plain["params"]
     assert mixed["gradients"] == mixed["compute_params"] + mixed["params"]
+
+
+def test_float32_pipeline_copy_counts_only_the_rearranged_segment():
+    """float32 compute on pipeline=2, data=2, 8 identical layers in one segment: params outside
+    the segment are their own copy (same dtype and layout: no new buffer). With V = 1 the
+    stages hold contiguous runs of 4 repeats, a reshape of the stored stack: no copy, one
+    gradient tree. With V = 2 the stage layout is new: per device 2 x 2 slots, the 4 repeats'
+    worth the stored stack holds there (its layers' attention, experts, router and norms)."""
+    pipelinable = ["model.num_layers=8", "model.layout=F*8", "model.num_dense_layers=0",
+                   "model.swiglu_limits=0", "model.swiglu_limits_shared=0"]
+    sizes = _sizes(pipeline=2, data=2)
+    contiguous = plan_memory(small_run(*pipelinable), sizes)["per_device_bytes"]
+    assert contiguous["compute_params"] == 0
+    assert contiguous["gradients"] == contiguous["params"]
+    staged = plan_memory(small_run(*pipelinable, "model.pipeline_virtual_stages=2"), sizes)
+    groups = staged["params_by_group_bytes"]
+    layers = sum(groups[g] for g in ("attention", "moe_routed", "moe_shared", "router"))
+    copy = staged["per_device_bytes"]["compute_params"]
+    assert layers < copy < layers + groups["norms"]
+    assert staged["per_device_bytes"]["gradients"] == copy + staged["per_device_bytes"]["params"]

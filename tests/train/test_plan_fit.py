@@ -45,18 +45,31 @@ def test_step_time_terms():
                ["compute"] for p in ("none", "dots", "full")}
     assert compute["none"] < compute["dots"] < compute["full"] < 4 / 3 * compute["none"]
     # 8 identical layers in one segment over 2 stages, 4 micro-batches: bubble 1/5, and each
-    # device runs half the layers' work
-    piped, _ = timed("train.seq_len=128", "model.num_layers=8", "model.layout=F*8",
-                     "model.num_dense_layers=0", "model.swiglu_limits=0",
-                     "model.swiglu_limits_shared=0", sizes={"pipeline": 2})
-    whole, _ = timed("train.seq_len=128", "model.num_layers=8", "model.layout=F*8",
-                     "model.num_dense_layers=0", "model.swiglu_limits=0",
-                     "model.swiglu_limits_shared=0", sizes={"data": 1})
+    # device runs half the layers' work (the embeddings and heads split their rows over the
+    # stages too); pipeline_stage_remat (default) reruns each tick's forward in the backward:
+    # half the layers' forward, what `full` remat adds to a device holding them all
+    eight = ("train.seq_len=128", "model.num_layers=8", "model.layout=F*8",
+             "model.num_dense_layers=0", "model.swiglu_limits=0", "model.swiglu_limits_shared=0")
+    piped, _ = timed(*eight, sizes={"pipeline": 2})
+    unremat, _ = timed(*eight, "model.pipeline_stage_remat=false", sizes={"pipeline": 2})
+    whole, _ = timed(*eight, sizes={"data": 1})
+    full, _ = timed(*eight, "model.remat_policy=full", sizes={"data": 1})
     assert piped["bubble"] == pytest.approx(1 / 5)
-    # (the embeddings and heads split their rows over the stages too)
-    assert piped["compute"] == pytest.approx(whole["compute"] / 2)
+    assert unremat["compute"] == pytest.approx(whole["compute"] / 2)
+    assert piped["compute"] - unremat["compute"] == pytest.approx(
+        (full["compute"] - whole["compute"]) / 2)
     assert piped["seconds"] == pytest.approx(piped["compute"] / (1 - 1 / 5)
                                              + piped["exposed_communication"])
+
+
+
+def test_data_traffic_is_the_whole_gradient_when_master_weights_shard_over_data():
+    # bfloat16 compute: the float32 master weights shard over data=2, so a device stores half
+    # of them, but the reduce-scatter and the copy's gather move the whole gradient: 2 (w-1)/w
+    # of twice the device's params row
+    two, rows = timed("train.seq_len=128", "model.compute_dtype=bfloat16", sizes={"data": 2})
+    assert two["communication"]["data"] == pytest.approx(
+        2 * rows["per_device"]["params"] / (400.0 * 1e9))
 
 
 def test_fit_lists_fitting_layouts_fastest_first(capsys):

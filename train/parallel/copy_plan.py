@@ -7,7 +7,9 @@ Per device:
   matrices in model.compute_dtype under mixed precision, gathered over `data` (no ZeRO), the
   pipelined segment in its stage layout [S, V, k, ...] (k V repeat slots per device, padded
   ones included, instead of the stored R / S); the MTP heads the loss does not run are left
-  out. None when the copy is the params themselves (no mixed precision, no pipeline).
+  out. Only the arrays that differ from the stored ones count: a param in the same dtype and
+  layout is its own copy (no new buffer), and so is a segment whose stage layout is a reshape
+  of the stored stack (contiguous stages). None when the copy is the params themselves.
 - gradients: with a copy, its gradient (same dtypes and layout: the backward pass forms it)
   plus the float32 gradient sum in the stored params' layout (1/data of it per device with
   sharded master weights; a second one while accumulating over micro-batches, the pulled-back
@@ -24,6 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from model.parallel.mesh import spec_axes
+from model.parallel.pipeline import stage_plan
 from model.parallel.rules import abstract_mesh, path_keys
 from train.config import RunConfig
 from train.parallel.compute_params import (
@@ -39,24 +42,42 @@ def makes_copy(run: RunConfig, sizes: dict[str, int]) -> bool:
     return sizes["pipeline"] > 1 or mixed_precision(run.model)
 
 
-def _copy_bytes(copy: Any, specs: Any, sizes: dict[str, int], mtp_heads: int) -> int:
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
-               // math.prod(sizes[a] for entry in spec for a in spec_axes(entry))
-               for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(copy)[0],
-                                          spec_leaves)
-               if in_copy(path_keys(path), mtp_heads))
+def _sharded_axes(spec: P, ndim: int) -> tuple:
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
+    return tuple(spec_axes(entry) for entry in entries)
 
 
-def compute_copy_bytes(run: RunConfig, sizes: dict[str, int], axes: Any, params: Any) -> int:
-    """Per-device bytes of the compute copy of `params` (abstract, logical `axes`); 0 when the
-    step computes with the params themselves."""
+def compute_copy_bytes(run: RunConfig, sizes: dict[str, int], axes: Any, params: Any,
+                       stored_specs: Any) -> int:
+    """Per-device bytes of the compute copy of `params` (abstract, logical `axes`, stored with
+    `stored_specs`) that are not the stored arrays themselves; 0 when the step computes with
+    the params."""
     if not makes_copy(run, sizes):
         return 0
     mesh, heads = abstract_mesh(sizes), run.trained_mtp_heads()
     with jax.sharding.use_abstract_mesh(mesh):
         copy = jax.eval_shape(lambda p: compute_params(p, axes, run.model, heads), params)
-    return _copy_bytes(copy, compute_specs(axes, params, mesh, run.model), sizes, heads)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    copy_specs = jax.tree.leaves(compute_specs(axes, params, mesh, run.model), is_leaf=is_spec)
+    contiguous = sizes["pipeline"] == 1 or stage_plan(run.model, sizes["pipeline"]).contiguous
+    total = 0
+    for (path, x), spec, stored, stored_spec in zip(
+            jax.tree_util.tree_flatten_with_path(copy)[0], copy_specs, jax.tree.leaves(params),
+            jax.tree.leaves(stored_specs, is_leaf=is_spec)):
+        if not in_copy(path_keys(path), heads):
+            continue
+        if x.shape != stored.shape:  # the pipelined segment: [R, ...] -> [S, V, k, ...]
+            stored_axes = _sharded_axes(stored_spec, stored.ndim)[1:]
+            copy_axes = _sharded_axes(spec, x.ndim)[3:]
+            reshaped = contiguous  # contiguous stages: a reshape of the stored stack
+        else:
+            stored_axes, copy_axes = (_sharded_axes(s, x.ndim) for s in (stored_spec, spec))
+            reshaped = True
+        if x.dtype == stored.dtype and reshaped and copy_axes == stored_axes:
+            continue  # the stored array itself
+        total += (math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                  // math.prod(sizes[a] for entry in spec for a in spec_axes(entry)))
+    return total
 
 
 def gradient_bytes(run: RunConfig, sizes: dict[str, int], copy: int, stored_params: int,

@@ -118,7 +118,7 @@ def state_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
         "params": sum(groups.values()),
         "params_by_group": dict(sorted(groups.items())),
         "compute_copy": copy_plan.compute_copy_bytes(run, sizes, training.variable_axes["params"],
-                                                     state.params),
+                                                     state.params, specs.params),
         "optimizer": _tree_bytes(state.opt_state, specs.opt_state, sizes),
         "other": other,
     }

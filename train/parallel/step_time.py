@@ -3,18 +3,20 @@ the time goes, for comparing layouts of one run, not a prediction to the second.
 
     step = compute / (1 - bubble) + exposed communication
 
-compute = N * [(3 F_o + (3 F_l + R) (1 - s)) / S + (3 F_l + R) s k V / Rp] / t / (peak * mfu)
+compute = N * [(3 F_o + (3 F_l + R)(1 - s)) / S + (3 F_l + R + F_s) s k V / Rp] / t / (peak mfu)
     N: tokens per stage's device and step (the batch over data x fsdp x expert), t: mesh.tensor,
-    S: mesh.pipeline. F_l:
-    the decoder layers' forward FLOPs per token at train.seq_len, F_o: the rest (output heads,
-    the MTP heads that train) (model/flops.py; matmuls only); 3 F: forward and backward. R: the
-    forward FLOPs the remat policy recomputes in the backward pass: none 0; dots_with_kernels
-    the attention scores; dots also the routed experts (batched and grouped products are not
-    saved by `dots_with_no_batch_dims_saveable`); full, save_attention_out, save_ffn_out the
-    decoder layers' forward. With a pipeline, s is the pipelined segment's share of the layers,
-    of whose Rp repeats a device runs k V slots (model/parallel/pipeline.py); the other layers,
-    embeddings and heads split their rows over the S stages as well. peak: --peak-tflops per device (default 989:
-    H100/H800 dense BF16), mfu: --mfu, the share of it the kernels reach (default 0.4).
+    S: mesh.pipeline. F_l: the decoder layers' forward FLOPs per token at train.seq_len, F_o:
+    the rest (output heads, the MTP heads that train) (model/flops.py; matmuls only); 3 F:
+    forward and backward. R: the forward FLOPs the remat policy recomputes in the backward
+    pass: none 0; dots_with_kernels the attention scores; dots also the routed experts (batched
+    and grouped products are not saved by `dots_with_no_batch_dims_saveable`); full,
+    save_attention_out, save_ffn_out the decoder layers' forward. With a pipeline, s is the
+    pipelined segment's share of the layers, of whose Rp repeats a device runs k V slots
+    (model/parallel/pipeline.py); the other layers, embeddings and heads split their rows over
+    the S stages as well. F_s = F_l with model.pipeline_stage_remat (a tick saves only its
+    stage input, so the backward pass reruns each tick's forward first), else 0. peak:
+    --peak-tflops per device (default 989: H100/H800 dense BF16), mfu: --mfu, the share of it
+    the kernels reach (default 0.4).
 bubble = (S - 1) / (V M + S - 1) with S pipeline stages, V virtual stages, M micro-batches.
 
 Communication, bytes per device per step, ring collectives over w devices moving (w - 1) / w of
@@ -103,17 +105,21 @@ def step_time(run: RunConfig, sizes: dict[str, int], rows: dict, hardware: Hardw
     layer_flops, other_flops, recomputed = token_flops(cfg, train.seq_len,
                                                        run.trained_mtp_heads())
     stages, bubble, layer_work, other_work = sizes["pipeline"], 0.0, 1.0, 1.0
+    stage_recompute = 0.0
     if stages > 1:
         plan = stage_plan(cfg, stages)
         segment = plan_segments(layer_kinds(cfg))[pipelined_segment(cfg, stages)]
         share = segment.period * segment.repeats / cfg.num_layers
-        layer_work = (1 - share) / stages + share * plan.slots * plan.virtual / plan.repeats
+        piped_work = share * plan.slots * plan.virtual / plan.repeats
+        layer_work = (1 - share) / stages + piped_work
         other_work = 1 / stages
+        # model.pipeline_stage_remat: the backward reruns each tick's forward first
+        stage_recompute = layer_flops * piped_work if plan.remat else 0.0
         bubble = plan.bubble
     ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     local_tokens = -(-train.micro_batch() // ways) * train.seq_len * rows["accumulation_steps"]
     flops = local_tokens * (3 * other_flops * other_work
-                            + (3 * layer_flops + recomputed) * layer_work)
+                            + (3 * layer_flops + recomputed) * layer_work + stage_recompute)
     compute = flops / sizes["tensor"] / (hardware.peak_tflops * 1e12 * hardware.mfu)
 
     per_device = rows["per_device"]
