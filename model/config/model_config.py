@@ -37,6 +37,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_kernels", "save_attention_out",
                   "save_ffn_out")
 EP_COLLECTIVES = ("auto", "ragged", "padded")
+CONTEXT_LAYOUTS = ("auto", "contiguous", "balanced")  # model/parallel/context.py
 INT32_MAX = 2**31 - 1
 # Far beyond any model (the largest have ~100 layers); bounds what per-layer lists a config
 # (or a checkpoint's config.json) makes us build.
@@ -212,6 +213,9 @@ class ModelConfig(Config):
     ep_collective: str = "auto"
     pipeline_microbatches: int = 0
     pipeline_virtual_stages: int = 1
+    # How a sequence split over `mesh.context` lays its chunks out (model/parallel/context.py):
+    # `auto` is `balanced` (causal load balance) with full-attention layers, else `contiguous`.
+    context_layout: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("num_layers", self.num_layers, 1)  # the per-layer lists below depend on it
@@ -296,6 +300,7 @@ class ModelConfig(Config):
         check_choice("ep_collective", self.ep_collective, EP_COLLECTIVES)
         check_int("pipeline_microbatches", self.pipeline_microbatches, 0)
         check_int("pipeline_virtual_stages", self.pipeline_virtual_stages, 1)
+        check_choice("context_layout", self.context_layout, CONTEXT_LAYOUTS)
         for name in ("qk_norm", "tie_embeddings", "scan_layers"):
             check_bool(name, getattr(self, name))
 

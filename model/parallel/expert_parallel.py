@@ -2,7 +2,7 @@
 over the mesh axis `expert`, run there, and come back. Dropless.
 
 Inside a `shard_map` over the whole mesh each device holds n tokens (the batch is sharded over
-`data`, `fsdp` and `expert`) and E / ep experts (weights sharded over `expert`, gathered over
+`data`, `fsdp` and `expert`, each sequence over `context`) and E / ep experts (weights sharded over `expert`, gathered over
 the other axes). Per device:
   1. sort its n*k routed copies by expert, so the copies for each expert-axis peer are one
      contiguous chunk (peer p owns experts [p E/ep, (p+1) E/ep));
@@ -121,11 +121,15 @@ def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights,
     peers = mesh.shape[AXIS]
     if num_experts % peers:
         raise ValueError(f"mesh.expert={peers} does not divide moe.num_experts={num_experts}")
-    token_spec = logical_spec("batch", None)
-    token_axes = spec_axes(token_spec[0])
-    if AXIS not in token_axes:
+    batch_axes = spec_axes(logical_spec("batch")[0])
+    if AXIS not in batch_axes:
         raise ValueError("expert parallelism needs the batch sharded over the `expert` axis "
-                         f"(rules give {token_spec})")
+                         f"(rules give {batch_axes})")
+    # x's N tokens: B rows over the batch axes, T over `context`; the MoE layer lists them
+    # time-major under `context` (model/layers/moe.py)
+    token_axes = (*(a for a in spec_axes(logical_spec("length")[0]) if mesh.shape[a] > 1),
+                  *batch_axes)
+    token_spec = P(token_axes, None)
     stat_axes = tuple(a for a in token_axes if a != AXIS and mesh.shape[a] > 1)
     body = functools.partial(
         _local_experts, num_experts=num_experts, clamp=clamp, impl=impl, block_size=block_size,

@@ -2,7 +2,8 @@
 
 The trainer enters `jax.set_mesh(mesh)` and flax's `nn.logical_axis_rules(rules)` (see
 `train.parallel.sharding`); without them every helper here reports a single device and the model
-runs its plain single-device code. Mesh axis names: `pipeline`, `data`, `fsdp`, `expert`, `tensor`.
+runs its plain single-device code. Mesh axis names: `pipeline`, `data`, `fsdp`, `expert`,
+`context`, `tensor`.
 """
 
 import functools

@@ -7,11 +7,12 @@ Decoupled layouts (report 3.2): attention and dense weights shard over `fsdp` (t
 axis) and `tensor` (heads, FFN hidden, vocabulary); routed experts shard over `expert`. Tokens
 shard over `data`, `fsdp` and `expert` together, so the expert axis is data parallelism for
 everything but the routed experts (`model.parallel.expert_parallel` moves tokens to their
-experts). The pipelined layer segment (`model.parallel.pipeline`) shards its `layers` axis over
-`pipeline` when the stages hold contiguous, equal runs of its repeats; with virtual or uneven
-stages, which rearrange the repeats every step, `pipeline` goes to the largest other dimension
-it divides instead, so that rearranging is local and one all-to-all moves the result to the
-stages.
+experts). Activations split their sequence over `context` (`model.parallel.context`; attention
+exchanges what crosses the shards). The pipelined layer segment (`model.parallel.pipeline`)
+shards its `layers` axis over `pipeline` when the stages hold contiguous, equal runs of its
+repeats; with virtual or uneven stages, which rearrange the repeats every step, `pipeline` goes
+to the largest other dimension it divides instead, so that rearranging is local and one
+all-to-all moves the result to the stages.
 
 A mesh axis that does not divide a dimension is left out of that dimension's spec (the array
 is then replicated along it), so small test models run on any mesh. The trainer builds the
@@ -33,13 +34,13 @@ from model.config import ModelConfig
 from model.parallel.mesh import spec_axes
 from model.parallel.pipeline import pipelined_segment, stage_plan
 
-MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")  # outermost first
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")  # outermost first
 BATCH_AXES = ("data", "fsdp", "expert")
 
 # logical axis -> mesh axes (`model.layers.common` lists the logical names).
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", BATCH_AXES),
-    ("length", None),
+    ("length", "context"),  # one sequence split over `context` (model.parallel.context)
     ("act_embed", None),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
