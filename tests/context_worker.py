@@ -6,8 +6,10 @@ device, and the context layout's exchanges against numpy. Prints one JSON object
 
 FAMILY: `s35` (Step 3.5: S and F layers, MoE, MTP), `mimo` (MiMo-V2-Flash: sinks, per-type
 heads) or `v4` (DeepSeek-V4: W/C/H layers, mHC, hash routing, the MTP layer block); MESH:
-comma-separated axis=size, e.g. `pipeline=2,context=2,expert=2`. The word `exchanges` adds the
-layout checks (tests/context_exchanges.py).
+comma-separated axis=size, e.g. `pipeline=2,context=2,expert=2`, and optionally
+`layout=contiguous|balanced` (model.context_layout). `v4dense` is `v4` with CSA attending
+densely (the indexer warm-up's KL over every entry). The word `exchanges` adds the layout
+checks (tests/context_exchanges.py).
 
 The batch packs three documents per row with boundaries at odd places (so documents cross the
 shard boundaries) and padding at the end; T = 64 (32 for `v4`), so `context=8` gives chunks
@@ -40,6 +42,9 @@ FAMILIES = {  # run builder, sequence length
                                  "model.mtp.num_heads=1", *o), 64),
     "mimo": (small_mimo_run, 64),
     "v4": (lambda *o: small_v4_run("model.layout=WWCH", "model.moe.hash_layers=2", *o), 32),
+    # CSA attending to every visible entry, the indexer learning the dense distribution
+    "v4dense": (lambda *o: small_v4_run("model.layout=WCHC",
+                                        "model.shared_kv_attention.csa_attention=dense", *o), 32),
 }
 
 
@@ -60,10 +65,11 @@ def packed_batch(length: int, vocab: int = 64, seed: int = 0) -> dict:
             "meta_mask": (positions < 2)[None]}
 
 
-def loss_and_grads(family: str, sizes: dict, devices) -> tuple[float, list]:
+def loss_and_grads(family: str, sizes: dict, devices, layout: str = "auto"):
     build, length = FAMILIES[family]
     run = build(f"train.batch_size={ROWS}", f"train.seq_len={length}",
-                "model.pipeline_microbatches=2", "model.moe.num_ep_groups=2")  # G = mesh.expert
+                "model.pipeline_microbatches=2", "model.moe.num_ep_groups=2",  # G = mesh.expert
+                f"model.context_layout={layout}")
     training = build_training(run)
     mesh = make_mesh(MeshConfig(**{"data": 1, **sizes}), devices)
     check_batch_fits(run, mesh)
@@ -83,7 +89,8 @@ def loss_and_grads(family: str, sizes: dict, devices) -> tuple[float, list]:
         batch = {k: jax.device_put(v, NamedSharding(mesh, batch_spec(mesh)))
                  for k, v in packed_batch(length).items()}
         loss, grads = jax.jit(loss_grads)(state.params, state.balance, batch)
-    return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
+    leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+    return float(loss), {jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}
 
 
 def main(args: list[str]) -> None:
@@ -92,12 +99,17 @@ def main(args: list[str]) -> None:
     if "exchanges" in args:
         from context_exchanges import check_exchanges
         results["exchanges"] = check_exchanges()
-    want_loss, want_grads = loss_and_grads(family, {}, jax.devices()[:1])
+    want_loss, want = loss_and_grads(family, {}, jax.devices()[:1])
+    attention = [k for k in want if "self_attn" in k]  # what the exchanges feed
     for text in meshes:
-        sizes = {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
-        loss, grads = loss_and_grads(family, sizes, jax.devices())
+        sizes = dict(item.split("=") for item in text.split(","))
+        layout = sizes.pop("layout", "auto")
+        loss, got = loss_and_grads(family, {k: int(v) for k, v in sizes.items()}, jax.devices(),
+                                   layout)
         results[text] = {"loss_error": abs(loss - want_loss) / abs(want_loss),
-                         "grad_error": relative_error(grads, want_grads)}
+                         "grad_error": relative_error(list(got.values()), list(want.values())),
+                         "attention_grad_error": relative_error([got[k] for k in attention],
+                                                                [want[k] for k in attention])}
     print(json.dumps(results))
 
 

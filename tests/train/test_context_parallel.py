@@ -21,8 +21,11 @@ TOLERANCE = 1e-5  # relative, float32 with a different reduction order
 def check(results: dict, meshes: tuple, grad_tolerance: float = TOLERANCE) -> None:
     assert sorted(k for k in results if k != "exchanges") == sorted(meshes)
     for mesh in meshes:
-        assert results[mesh]["loss_error"] < TOLERANCE, (mesh, results[mesh])
-        assert results[mesh]["grad_error"] < grad_tolerance, (mesh, results[mesh])
+        result = results[mesh]
+        assert result["loss_error"] < TOLERANCE, (mesh, result)
+        assert result["grad_error"] < grad_tolerance, (mesh, result)
+        # the attention sublayers' parameters, which the exchanges feed: always tight
+        assert result["attention_grad_error"] < TOLERANCE, (mesh, result)
 
 
 @pytest.mark.slow
@@ -36,6 +39,39 @@ def test_step35_with_context_matches_one_device_and_the_exchanges_match_numpy():
     check(results, meshes)
     for layout, errors in results["exchanges"].items():
         assert all(error == 0 for error in errors.values()), (layout, errors)
+
+
+@pytest.mark.slow
+def test_mimo_with_context_matches_one_device():
+    """Sinks on the SWA layers and the MTP block, per-type KV heads and head dims, values
+    narrower than keys (window 9: 8 rows of halo, one hop at context=4, two at context=8)."""
+    meshes = ("context=8", "context=4,data=2")
+    check(run_device_worker(WORKER, 8, "mimo", *meshes), meshes)
+
+
+# mHC's head biases and gates get sums over every token of largely cancelling terms (gradient
+# norms ~1e-8): data parallelism alone moves them by ~1e-3 relative (test_parallel.py), so the
+# whole-model bound is that one; the attention parameters are held to TOLERANCE.
+V4_GRAD_TOLERANCE = 5e-3
+
+
+@pytest.mark.slow
+def test_deepseek_v4_with_context_matches_one_device():
+    """W, C (sparse: the indexer's top-k over the gathered entries) and H layers, mHC streams,
+    hash routing, the MTP layer block; T = 32: context=8 gives chunks of 4 tokens under a
+    window of 8 and CSA blocks of 2 whose overlap reaches into the chunk before; the two W
+    layers in two pipeline stages with the experts over `expert`."""
+    meshes = ("context=8", "pipeline=2,context=2,expert=2")
+    check(run_device_worker(WORKER, 8, "v4", *meshes), meshes, V4_GRAD_TOLERANCE)
+
+
+@pytest.mark.slow
+def test_deepseek_v4_dense_csa_in_the_balanced_layout_matches_one_device():
+    """CSA attending to every visible entry with the indexer's KL over all of them (its sums
+    added over the mesh), the compression of two chunks per shard (balanced layout) with the
+    batch over `data`."""
+    meshes = ("context=4,data=2,layout=balanced",)
+    check(run_device_worker(WORKER, 8, "v4dense", *meshes), meshes, V4_GRAD_TOLERANCE)
 
 
 # ---- in-process: layouts and errors (no devices needed) ---------------------------------------
