@@ -28,7 +28,7 @@ from model.layers.norm import RMSNorm
 from model.layers.projection import Projection
 from model.layers.router import ep_group_balance_loss
 from model.layers.stack import LayerStack
-from model.parallel.context import context_layout, from_layout, to_layout
+from model.parallel.context import context_layout, from_layout, splits_sequences, to_layout
 from model.parallel.mesh import mesh_axis_size
 
 
@@ -150,7 +150,7 @@ class CausalLM(nn.Module):
                          jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))
         # Under `mesh.context` the rows run in the context layout's order
         # (model/parallel/context.py); inputs and outputs are in natural order.
-        layout = context_layout(self.config)
+        layout = context_layout(self.config, None if splits_sequences(self) else 1)
         ordered = lambda x, axis=1: None if x is None else to_layout(x, layout, axis)  # noqa: E731
         natural = lambda x, axis=1: from_layout(x, layout, axis)  # noqa: E731
         positions, rows_segments = ordered(positions), ordered(segment_ids)

@@ -1,6 +1,9 @@
 """The context layout's exchanges (model/parallel/context.py) on 8 host devices against numpy
 loops: the balanced reordering and back, the rows before each chunk, the all-gather into
-natural order and the document offsets. Imported by tests/context_worker.py."""
+natural order and the document offsets; and the GQA attention cores per shard
+(model/parallel/context_attention.py: the Pallas flash kernel in interpret mode and the XLA
+core, window and full) against the XLA core on one device. Imported by
+tests/context_worker.py."""
 
 import functools
 
@@ -9,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from model.ops.tables import ATTENTION
 from model.parallel.context import AXIS, ContextLayout, from_layout, to_layout
+from model.parallel.context_attention import context_attention
 from model.parallel.rules import use_mesh
 from train.config import MeshConfig
 from train.parallel.sharding import make_mesh
@@ -81,4 +86,44 @@ def check_exchanges() -> dict:
                 "document_offsets": int(np.abs(np.asarray(offsets)
                                                - document_offsets_loop(segments)[:, rows]).max()),
             }
+    return errors
+
+
+def check_attention_cores() -> dict:
+    """Max abs error of each core per shard (context=4, data=2, balanced: chunks of 4 rows
+    under a window of 8), output and gradients, against the XLA core on one device; three
+    documents, a sink."""
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(2, LENGTH, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, LENGTH, 2, 8)), jnp.float32) for _ in range(2))
+    segments = jnp.asarray(np.repeat([[1] * 11 + [2] * 13 + [3] * 8], 2, 0), jnp.int32)
+    sink = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+    layout = ContextLayout(4, 2)
+    rows = layout_rows(4, 2)
+    mesh = make_mesh(MeshConfig(context=4, data=2))
+    errors = {}
+
+    def with_grads(fn):  # the output and the gradients of a loss of it in q, k, v and the sink
+        def loss(q, k, v, sink):
+            out = fn(q, k, v, sink)
+            return jnp.sum(jnp.sin(out)), out
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+    for window in (8, None):
+        core = ATTENTION.resolve("xla")
+        want_grads, want = with_grads(lambda q, k, v, sink: core(
+            q, k, v, window=window, segment_ids=segments, sink=sink))(q, k, v, sink)
+        for impl in ("xla", "pallas"):
+            split = context_attention(ATTENTION.resolve(impl), layout)
+            with use_mesh(mesh):
+                got_grads, got = with_grads(lambda q, k, v, sink: split(
+                    q, k, v, window=window, segment_ids=segments[:, rows], sink=sink))(
+                    q[:, rows], k[:, rows], v[:, rows], sink)
+            # layout order back to natural for q, k, v; the sink's gradient as it is
+            back = np.argsort(rows)
+            got_grads = [np.asarray(g)[:, back] for g in got_grads[:3]] + [got_grads[3]]
+            errors[f"{impl},window={window}"] = max(
+                float(np.abs(np.asarray(got)[:, back] - np.asarray(want)).max()),
+                *(float(np.abs(np.asarray(g) - np.asarray(w)).max())
+                  for g, w in zip(got_grads, want_grads)))
     return errors

@@ -75,7 +75,6 @@ def loss_and_grads(family: str, sizes: dict, devices, layout: str = "auto"):
     check_batch_fits(run, mesh)
     shardings = named(mesh, state_specs(abstract_state(training, run.train.seed),
                                         training.variable_axes, mesh, run))
-    state = jax.jit(lambda: create_state(training.model, training.optimizer, run.train.seed))()
 
     def loss_grads(params, balance, batch):
         counts = step_module.target_counts(run, batch, False)
@@ -84,8 +83,9 @@ def loss_and_grads(family: str, sizes: dict, devices, layout: str = "auto"):
             training.model, run, params, balance, micro, False, counts, 1)
         return loss, grads
 
-    with use_mesh(mesh):
-        state = jax.device_put(state, shardings)
+    with use_mesh(mesh):  # the state initialised under the mesh, as the trainer does
+        state = jax.jit(lambda: create_state(training.model, training.optimizer,
+                                             run.train.seed), out_shardings=shardings)()
         batch = {k: jax.device_put(v, NamedSharding(mesh, batch_spec(mesh)))
                  for k, v in packed_batch(length).items()}
         loss, grads = jax.jit(loss_grads)(state.params, state.balance, batch)
@@ -97,8 +97,9 @@ def main(args: list[str]) -> None:
     family, meshes = args[0], [a for a in args[1:] if a != "exchanges"]
     results = {}
     if "exchanges" in args:
-        from context_exchanges import check_exchanges
+        from context_exchanges import check_attention_cores, check_exchanges
         results["exchanges"] = check_exchanges()
+        results["cores"] = check_attention_cores()
     want_loss, want = loss_and_grads(family, {}, jax.devices()[:1])
     attention = [k for k in want if "self_attn" in k]  # what the exchanges feed
     for text in meshes:

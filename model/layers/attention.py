@@ -25,9 +25,9 @@ from model.layers.norm import RMSNorm
 from model.layers.projection import Projection
 from model.layers.rope import apply_rope
 from model.ops.tables import ATTENTION
-from model.parallel.context import AXIS as CONTEXT, context_layout
+from model.parallel.context import context_layout, splits_sequences
 from model.parallel.context_attention import context_attention
-from model.parallel.mesh import mesh_axis_size, mesh_size, shard_attention_core
+from model.parallel.mesh import mesh_size, shard_attention_core
 
 
 class Attention(nn.Module):
@@ -76,7 +76,7 @@ class Attention(nn.Module):
             y = self._cached_attention(q, k, v, positions, window, sink, geo.rotary_dims)
         else:
             core = ATTENTION.resolve(cfg.attention_impl)
-            if mesh_axis_size(CONTEXT) > 1:  # the sequence is split: exchange what crosses
+            if splits_sequences(self):  # the sequence is split: exchange what crosses
                 core = context_attention(core, context_layout(cfg))
             elif cfg.attention_impl == "pallas" and mesh_size() > 1:
                 core = shard_attention_core(core)  # XLA does not partition a pallas_call

@@ -25,14 +25,12 @@ from model.ops.sparse_indexer import (
     indexer_queries,
     select_entries,
 )
-from model.parallel.context import AXIS as CONTEXT
-from model.parallel.context import context_layout
+from model.parallel.context import context_layout, splits_sequences
 from model.parallel.context_compression import (
     context_compress,
     context_dense_indexer_terms,
     context_select_entries,
 )
-from model.parallel.mesh import mesh_axis_size
 
 
 QK_FORMATS = {"none": lambda x: x, "mxfp4": fp4_qk}
@@ -74,7 +72,7 @@ class Compressor(nn.Module):
         Under `mesh.context` the entries of every shard, whole on each."""
         options = dict(rate=self.rate, overlap=self.overlap, inv_freq=inv_freq,
                        segment_ids=segment_ids, positions=positions, eps=self.config.norm_eps)
-        if mesh_axis_size(CONTEXT) > 1:
+        if splits_sequences(self):
             return context_compress(hidden, self.params(), layout=context_layout(self.config),
                                     **options)
         return compress_kv(hidden, self.params(), **options)
@@ -128,7 +126,7 @@ class LightningIndexer(nn.Module):
                                   entry_ends(keys), **options)
         keys = compressor(hidden, segment_ids, positions, inv_freq)
         entries = quantize(keys.entries)
-        if mesh_axis_size(CONTEXT) > 1:  # each shard scores its queries against every key
+        if splits_sequences(self):  # each shard scores its queries against every key
             split = dict(layout=context_layout(cfg), **options)
             keys = keys._replace(entries=entries)
             if dense_target is not None:

@@ -30,8 +30,8 @@ from model.ops.mx_quant import fake_mxfp4_weight
 from model.ops.swiglu import SwiGLUClamp
 from model.ops.tables import MOE
 from model.parallel.expert_parallel import expert_parallel_experts
-from model.parallel.context import AXIS as CONTEXT
-from model.parallel.mesh import mesh_axis_size, mesh_size
+from model.parallel.context import splits_sequences
+from model.parallel.mesh import mesh_size
 
 
 EXPERT_WEIGHT_FORMATS = {"none": lambda weight: weight, "mxfp4": fake_mxfp4_weight}
@@ -89,7 +89,7 @@ class MoE(nn.Module):
         batch, length, d_model = x.shape
         # Tokens in one list, time-major under `mesh.context` (T split over shards, B over the
         # batch axes: merging [T, B] keeps each device's tokens in place, [B, T] would not).
-        time_major = mesh_axis_size(CONTEXT) > 1
+        time_major = splits_sequences(self)
         flat = functools.partial(_flat_tokens, time_major=time_major)
         rows = functools.partial(_token_rows, batch=batch, length=length, time_major=time_major)
         tokens = flat(x)

@@ -42,10 +42,8 @@ from model.ops.compressed_attention import attend_window_and_entries, compressed
 from model.ops.interleaved_rope import rotate_trailing_pairs
 from model.ops.kv_compression import CompressedKV
 from model.ops.sparse_indexer import indexer_kl_loss
-from model.parallel.context import AXIS as CONTEXT
-from model.parallel.context import context_layout
+from model.parallel.context import context_layout, splits_sequences
 from model.parallel.context_compression import context_compressed_attention
-from model.parallel.mesh import mesh_axis_size
 
 
 def rope_inv_freq(cfg: ModelConfig, attention_type: str) -> np.ndarray:
@@ -150,7 +148,7 @@ class SharedKVAttention(nn.Module):
         """The core attention (model.ops.compressed_attention), per `mesh.context` shard when
         the sequence is split."""
         options = dict(self._core_options(segment_ids), **kwargs)
-        if mesh_axis_size(CONTEXT) > 1:
+        if splits_sequences(self):
             return context_compressed_attention(q, kv, compressed, sinks,
                                                 layout=context_layout(self.config), **options)
         return compressed_attention(q, kv, compressed, sinks, **options)

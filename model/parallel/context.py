@@ -6,14 +6,14 @@ of `context`; each shard holds k chunk slots (`ContextLayout`):
 - contiguous (k = 1): shard r holds chunk r;
 - balanced (k = 2): shard r holds chunks r and 2C-1-r. Under causal attention a query sees the
   keys before it, so chunk r's queries have r + 1 chunks of keys and chunk 2C-1-r's 2C - r:
-  every shard gets 2C + 1 chunks of work instead of shard r's 2(r + 1) in the contiguous
-  layout.
+  every shard has the same work, where in the contiguous layout shard r has 2r + 1 times
+  shard 0's.
 Global [B, T, ...] arrays hold their rows in layout order (shard 0's slots, shard 1's, ...):
 token-wise layers do not care, and `to_layout` / `from_layout` move natural-order arrays in and
 out. Attention knows each row's natural index (`token_index`) and brings the rows it needs:
 the rows just before a chunk (`previous_rows`, a collective permute per chunk of distance) or
-the whole sequence (`gather`, an all-gather). Methods named `local_*` and the exchanges run
-inside a `shard_map` over `context`.
+the whole sequence (`gather`, an all-gather). Those methods run inside a `shard_map` over
+`context`; `to_layout` / `from_layout` are one.
 """
 
 from __future__ import annotations
@@ -43,10 +43,6 @@ class ContextLayout:
     def chunk_of(self, shard, slot: int):
         """Natural index of the chunk in `slot` of `shard` (an int or a traced scalar)."""
         return shard if slot == 0 else self.chunks - 1 - shard
-
-    def chunk_order(self) -> list[int]:
-        """Natural chunk index of each chunk in layout order (shard-major)."""
-        return [self.chunk_of(r, j) for r in range(self.shards) for j in range(self.slots)]
 
     # ---- inside shard_map over `context` ------------------------------------------------------
 
@@ -130,6 +126,12 @@ class ContextLayout:
         return (index[None] - begin).reshape(batch, length)
 
 
+def splits_sequences(module=None) -> bool:
+    """Whether the current mesh splits sequences over `context`; never while the flax `module`
+    initializes (init traces a dummy [1, 8] batch, which no layout cuts)."""
+    return mesh_axis_size(AXIS) > 1 and not (module is not None and module.is_initializing())
+
+
 def context_layout(cfg: ModelConfig, shards: int | None = None) -> ContextLayout:
     """The layout of `cfg` on `shards` context shards (default: the current mesh's `context`,
     1 without one): `model.context_layout`, whose `auto` is `balanced` where there are
@@ -163,17 +165,17 @@ def _local_move(x, *, layout: ContextLayout, inverse: bool, axis: int):
     x = jnp.moveaxis(x, axis, 0)
     halves = x.reshape(2, -1, *x.shape[1:])  # the shard's two chunk slots
 
-    def home(chunk):  # (shard, slot) of natural chunk `chunk` in the balanced layout
-        return (chunk, 0) if chunk < shards else (2 * shards - 1 - chunk, 1)
+    def home(chunk):  # the shard of natural chunk `chunk` in the balanced layout
+        return chunk if chunk < shards else 2 * shards - 1 - chunk
 
     shard = jax.lax.axis_index(AXIS)
     received = []
     for parity in (0, 1):  # move the even, then the odd natural chunks
         if not inverse:  # natural chunk 2s + parity sits in slot `parity` of shard s
-            pairs = [(s, home(2 * s + parity)[0]) for s in range(shards)]
+            pairs = [(s, home(2 * s + parity)) for s in range(shards)]
             received.append(jax.lax.ppermute(halves[parity], AXIS, pairs))
         else:
-            pairs, sent = [], []
+            pairs = []
             for r in range(shards):
                 chunk = next(layout.chunk_of(r, j) for j in (0, 1)
                              if layout.chunk_of(r, j) % 2 == parity)

@@ -32,7 +32,7 @@ from model.parallel.context import AXIS, ContextLayout
 from model.parallel.mesh import logical_spec, mesh_axis_size
 
 NO_SEGMENT = jnp.iinfo(jnp.int32).min  # the segment id of rows before the sequence
-SCORES_PER_BLOCK = 1 << 22  # query rows per gathered-attention block: ~this many scores
+SCORES_PER_BLOCK = 1 << 22  # scores (rows x keys x heads) per query block of a gathered layer
 
 
 def context_attention(core: AttentionCore, layout: ContextLayout) -> AttentionCore:
@@ -110,7 +110,6 @@ def gathered_attention(q, k, v, q_index, q_seg, k_seg, sink):
     rows = max(1, min(queries, SCORES_PER_BLOCK // (keys * q.shape[2])))
     blocks = -(-queries // rows)
     pad = blocks * rows - queries
-    key_index = jnp.arange(keys)
 
     def padded(x, fill):
         widths = [(0, 0)] * x.ndim
@@ -120,11 +119,38 @@ def gathered_attention(q, k, v, q_index, q_seg, k_seg, sink):
 
     def block(xs):
         q_b, seg_b, index_b = xs
-        mask = (key_index[None, None, :] <= index_b[:, :, None]) & (
-            seg_b[:, :, None] == k_seg[:, None, :])
-        return masked_attention(q_b, k, v, mask, sink)
+        return _causal_block(q_b, k, v, sink, index_b, seg_b, k_seg)
 
     index = jnp.broadcast_to(q_index, (batch, queries))
-    out = jax.lax.map(jax.checkpoint(block), (padded(q, 0), padded(q_seg, NO_SEGMENT),
-                                              padded(index, -1)))
+    out = jax.lax.map(block, (padded(q, 0), padded(q_seg, NO_SEGMENT), padded(index, -1)))
     return jnp.moveaxis(out, 0, 1).reshape(batch, blocks * rows, *out.shape[3:])[:, :queries]
+
+
+def _block_mask(q_index, q_seg, k_seg):
+    """Query t (natural index q_index [B, Q]) sees key s <= t of its document: [B, Q, S]."""
+    key_index = jnp.arange(k_seg.shape[1])
+    return (key_index[None, None, :] <= q_index[:, :, None]) & (
+        q_seg[:, :, None] == k_seg[:, None, :])
+
+
+@jax.custom_vjp
+def _causal_block(q, k, v, sink, q_index, q_seg, k_seg):
+    """One query block of `gathered_attention`. Its mask is built from the indices in the
+    forward pass and again in the backward (which recomputes the block), never stored: as a
+    residual of the loop it would be stacked over all the blocks ([T, T] bits per layer)."""
+    return masked_attention(q, k, v, _block_mask(q_index, q_seg, k_seg), sink)
+
+
+def _causal_block_fwd(q, k, v, sink, q_index, q_seg, k_seg):
+    return _causal_block(q, k, v, sink, q_index, q_seg, k_seg), (q, k, v, sink, q_index, q_seg,
+                                                                 k_seg)
+
+
+def _causal_block_bwd(residuals, d_out):
+    q, k, v, sink, q_index, q_seg, k_seg = residuals
+    mask = _block_mask(q_index, q_seg, k_seg)
+    _, vjp = jax.vjp(lambda q, k, v, sink: masked_attention(q, k, v, mask, sink), q, k, v, sink)
+    return (*vjp(d_out), None, None, None)
+
+
+_causal_block.defvjp(_causal_block_fwd, _causal_block_bwd)

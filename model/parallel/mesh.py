@@ -28,6 +28,13 @@ def mesh_size() -> int:
     return 1 if mesh.empty else math.prod(mesh.shape.values())
 
 
+def global_view() -> bool:
+    """Whether the arrays being traced are global arrays over a mesh of several devices (XLA
+    partitions them), rather than one device's blocks inside a `shard_map`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh_size() > 1 and not mesh.are_all_axes_manual
+
+
 def logical_spec(*logical_axes: str | None) -> PartitionSpec:
     """PartitionSpec of an array with these logical axes under the active rules (flax's
     `nn.logical_axis_rules`); every dimension unsharded when no rules are set."""

@@ -19,7 +19,7 @@ TOLERANCE = 1e-5  # relative, float32 with a different reduction order
 
 
 def check(results: dict, meshes: tuple, grad_tolerance: float = TOLERANCE) -> None:
-    assert sorted(k for k in results if k != "exchanges") == sorted(meshes)
+    assert sorted(k for k in results if k not in ("exchanges", "cores")) == sorted(meshes)
     for mesh in meshes:
         result = results[mesh]
         assert result["loss_error"] < TOLERANCE, (mesh, result)
@@ -29,7 +29,7 @@ def check(results: dict, meshes: tuple, grad_tolerance: float = TOLERANCE) -> No
 
 
 @pytest.mark.slow
-def test_step35_with_context_matches_one_device_and_the_exchanges_match_numpy():
+def test_step35_with_context_matches_one_device_and_the_exchanges_and_cores_match():
     """S and F layers (balanced layout), MoE with a shared expert, an MTP head whose shifted
     targets cross the shards; `context=8`: chunks of 4 rows under a window of 8 (two permute
     hops); `context=4,data=2`: chunks of 8; the F x 2 segment in two pipeline stages with the
@@ -39,6 +39,10 @@ def test_step35_with_context_matches_one_device_and_the_exchanges_match_numpy():
     check(results, meshes)
     for layout, errors in results["exchanges"].items():
         assert all(error == 0 for error in errors.values()), (layout, errors)
+    # the window and full cores per shard (Pallas in interpret mode, XLA) against one device
+    assert sorted(results["cores"]) == ["pallas,window=8", "pallas,window=None",
+                                        "xla,window=8", "xla,window=None"]
+    assert all(error < 1e-5 for error in results["cores"].values()), results["cores"]
 
 
 @pytest.mark.slow
