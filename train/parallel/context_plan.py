@@ -16,6 +16,8 @@ term of the planner scales with `tokens_per_device`. On top of that, per layer w
   (whole on every device, repeated per chunk for the attention) and, for C, the same for the
   lightning indexer's keys.
 Bytes per device; `rows` is the micro-batch rows a device holds (the batch axes' share).
+The memory planner (memory_plan.py) counts the per-token terms on `tokens_per_device`, each
+F / S layer's attention at `attention_length`, and adds `context_activation_bytes`.
 """
 
 from __future__ import annotations
@@ -96,3 +98,34 @@ def context_layer_bytes(cfg: ModelConfig, seq_len: int, rows: int, context: int
         terms = _gqa_terms if kind in "FS" else _shared_kv_terms
         out[kind] = terms(cfg, kind, rows, seq_len, layout.shards, layout.slots)
     return out
+
+
+# the terms that live only while one layer is differentiated; the others are kept per layer
+WORKING_TERMS = ("gathered_kv_grad", "score_block")
+
+
+def attention_length(cfg: ModelConfig, attention_type: str, seq_len: int, context: int) -> int:
+    """The sequence length the planner's per-token attention terms of a layer see on a device:
+    a sliding-window layer's core runs on [halo; chunk], a full layer keeps no scores per token
+    (its query blocks are `score_block`), W / C / H layers see every gathered entry."""
+    if context == 1 or attention_type not in "FS":
+        return seq_len
+    if attention_type == "F":
+        return 0
+    layout = context_layout(cfg, context)
+    return seq_len // layout.chunks + _halo_rows(cfg.window, seq_len, layout.shards, layout.slots)
+
+
+def context_activation_bytes(cfg: ModelConfig, attention_types: list[str], seq_len: int,
+                             rows: int, context: int) -> dict[str, int]:
+    """What context parallelism adds to a device's activations for layers of these attention
+    types (one entry per layer, MTP blocks included): the kept terms summed over the layers,
+    the working terms of the largest layer. Pipelined layers are counted as whole-batch ones."""
+    if context == 1:
+        return {}
+    terms = context_layer_bytes(cfg, seq_len, rows, context)
+    kept = sum(v for kind in attention_types for k, v in terms[kind].items()
+               if k not in WORKING_TERMS)
+    working = max(sum(v for k, v in terms[kind].items() if k in WORKING_TERMS)
+                  for kind in attention_types)
+    return {"context_exchanged": kept, "context_working_set": working}
