@@ -129,6 +129,13 @@ class PlanError(ValueError):
     """A mesh/config combination that training would refuse (exit code 2 on the CLI)."""
 
 
+def format_bytes(n: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
 # ---- state bytes -----------------------------------------------------------------------------
 
 
@@ -324,8 +331,10 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     mtp = run.trained_mtp_heads() * tokens * (6 * d_bytes + mtp_block)
     chunk = min(train.loss_chunk_size, micro * seq_len)
     logits = 2 * chunk * tensor_split(cfg.vocab_size, tensor) * 4
+    # the step's batch: int32 tokens, segment ids, positions and two bool masks per token
+    batch = max(train.batch_sizes()) // micro * rows * seq_len * (3 * 4 + 2)
     parts = {"layers_saved": saved, "layer_working_set": working, "embeddings_and_io": extras,
-             "mtp_heads": mtp, "logits_chunk": logits}
+             "mtp_heads": mtp, "logits_chunk": logits, "batch": batch}
     parts = {k: int(round(v)) for k, v in parts.items()}
     return {"total": sum(parts.values()), "parts": parts, "rows_per_device": rows,
             "tokens_per_device": tokens}

@@ -4,7 +4,9 @@
         --mesh pipeline=2,expert=8,data=256 --batch-size 8192 --seq-len 4096 [--json]
 
 Nothing is allocated and no device is needed, so a 4096-device mesh is planned on a laptop in
-seconds. How each row is counted follows (train/parallel/memory_plan.py).
+seconds. How each row is counted follows (train/parallel/memory_plan.py). `--measure` also
+compiles the real train step on this host's devices and shows XLA's per-device bytes beside
+the estimate (train/parallel/measure.py).
 
 Exit codes: 0 (a plan was printed; over budget is a WARNING on stderr unless --strict, then 1),
 2 (bad flags, config, mesh or a mesh that does not fit the devices or the layer plan).
@@ -23,7 +25,8 @@ from model.config.cli import ArgumentParser, format_table
 from model.parallel.rules import MESH_AXES
 from train.config import RunConfig, load_run_config
 from train.parallel import memory_plan
-from train.parallel.memory_plan import PlanError, plan_memory
+from train.parallel.measure import measure_step, mesh_devices, render_measured
+from train.parallel.memory_plan import PlanError, format_bytes, plan_memory
 
 # ---- mesh ------------------------------------------------------------------------------------
 
@@ -65,13 +68,6 @@ def resolve_mesh(run: RunConfig, devices: int | None) -> dict[str, int]:
 
 
 # ---- the table ------------------------------------------------------------------------------
-
-
-def format_bytes(n: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def render(plan: dict, config: str) -> str:
@@ -156,6 +152,11 @@ def build_parser() -> ArgumentParser:
                         help="memory budget per device (default: 80)")
     parser.add_argument("--strict", action="store_true",
                         help="exit with code 1 when over budget")
+    parser.add_argument("--measure", action="store_true",
+                        help="also compile the real train step on this host's devices (no "
+                             "data, nothing trained) and show XLA's per-device memory beside "
+                             "the estimate; on a CPU machine start with XLA_FLAGS="
+                             "--xla_force_host_platform_device_count=N for an N-device mesh")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. model.remat_policy=full train.seq_len=4096")
@@ -185,10 +186,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             overrides += [f"mesh.{a}={s}" for a, s in parse_mesh(args.mesh).items()]
         run = load_run_config(args.config, overrides)
         sizes = resolve_mesh(run, args.devices)
+        if args.measure:
+            mesh_devices(sizes)  # refused before anything is traced
         plan = plan_memory(run, sizes, args.device_memory)
+        if args.measure:
+            plan["measured"] = measure_step(run, sizes)
     except ValueError as err:
         return _error(str(err))
-    print(json.dumps(plan, indent=2) if args.json else render(plan, args.config))
+    text = render(plan, args.config)
+    if args.measure:
+        text += "\n\n" + render_measured(plan, plan["measured"])
+    print(json.dumps(plan, indent=2) if args.json else text)
     for warning in plan["warnings"]:
         print(f"WARNING: {warning}", file=sys.stderr)
     return 1 if args.strict and not plan["within_budget"] else 0
