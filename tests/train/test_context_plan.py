@@ -44,3 +44,26 @@ def test_compressed_layers_of_tiny_deepseek_v4():
     csa = terms["C"]
     assert csa["compressor_halo"] == 7 * (128 * 8 + 12)  # 2m - 1 rows of both series
     assert csa["indexer_selected"] == (2048 // 4) * (32 * 4 + 8)
+
+
+def test_the_planner_counts_context_per_device():
+    # configs/tiny.yaml: layout F+SSSF*2 (3 F, 6 S), MTP blocks of S layers; 2 rows of 1024
+    # tokens on context=8: each device holds 2 x 128 tokens and per layer the terms above
+    from model.parallel.rules import MESH_AXES
+    from train.parallel.memory_plan import plan_memory
+
+    run = load_run_config(TINY, ["train.batch_size=2", "train.seq_len=1024"])
+    assert run.model.layout == "FSSSFSSSF" and run.model.mtp.attention_type == "S"
+    sizes = dict(dict.fromkeys(MESH_AXES, 1), context=8)
+    plan = plan_memory(run, sizes)
+    assert plan["tokens_per_device"] == 256
+    kv_token = 2 * (32 + 32) * 4 + 4
+    halo_s = 2 * 2 * 31 * kv_token + 2 * 2 * 31 * 6 * 64 * 4
+    window_layers = 6 + run.trained_mtp_heads()
+    parts = plan["activation_parts_bytes"]
+    assert parts["context_exchanged"] == 3 * 2 * 1024 * kv_token + window_layers * halo_s
+    assert parts["context_working_set"] == 2 * 1024 * 2 * 64 * 4 + 4 * (1 << 22)
+    assert parts["batch"] == 256 * 14  # the device's tokens of the step's batch
+    one = plan_memory(run, dict.fromkeys(MESH_AXES, 1))
+    assert "context_exchanged" not in one["activation_parts_bytes"]
+    assert one["tokens_per_device"] == 2048
