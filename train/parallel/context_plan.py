@@ -17,7 +17,7 @@ term of the planner scales with `tokens_per_device`. On top of that, per layer w
   lightning indexer's keys.
 Bytes per device; `rows` is the micro-batch rows a device holds (the batch axes' share).
 The memory planner (memory_plan.py) counts the per-token terms on `tokens_per_device`, each
-F / S layer's attention at `attention_length`, and adds `context_activation_bytes`.
+F / S layer's attention at `attention_lengths`, and adds `context_activation_bytes`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 from model.config import ModelConfig
 from model.parallel.context import context_layout
 from model.parallel.context_attention import SCORES_PER_BLOCK
+from train.config import RunConfig
 from train.parallel.v4_activations import DTYPE_BYTES
 
 INT = 4  # int32 token indices, segment ids, offsets, positions
@@ -104,26 +105,29 @@ def context_layer_bytes(cfg: ModelConfig, seq_len: int, rows: int, context: int
 WORKING_TERMS = ("gathered_kv_grad", "score_block")
 
 
-def attention_length(cfg: ModelConfig, attention_type: str, seq_len: int, context: int) -> int:
-    """The sequence length the planner's per-token attention terms of a layer see on a device:
-    a sliding-window layer's core runs on [halo; chunk], a full layer keeps no scores per token
+def attention_lengths(cfg: ModelConfig, seq_len: int, context: int) -> dict[str, int]:
+    """Per attention type of `cfg` (its layout and MTP block), the sequence length the
+    planner's per-token attention terms (memory_plan.layer_bytes) see on a device: a
+    sliding-window layer's core runs on [halo; chunk], a full layer keeps no scores per token
     (its query blocks are `score_block`), W / C / H layers see every gathered entry."""
-    if context == 1 or attention_type not in "FS":
-        return seq_len
-    if attention_type == "F":
-        return 0
+    kinds = set(cfg.layout) | {cfg.mtp.attention_type}
+    if context == 1:
+        return dict.fromkeys(kinds, seq_len)
     layout = context_layout(cfg, context)
-    return seq_len // layout.chunks + _halo_rows(cfg.window, seq_len, layout.shards, layout.slots)
+    window = seq_len // layout.chunks + _halo_rows(cfg.window, seq_len, layout.shards,
+                                                   layout.slots)
+    return {kind: {"F": 0, "S": window}.get(kind, seq_len) for kind in kinds}
 
 
-def context_activation_bytes(cfg: ModelConfig, attention_types: list[str], seq_len: int,
-                             rows: int, context: int) -> dict[str, int]:
-    """What context parallelism adds to a device's activations for layers of these attention
-    types (one entry per layer, MTP blocks included): the kept terms summed over the layers,
-    the working terms of the largest layer. Pipelined layers are counted as whole-batch ones."""
+def context_activation_bytes(run: RunConfig, rows: int, context: int) -> dict[str, int]:
+    """What context parallelism adds to a device's activations in `run`'s layers and trained
+    MTP blocks: the kept terms summed over the layers, the working terms of the largest.
+    Pipelined layers are counted as whole-batch ones."""
     if context == 1:
         return {}
-    terms = context_layer_bytes(cfg, seq_len, rows, context)
+    cfg = run.model
+    attention_types = list(cfg.layout) + [cfg.mtp.attention_type] * run.trained_mtp_heads()
+    terms = context_layer_bytes(cfg, run.train.seq_len, rows, context)
     kept = sum(v for kind in attention_types for k, v in terms[kind].items()
                if k not in WORKING_TERMS)
     working = max(sum(v for k, v in terms[kind].items() if k in WORKING_TERMS)

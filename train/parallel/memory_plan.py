@@ -110,9 +110,7 @@ from model.parallel.pipeline import pipelined_segment, stage_plan
 from model.parallel.rules import abstract_mesh
 from model.summary import param_group
 from train.config import RunConfig
-from train.parallel import pipeline_plan
-from train.parallel.context_plan import (attention_length, context_activation_bytes,
-                                         tokens_per_device)
+from train.parallel import context_plan, pipeline_plan
 from train.parallel.sharding import check_batch_fits, data_parallel_size, state_specs
 from train.parallel.v4_activations import (
     DTYPE_BYTES,
@@ -295,7 +293,8 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     tensor, stages = sizes["tensor"], sizes["pipeline"]
     ways = math.prod(sizes[a] for a in ("data", "fsdp", "expert"))
     rows, context = -(-micro // ways), sizes.get("context", 1)
-    tokens = tokens_per_device(rows, seq_len, context)  # train/parallel/context_plan.py
+    tokens = context_plan.tokens_per_device(rows, seq_len, context)
+    lengths = context_plan.attention_lengths(cfg, seq_len, context)  # the attention's keys
     c = DTYPE_BYTES[cfg.compute_dtype]
     d_bytes = c * cfg.d_model
     streams = cfg.hyper_connections.hc_mult
@@ -312,8 +311,7 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
             plan.microbatches * plan.repeats)
     saved = working = 0.0
     for i, kind in enumerate(kinds):
-        matmul, other = layer_bytes(cfg, kind, attention_length(cfg, kind.attention_type, seq_len,
-                                                                context), tensor)
+        matmul, other = layer_bytes(cfg, kind, lengths[kind.attention_type], tensor)
         keep = saved_per_layer(cfg.remat_policy, matmul, other, input_bytes, d_bytes,
                                kernel_output_bytes(cfg, kind, tensor))
         differentiated = (2 * tokens * (matmul + other)
@@ -330,8 +328,8 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     if streams > 1:
         extras += tokens * streams * cfg.d_model * (c + 4)
     mtp_kind = LayerKind(cfg.mtp.attention_type, False, 0.0, 0.0, False)
-    mtp_length = attention_length(cfg, mtp_kind.attention_type, seq_len, context)
-    mtp_block = sum(layer_bytes(cfg, mtp_kind, mtp_length, tensor, streams=False))
+    mtp_block = sum(layer_bytes(cfg, mtp_kind, lengths[mtp_kind.attention_type], tensor,
+                                streams=False))
     mtp = run.trained_mtp_heads() * tokens * (6 * d_bytes + mtp_block)
     chunk = min(train.loss_chunk_size, micro * seq_len)
     logits = 2 * chunk * tensor_split(cfg.vocab_size, tensor) * 4
@@ -339,8 +337,7 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     batch = max(train.batch_sizes()) // micro * tokens * (3 * 4 + 2)
     parts = {"layers_saved": saved, "layer_working_set": working, "embeddings_and_io": extras,
              "mtp_heads": mtp, "logits_chunk": logits, "batch": batch,
-             **context_activation_bytes(cfg, [k.attention_type for k in kinds] + [
-                 mtp_kind.attention_type] * run.trained_mtp_heads(), seq_len, rows, context)}
+             **context_plan.context_activation_bytes(run, rows, context)}
     parts = {k: int(round(v)) for k, v in parts.items()}
     return {"total": sum(parts.values()), "parts": parts, "rows_per_device": rows,
             "tokens_per_device": tokens}
