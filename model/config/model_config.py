@@ -37,6 +37,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_kernels", "save_attention_out",
                   "save_ffn_out")
 EP_COLLECTIVES = ("auto", "ragged", "padded")
+CONTEXT_LAYOUTS = ("auto", "contiguous", "balanced")  # model/parallel/context.py
 INT32_MAX = 2**31 - 1
 # Far beyond any model (the largest have ~100 layers); bounds what per-layer lists a config
 # (or a checkpoint's config.json) makes us build.
@@ -207,18 +208,19 @@ class ModelConfig(Config):
     remat_policy: str = "none"
     scan_layers: bool = True
     init_std: float = 0.02
-    # Parallel execution under a device mesh (model/parallel/expert_parallel.py,
-    # model/parallel/pipeline.py): the collective that moves tokens to their experts' devices
-    # (`ragged`: ragged_all_to_all, GPU/TPU; `padded`: all_to_all of worst-case-sized chunks, any
-    # backend; `auto`: padded on CPU, whose XLA lacks ragged_all_to_all), the micro-batches per
-    # pipelined forward (0 = twice the number of stages), the virtual stages per device
-    # (1: GPipe; V > 1: the interleaved schedule) and whether each pipeline tick saves only its
-    # stage input for the backward pass, recomputing the stage (activations that grow by one
-    # layer input per micro-batch, for one more forward of the pipelined layers).
+    # Parallel execution under a device mesh (model/parallel/expert_parallel.py, pipeline.py,
+    # context.py): the collective that moves tokens to their experts' devices (`ragged`:
+    # ragged_all_to_all, GPU/TPU; `padded`: all_to_all of worst-case-sized chunks, any backend;
+    # `auto`: padded on CPU, whose XLA lacks ragged_all_to_all), the micro-batches per pipelined
+    # forward (0 = twice the stages), the virtual stages per device (1: GPipe; V > 1:
+    # interleaved), whether a pipeline tick saves only its stage input (recomputing the stage in
+    # the backward pass), and how a sequence split over `mesh.context` lays out its chunks
+    # (`auto`: `balanced`, the causal load balance, with full-attention layers, else contiguous).
     ep_collective: str = "auto"
     pipeline_microbatches: int = 0
     pipeline_virtual_stages: int = 1
     pipeline_stage_remat: bool = True
+    context_layout: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("num_layers", self.num_layers, 1)  # the per-layer lists below depend on it
@@ -303,8 +305,8 @@ class ModelConfig(Config):
         check_choice("ep_collective", self.ep_collective, EP_COLLECTIVES)
         check_int("pipeline_microbatches", self.pipeline_microbatches, 0)
         check_int("pipeline_virtual_stages", self.pipeline_virtual_stages, 1)
-        check_bool("pipeline_stage_remat", self.pipeline_stage_remat)
-        for name in ("qk_norm", "tie_embeddings", "scan_layers"):
+        check_choice("context_layout", self.context_layout, CONTEXT_LAYOUTS)
+        for name in ("qk_norm", "tie_embeddings", "scan_layers", "pipeline_stage_remat"):
             check_bool(name, getattr(self, name))
 
     # ---- derived per-layer facts -------------------------------------------------------------

@@ -122,6 +122,9 @@ class LayerStack(nn.Module):
     @nn.compact
     def __call__(self, x, positions, segment_ids, token_ids=None, routed_experts=None):
         cfg = self.config
+        if self.kv_cache is not None and mesh_axis_size("context") > 1:
+            raise ValueError("decoding with KV caches does not run under a context mesh axis; "
+                             "use mesh.context=1 for inference")
         kinds = layer_kinds(cfg)
         per_layer_aux = [None] * cfg.num_layers
         routes = ([None] * cfg.num_layers if routed_experts is None

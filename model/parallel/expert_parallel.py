@@ -2,8 +2,8 @@
 over the mesh axis `expert`, run there, and come back. Dropless.
 
 Inside a `shard_map` over the whole mesh each device holds n tokens (the batch is sharded over
-`data`, `fsdp` and `expert`) and E / ep experts (weights sharded over `expert`, gathered over
-the other axes). Per device:
+`data`, `fsdp` and `expert`, each sequence over `context`) and E / ep experts (weights sharded
+over `expert`, gathered over the other axes). Per device:
   1. sort its n*k routed copies by expert, so the copies for each expert-axis peer are one
      contiguous chunk (peer p owns experts [p E/ep, (p+1) E/ep));
   2. exchange chunk sizes (all_to_all), then the chunks themselves (`exchange`);
@@ -12,9 +12,10 @@ the other axes). Per device:
 The receive buffer holds ep * n * k rows: dropless needs room for every peer sending all its
 copies here (the skewed worst case). Unused rows carry the id "no expert" and cost no FLOPs in
 the `sorted` path. `chunk` (model.moe.ep_chunk_tokens) bounds that: each device exchanges its
-tokens at most `chunk` at a time (the largest divisor of its token count not above it) (`lax.map`, every chunk rematerialised in the backward pass), so the
-buffers and the expert intermediates hold ep * chunk * k rows whatever the batch, for one more
-pass of the exchange and the experts in the backward. Same result: a token's copies travel
+tokens at most `chunk` at a time (the largest divisor of its token count not above it;
+`lax.map`, every chunk rematerialised in the backward pass), so the buffers and the expert
+intermediates hold ep * chunk * k rows whatever the batch, for one more pass of the exchange
+and the experts in the backward. Same result: a token's copies travel
 together, and the statistics add over chunks.
 
 When the tokens are not sharded over `expert` (decoding one row: model/parallel/device_mesh.py's
@@ -162,14 +163,19 @@ def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights,
     peers = mesh.shape[AXIS]
     if num_experts % peers:
         raise ValueError(f"mesh.expert={peers} does not divide moe.num_experts={num_experts}")
-    token_spec = logical_spec("batch", None)
-    token_axes = spec_axes(token_spec[0])
-    if AXIS not in token_axes:
-        if token_axes:
+    batch_axes = spec_axes(logical_spec("batch")[0])
+    if AXIS not in batch_axes:
+        if batch_axes:
             raise ValueError("expert parallelism needs the batch sharded over the `expert` axis "
-                             f"or not at all (rules give {token_spec})")
-        return _experts_of_whole_tokens(x, indices, combine_weights, weights, token_spec,
-                                        clamp=clamp, impl=impl, block_size=block_size)
+                             f"or not at all (rules give {batch_axes})")
+        return _experts_of_whole_tokens(x, indices, combine_weights, weights,
+                                        logical_spec("batch", None), clamp=clamp, impl=impl,
+                                        block_size=block_size)
+    # x's N tokens: B rows over the batch axes, T over `context`; the MoE layer lists them
+    # time-major under `context` (model/layers/moe.py)
+    token_axes = (*(a for a in spec_axes(logical_spec("length")[0]) if mesh.shape[a] > 1),
+                  *batch_axes)
+    token_spec = P(token_axes, None)
     stat_axes = tuple(a for a in token_axes if a != AXIS and mesh.shape[a] > 1)
     body = functools.partial(
         _local_experts, num_experts=num_experts, clamp=clamp, impl=impl, block_size=block_size,

@@ -4,9 +4,12 @@ and the working set of the layer it differentiates.
 
 Activation estimate. T = train.seq_len, c = bytes of model.compute_dtype, D = d_model,
 t = mesh.tensor (divides head/FFN-sized tensors when it divides the head count / hidden size).
-Tokens per device N = micro_batch * T / (data * fsdp * expert * pipeline) (rows split over the
-batch axes, `pipeline` too outside the pipelined segment; rounded up, with a warning, when they
-do not split). Per token, each decoder layer has
+Tokens per device N = micro_batch * T / (data * fsdp * expert * pipeline * context) (rows split
+over the batch axes, `pipeline` too outside the pipelined segment, each row's tokens over
+`context`; rows rounded up, with a warning, when they do not split). With mesh.context > 1 the
+attention terms see the lengths of train/parallel/context_plan.py `attention_lengths`, and its
+`context_activation_bytes` (gathered K/V, halos, compressed entries) join the parts. Per
+token, each decoder layer has
   projections   M = c * [(H*hd + 2*KV*hd + G)/t + D]                          (q, k, v, gate, o)
                   + c * [2*F/t + D]  or  4*E + c * Ns*(2*Hs/t + D)              (dense SwiGLU, or
                                                                   MoE router + shared experts)
@@ -97,6 +100,7 @@ from model.layers.layer_plan import LayerKind, layer_kinds, plan_segments
 from model.ops.attention_cores import CAUSAL_BLOCKS, MIN_CHUNK
 from model.parallel.pipeline import pipelined_segment, stage_plan
 from train.config import RunConfig
+from train.parallel import context_plan
 from train.parallel.exchange_plan import (
     exchange_bytes,
     exchange_tokens,
@@ -222,9 +226,12 @@ def saved_per_layer(policy: str, matmul: float, other: float, input_bytes: float
 def _layer_terms(cfg: ModelConfig, kind: LayerKind, seq_len: int, sizes: dict[str, int],
                  rows: int, input_bytes: float) -> tuple[float, float]:
     """(bytes per token kept for the backward pass, working set while differentiated) of one
-    layer run on `rows` batch rows of the device at a time."""
-    tensor, expert, tokens = sizes["tensor"], sizes["expert"], rows * seq_len
-    matmul, other = layer_bytes(cfg, kind, seq_len, tensor, expert=expert)
+    layer run on `rows` batch rows of the device at a time (T / mesh.context of each)."""
+    tensor, expert = sizes["tensor"], sizes["expert"]
+    context = sizes.get("context", 1)
+    tokens = context_plan.tokens_per_device(rows, seq_len, context)
+    length = context_plan.attention_lengths(cfg, seq_len, context)[kind.attention_type]
+    matmul, other = layer_bytes(cfg, kind, length, tensor, expert=expert)
     kernels = kernel_output_bytes(cfg, kind, tensor, expert)
     routed = routed_rows_bytes(cfg, kind, tensor, expert)
     n = exchange_tokens(cfg, tokens, sizes) if kind.is_moe else tokens
@@ -236,7 +243,7 @@ def _layer_terms(cfg: ModelConfig, kind: LayerKind, seq_len: int, sizes: dict[st
     keep = saved_per_layer(cfg.remat_policy, matmul, kept_other, input_bytes,
                            DTYPE_BYTES[cfg.compute_dtype] * cfg.d_model, kernels)
     # its recomputed forward and cotangents; the routed rows and exchange buffers of one chunk
-    working = (tokens * 2 * (matmul + other - routed + scores_bytes(cfg, kind, seq_len, tensor))
+    working = (tokens * 2 * (matmul + other - routed + scores_bytes(cfg, kind, length, tensor))
                + n * (2 * routed + exchange_bytes(cfg, kind, expert))
                + rows * chunk_working_bytes(cfg, kind, seq_len, tensor))
     return keep, working
@@ -249,7 +256,8 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     tensor, stages = sizes["tensor"], sizes["pipeline"]
     ways = math.prod(sizes[a] for a in ("data", "fsdp", "expert"))
     rows = -(-micro // (ways * stages))  # outside the pipelined segment rows split over all
-    tokens = rows * seq_len
+    context = sizes.get("context", 1)
+    tokens = context_plan.tokens_per_device(rows, seq_len, context)
     c = DTYPE_BYTES[cfg.compute_dtype]
     d_bytes = c * cfg.d_model
     streams = cfg.hyper_connections.hc_mult
@@ -262,7 +270,7 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
         plan = stage_plan(cfg, stages)
         # one pipeline micro-batch on a device: M of them make the rows of one stage's devices
         piped_rows = -(-micro // (plan.microbatches * ways))
-        piped_tokens = piped_rows * seq_len
+        piped_tokens = context_plan.tokens_per_device(piped_rows, seq_len, context)
         ticks = plan.virtual * plan.microbatches + stages - 1
         chunk_layers = plan.slots * len(piped_layers) // plan.repeats  # k slots x period
     saved = working = piped_keep = 0.0
@@ -289,21 +297,23 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     if streams > 1:
         extras += tokens * streams * cfg.d_model * (c + 4)
     mtp_kind = LayerKind(cfg.mtp.attention_type, False, 0.0, 0.0, False)
-    mtp_matmul, mtp_other = layer_bytes(cfg, mtp_kind, seq_len, tensor, streams=False)
+    mtp_length = context_plan.attention_lengths(cfg, seq_len, context)[mtp_kind.attention_type]
+    mtp_matmul, mtp_other = layer_bytes(cfg, mtp_kind, mtp_length, tensor, streams=False)
     mtp_keep = saved_per_layer(cfg.remat_policy, mtp_matmul, mtp_other, d_bytes, d_bytes,
                                kernel_output_bytes(cfg, mtp_kind, tensor))
     heads = run.trained_mtp_heads()
     mtp = heads * tokens * (6 * d_bytes + mtp_keep)  # the block rematerialised like a layer
     if heads:
         working = max(working, tokens * 2 * (mtp_matmul + mtp_other + scores_bytes(
-            cfg, mtp_kind, seq_len, tensor)))
+            cfg, mtp_kind, mtp_length, tensor)))
     chunk = min(train.loss_chunk_size, micro * seq_len)
     logits = 2 * chunk * tensor_split(cfg.vocab_size, tensor) * 4
     # the step's batch: int32 tokens, segment ids, positions and two bool masks per token
-    batch = max(train.batch_sizes()) // micro * rows * seq_len * (3 * 4 + 2)
+    batch = max(train.batch_sizes()) // micro * tokens * (3 * 4 + 2)
     # the loss head's logits chunk and a layer's working set are never live together
     parts = {"layers_saved": saved, "working_set": max(working, logits),
-             "embeddings_and_io": extras, "mtp_heads": mtp, "batch": batch}
+             "embeddings_and_io": extras, "mtp_heads": mtp, "batch": batch,
+             **context_plan.context_activation_bytes(run, rows, context)}
     parts = {k: int(round(v)) for k, v in parts.items()}
     return {"total": sum(parts.values()), "parts": parts, "rows_per_device": rows,
             "tokens_per_device": tokens,

@@ -5,9 +5,10 @@ Search, for the run's global batch (train.batch_size) and sequence length:
 - meshes: pipeline S = 1 or a stage count up to 16 that divides the devices and that the layer
   plan splits (a scanned segment of at least S repeats); expert e a power of two dividing
   moe.num_experts; tensor t in 1, 2, 4, 8 within a node, dividing every head count; fsdp f a
-  power of two; data the remaining devices. For each (S, e) only the smallest t with a fitting
-  layout (tensor parallelism as far as memory needs it), and for each (S, e, t) the smallest f
-  with one and its next two doublings (more fsdp trades communication for memory).
+  power of two; data the remaining devices; context 1 (sequences stay whole). For each (S, e)
+  only the smallest t with a fitting layout (tensor parallelism as far as memory needs it), and
+  for each (S, e, t) the smallest f with one and its next two doublings (more fsdp trades
+  communication for memory).
 - per mesh: pipeline micro-batches M in S, 2 S, 4 S and virtual stages V = 1 and the most that
   keep GPipe's repeat slots per device (`pipeline_plan.free_virtual_stages`); every remat
   policy; with each, the fewest gradient-accumulation steps a, a power of two
@@ -190,7 +191,7 @@ class Search:
     def smallest_fsdp(self, stages: int, expert: int, tensor: int, rest: int) -> list[dict]:
         """Layouts on the smallest fsdp size with any and on its next doublings."""
         sizes = lambda f: {"pipeline": stages, "data": rest // f, "fsdp": f,  # noqa: E731
-                           "expert": expert, "tensor": tensor}
+                           "expert": expert, "context": 1, "tensor": tensor}
         candidates = powers_of_two(rest)
         low, high, first = 0, len(candidates) - 1, None
         while low <= high:  # memory only falls as fsdp grows: bisect for the first fit

@@ -22,6 +22,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
+from model.parallel.context import AXIS as CONTEXT
+from model.parallel.context import context_layout
 from model.parallel.device_mesh import mesh_over
 from model.parallel.pipeline import num_microbatches, stage_plan
 from model.parallel.rules import BATCH_AXES, add_axis, param_specs, path_keys
@@ -103,8 +105,10 @@ def stored_param_specs(axes: Any, params: Any, mesh: Mesh, model: ModelConfig,
 
 
 def batch_spec(mesh: Mesh) -> P:
-    """[num_micro, micro_batch, T] batches: rows over pipeline, data, fsdp and expert."""
-    return P(None, tuple(a for a in BATCH_AXES if mesh.shape[a] > 1) or None, None)
+    """[num_micro, micro_batch, T] batches: rows over pipeline, data, fsdp and expert, each
+    row's tokens over `context` (contiguous chunks in natural order; the model reorders them)."""
+    return P(None, tuple(a for a in BATCH_AXES if mesh.shape[a] > 1) or None,
+             CONTEXT if mesh.shape[CONTEXT] > 1 else None)
 
 
 def data_parallel_size(mesh: Mesh) -> int:
@@ -120,6 +124,11 @@ def check_batch_fits(run: RunConfig, mesh: Mesh) -> None:
     if micro % ways:
         raise ValueError(f"train.micro_batch_size: {micro} sequences do not split over the "
                          f"{ways} data-parallel devices (mesh pipeline x data x fsdp x expert)")
+    chunks = context_layout(run.model, mesh.shape[CONTEXT]).chunks
+    if run.train.seq_len % chunks:
+        raise ValueError(f"train.seq_len: {run.train.seq_len} tokens do not split into the "
+                         f"{chunks} chunks of mesh.context={mesh.shape[CONTEXT]} "
+                         f"(model.context_layout)")
     stages = mesh.shape["pipeline"]
     if stages > 1:
         stage_plan(run.model, stages)  # the layer plan and virtual stages fit the stages

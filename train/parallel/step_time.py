@@ -4,8 +4,9 @@ the time goes, for comparing layouts of one run, not a prediction to the second.
     step = compute / (1 - bubble) + exposed communication
 
 compute = N * [(3 F_o + (3 F_l + R)(1 - s)) / S + (3 F_l + R + F_s) s k V / Rp] / t / (peak mfu)
-    N: tokens per stage's device and step (the batch over data x fsdp x expert), t: mesh.tensor,
-    S: mesh.pipeline. F_l: the decoder layers' forward FLOPs per token at train.seq_len, F_o:
+    N: tokens per stage's device and step (the batch over data x fsdp x expert, each row's
+    tokens over mesh.context, whose exchanges are not counted: --fit keeps context 1), t:
+    mesh.tensor, S: mesh.pipeline. F_l: the decoder layers' forward FLOPs per token at train.seq_len, F_o:
     the rest (output heads, the MTP heads that train) (model/flops.py; matmuls only); 3 F:
     forward and backward. R: the forward FLOPs the remat policy recomputes in the backward
     pass: none 0; dots_with_kernels the attention scores; dots also the routed experts (batched
@@ -94,7 +95,7 @@ def _moe_layers(cfg: ModelConfig) -> tuple[int, ...]:
 
 def link_gbps(sizes: dict[str, int], axis: str, hardware: Hardware) -> float:
     """Bandwidth of `axis`: the node's when it and the axes inside it fit in one node."""
-    inner = math.prod(sizes[a] for a in MESH_AXES[MESH_AXES.index(axis):])
+    inner = math.prod(sizes.get(a, 1) for a in MESH_AXES[MESH_AXES.index(axis):])
     return hardware.intra_node_gbps if inner <= hardware.node_size else hardware.inter_node_gbps
 
 
@@ -117,7 +118,8 @@ def step_time(run: RunConfig, sizes: dict[str, int], rows: dict, hardware: Hardw
         stage_recompute = layer_flops * piped_work if plan.remat else 0.0
         bubble = plan.bubble
     ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    local_tokens = -(-train.micro_batch() // ways) * train.seq_len * rows["accumulation_steps"]
+    local_tokens = (-(-train.micro_batch() // ways) * train.seq_len * rows["accumulation_steps"]
+                    // sizes.get("context", 1))
     flops = local_tokens * (3 * other_flops * other_work
                             + (3 * layer_flops + recomputed) * layer_work + stage_recompute)
     compute = flops / sizes["tensor"] / (hardware.peak_tflops * 1e12 * hardware.mfu)
