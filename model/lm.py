@@ -28,6 +28,7 @@ from model.layers.norm import RMSNorm
 from model.layers.projection import Projection
 from model.layers.router import ep_group_balance_loss
 from model.layers.stack import LayerStack
+from model.parallel.context import context_layout, from_layout, splits_sequences, to_layout
 from model.parallel.mesh import mesh_axis_size
 
 
@@ -47,6 +48,8 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
+# per-token aux of the MoE layers ([layers, B, T, ...]), in the model's row order
+PER_TOKEN_AUX = ("routed_experts", "routing_confidence", "replay_mismatch")
 # per-layer aux of the attention
 ATTENTION_AUX = frozenset({"gate_mean", "indexer_loss", "indexer_recall_hits",
                            "indexer_recall_slots"})
@@ -110,10 +113,14 @@ def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
 
 class CausalLM(nn.Module):
     """`kv_cache` set: the same network with KV caches for incremental decoding, driven
-    through `decode_chunk` / `mtp_chunk` (model/inference/decode.py); params are unchanged."""
+    through `decode_chunk` / `mtp_chunk` (model/inference/decode.py); params are unchanged.
+    `staged_pipeline`: under a pipeline mesh axis, the pipelined segment's params are given
+    already in their stage layout [S, V, k, ...] (model/parallel/pipeline.py `stage_layout`;
+    the train step's copy of the params), not as the stored [R, ...] stacks."""
 
     config: ModelConfig
     kv_cache: KVCacheSpec | None = None
+    staged_pipeline: bool = False
 
     def setup(self):
         cfg = self.config
@@ -121,7 +128,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embed(
             cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
             embedding_init=normal_init(cfg.init_std, ("vocab", "embed")))
-        self.layers = LayerStack(cfg, self.kv_cache)
+        self.layers = LayerStack(cfg, self.kv_cache, self.staged_pipeline)
         hc = cfg.hyper_connections
         if hc.hc_mult > 1:
             self.hc_head = HyperHead(hc_eps=hc.eps, norm_eps=cfg.norm_eps, init_std=cfg.init_std,
@@ -145,16 +152,25 @@ class CausalLM(nn.Module):
         if positions is None:
             positions = (positions_from_segments(segment_ids) if segment_ids is not None else
                          jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))
-        x, h_prev, per_layer_aux = self.backbone(tokens, positions, segment_ids, routed_experts)
+        # Under `mesh.context` the rows run in the context layout's order
+        # (model/parallel/context.py); inputs and outputs are in natural order.
+        layout = context_layout(self.config, None if splits_sequences(self) else 1)
+        ordered = lambda x, axis=1: None if x is None else to_layout(x, layout, axis)  # noqa: E731
+        natural = lambda x, axis=1: from_layout(x, layout, axis)  # noqa: E731
+        positions, rows_segments = ordered(positions), ordered(segment_ids)
+        x, h_prev, per_layer_aux = self.backbone(ordered(tokens), positions, rows_segments,
+                                                 ordered(routed_experts, 2))
         hidden = self.norm(x)
 
         mtp_hidden, mtp_aux = [], []
         heads = len(self.mtp) if num_mtp_heads is None else num_mtp_heads
         for offset, head in enumerate(self.mtp[:heads], start=1):
-            next_embeddings = self.embed_tokens(shift_tokens_left(tokens, offset))
-            h_prev, aux = head(h_prev, next_embeddings, positions, segment_ids)
-            mtp_hidden.append(head.head_norm(h_prev))
+            # the shift is in natural order: x_{t+h} may sit on another context shard
+            next_embeddings = self.embed_tokens(ordered(shift_tokens_left(tokens, offset)))
+            h_prev, aux = head(h_prev, next_embeddings, positions, rows_segments)
+            mtp_hidden.append(natural(head.head_norm(h_prev)))
             mtp_aux.append(aux)
+        hidden = natural(hidden)
 
         logits = mtp_logits = None
         if compute_logits:
@@ -170,6 +186,10 @@ class CausalLM(nn.Module):
                 moe["expert_load"], moe["expert_prob"], balance_groups(self.config))
             for key in ("balance_loss", "sequence_balance_loss"):
                 aux[key] = aux.get(key, jnp.zeros((), jnp.float32)) + jnp.sum(moe[key])
+        for group in ("moe", "mtp_moe"):
+            for key in PER_TOKEN_AUX:
+                if key in aux.get(group, {}):
+                    aux[group][key] = natural(aux[group][key], 2)
         return LMOutput(logits=logits, mtp_logits=mtp_logits or (), aux=aux, hidden=hidden,
                         mtp_hidden=tuple(mtp_hidden))
 
@@ -191,7 +211,7 @@ class CausalLM(nn.Module):
         MTP heads' h_prev (that, or the streams before the collapse: `mtp.reads_streams`),
         per-layer aux). With mHC the embedding enters every stream and `hc_head` collapses the
         streams at the top (DeepSeek-V4 report 2.2)."""
-        x = self.embed_tokens(tokens)
+        x = nn.with_logical_constraint(self.embed_tokens(tokens), ("batch", "length", "act_embed"))
         multiple = self.config.hyper_connections.hc_mult > 1
         if multiple:
             x = expand_embeddings(x, self.config.hyper_connections.hc_mult)

@@ -1,5 +1,5 @@
 """`rl.mesh`: the device mesh of an RL run (rl/parallel.py), training's `mesh:` without its
-pipeline axis."""
+pipeline and context axes."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from train.config import MeshConfig
 @dataclasses.dataclass(frozen=True)
 class RLMeshConfig(MeshConfig):
     """`rl.mesh`: the training mesh (`mesh:` of a training run, docs/parallelism.md) for the
-    actor, critic, reference policy and rollouts (rl/parallel.py). No pipeline axis: the
-    decoder runs whole layers (model/layers/stack.py refuses KV caches under one)."""
+    actor, critic, reference policy and rollouts (rl/parallel.py). No pipeline or context axis:
+    the decoder runs whole layers and sequences (model/layers/stack.py refuses KV caches)."""
 
     section = "rl.mesh"
 
     def validate(self) -> None:
         super().validate()
-        if self.pipeline != 1:
-            raise ConfigError("pipeline", f"RL does not pipeline (rollouts decode with KV caches, "
-                              f"which need whole layers), got {self.pipeline}; use data, fsdp, "
-                              "expert or tensor")
+        for axis, refusal in (("pipeline", "pipeline"), ("context", "split sequences")):
+            if getattr(self, axis) != 1:
+                raise ConfigError(axis, f"RL does not {refusal} (rollouts decode with KV caches, "
+                                  f"which need whole layers and sequences), got "
+                                  f"{getattr(self, axis)}; use data, fsdp, expert or tensor")

@@ -189,8 +189,12 @@ def ep_skew() -> dict:
     def reference(x, w):
         return routed_experts(x, indices, combine, w, **options)
 
-    def parallel(x, w):
-        return expert_parallel_experts(x, indices, combine, w, collective="padded", **options)
+    def parallel(x, w, chunk=0):
+        return expert_parallel_experts(x, indices, combine, w, collective="padded", chunk=chunk,
+                                       **options)
+
+    def chunked(x, w):  # 8 tokens per device, at most 3 at a time: 4 exchanges of 2
+        return parallel(x, w, chunk=3)
 
     def grads(fn):
         return jax.grad(lambda x, w: jnp.sum(jnp.sin(fn(x, w)[0])), argnums=(0, 1))
@@ -202,6 +206,8 @@ def ep_skew() -> dict:
     with use_mesh(mesh):
         y, stats = jax.jit(parallel)(x, weights)
         got_grads = jax.tree.leaves(jax.jit(grads(parallel))(x, weights))
+        chunk_y, chunk_stats = jax.jit(chunked)(x, weights)
+        chunk_grads = jax.tree.leaves(jax.jit(grads(chunked))(x, weights))
         ragged_hlo = jax.jit(lambda x, w: expert_parallel_experts(
             x, indices, combine, w, collective="ragged", **options)).lower(x, weights).as_text()
     return {
@@ -210,6 +216,11 @@ def ep_skew() -> dict:
                                       [np.asarray(want_stats[k]) for k in sorted(stats)]),
         "grad_error": relative_error([np.asarray(g) for g in got_grads],
                                      [np.asarray(g) for g in want_grads]),
+        "chunked_errors": [relative_error([np.asarray(chunk_y)], [np.asarray(want_y)]),
+                           relative_error([np.asarray(chunk_stats[k]) for k in sorted(stats)],
+                                          [np.asarray(want_stats[k]) for k in sorted(stats)]),
+                           relative_error([np.asarray(g) for g in chunk_grads],
+                                          [np.asarray(g) for g in want_grads])],
         "copies_computed": float(jnp.sum(stats["expert_tokens"])),
         "copies_routed": int(indices.size),
         "busiest_device_share": float(jnp.sum(stats["expert_tokens"][:2]) / indices.size),

@@ -20,13 +20,14 @@ FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False}  # jax.jit(..., compiler_o
 SUBPROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
-def run_device_worker(worker: Path, devices: int, *args: str) -> dict:
+def run_device_worker(worker: Path, devices: int, *args: str, xla_flags: str = "") -> dict:
     """Runs the script `worker` in a subprocess that sees `devices` CPU devices (the flag must
     be set before JAX starts) and sharing the tests' compilation cache -> the JSON object its
-    last stdout line prints; a failing worker fails the test with the end of its stderr."""
+    last stdout line prints; a failing worker fails the test with the end of its stderr.
+    `xla_flags`: more XLA flags for the worker."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
-                        f"{SUBPROCESS_XLA_FLAGS}",
+                        f"{SUBPROCESS_XLA_FLAGS} {xla_flags}".rstrip(),
            "JAX_COMPILATION_CACHE_DIR": str(
                Path(tempfile.gettempdir()) / f"stepjax-test-xla-cache-{os.getuid()}")}
     done = subprocess.run([sys.executable, str(worker), *args], env=env, capture_output=True,

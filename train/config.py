@@ -261,6 +261,7 @@ class MeshConfig(Config):
     data: int = -1
     fsdp: int = 1
     expert: int = 1
+    context: int = 1  # splits each sequence (context parallelism, model/parallel/context.py)
     tensor: int = 1
     pipeline: int = 1
     zero1: bool = True

@@ -16,12 +16,13 @@ import numpy as np
 
 from model.interop.workdir import Checkpointer, restore_target
 from model.interop.workdir_lock import claimed_workdir
-from model.parallel.rules import named, replicated, use_mesh
+from model.parallel.rules import use_mesh
 from model.tokenizers.chat import chat_tokenizer_for
 from model.tokenizers.text import load_tokenizer
 from model.weights import load_model
 from train.anticipatory_routing import AnticipatoryRouting, check_anticipatory_routing
 from train.checkpoint import check_training_checkpoint
+from train.compiled_step import jit_train_step, step_layout
 from train.config import RunConfig, resume_changes
 from train.data.pipeline import make_dataset
 from train.data.sources import check_data, open_data
@@ -34,17 +35,10 @@ from train.parallel.distributed import (
     is_lead,
     process_state,
 )
-from train.parallel.sharding import batch_spec, check_batch_fits, make_mesh, state_specs
+from train.parallel.sharding import check_batch_fits, make_mesh
 from train.periodic import PeriodicEvals
 from train.run_record import check_and_record, write_run_config
-from train.state import (
-    TrainState,
-    abstract_state,
-    build_training,
-    create_state,
-    state_from_variables,
-)
-from train.step import make_train_step
+from train.state import TrainState, create_state, state_from_variables
 from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
 from train.telemetry.outputs import run_outputs, startup_line, token_count_line
 from train.telemetry.throughput import CompletedSteps
@@ -134,11 +128,10 @@ class Trainer:
         if vocab > run.model.vocab_size:
             raise TrainingError(f"tokenizer has {vocab} tokens but model.vocab_size="
                                 f"{run.model.vocab_size}; raise model.vocab_size")
-        self.training = build_training(run)
-        self.abstract_state = abstract_state(self.training, run.train.seed)
-        self.state_sharding = named(self.mesh, state_specs(
-            self.abstract_state, self.training.variable_axes, self.mesh, run))
-        self.batch_sharding = named(self.mesh, batch_spec(self.mesh))
+        self.layout = step_layout(run, self.mesh)
+        self.training, self.abstract_state = self.layout.training, self.layout.abstract_state
+        self.state_sharding = self.layout.state_sharding
+        self.batch_sharding = self.layout.batch_sharding
         self.anticipatory = None
         if run.train.anticipatory_routing.enabled:
             self.anticipatory = AnticipatoryRouting(
@@ -227,11 +220,8 @@ class Trainer:
 
     def train_step(self):
         """The jitted step, with the state and batch shardings fixed (trace it under
-        `use_mesh(self.mesh)`)."""
-        step = make_train_step(self.training, self.run)
-        return jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding, None),
-                       out_shardings=(self.state_sharding, replicated(self.mesh)),
-                       donate_argnums=0)
+        `use_mesh(self.mesh)`); `python -m train.plan --measure` compiles the same one."""
+        return jit_train_step(self.layout, self.run)
 
     def save(self, state: TrainState) -> None:
         self.checkpoints.save(int(state.step), state, gather_process_states(self.data.get_state()),

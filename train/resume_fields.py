@@ -19,10 +19,11 @@ RESUMABLE_CHANGES = {
     "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "mesh.pipeline", "mesh.zero1",
     "model.ep_collective", "model.pipeline_microbatches", "model.pipeline_virtual_stages",
     "model.attention_impl", "model.moe_impl", "model.moe.block_size", "model.remat_policy",
-    "model.compute_dtype",
+    "model.compute_dtype", "model.pipeline_stage_remat", "model.moe.ep_chunk_tokens",
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
-    "train.peak_flops", "train.progress", "train.xla_cache_dir", "train.data.num_workers", "train.loss_chunk_size",
+    "train.peak_flops", "train.progress", "train.xla_cache_dir", "train.data.num_workers",
+    "train.loss_chunk_size",
     *(f"train.wandb.{f.name}" for f in dataclasses.fields(WandbConfig)),
     "train.sample_every", *(f"train.{section}.{f.name}" for section, config in (
         ("eval_tasks", TaskEvalConfig), ("samples", SampleConfig),

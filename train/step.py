@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from model.lm import CausalLM, join_variables, learned_routing_mean, output_head_params
 from model.parallel.mesh import mesh_axis_size
@@ -25,6 +26,8 @@ from train.config import RunConfig
 from train.losses import chunked_cross_entropy, shifted_targets
 from train.optim.optimizer import applied_updates
 from train.optim.schedules import decay_start
+from train.parallel.compute_params import compute_params
+from train.parallel.sharding import shards_master_weights, stored_param_specs
 from train.state import Training, TrainState, apply_finite_update
 from train.telemetry.monitors import expert_param_norms, moe_monitors, tree_rms
 
@@ -112,32 +115,55 @@ def grouped_rms(tree, labels) -> dict[str, jax.Array]:
             for group in sorted(set(groups) - {"frozen"})}
 
 
+def stored_layout(tree, training: Training, run: RunConfig):
+    """`tree` (like the stored params) constrained to the stored params' layout under the
+    current mesh (a gradient sum kept like the master weights: 1/data of it per device under
+    ZeRO-1 with mixed precision); unchanged without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return tree
+    specs = stored_param_specs(training.variable_axes["params"], tree, mesh, run.model,
+                               shards_master_weights(run))
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
 def make_train_step(training: Training, run: RunConfig
                     ) -> Callable[[TrainState, dict, Any], tuple[TrainState, dict]]:
     """The (unjitted) step of `training` = build_training(run)."""
-    model, optimizer, labels = training.model, training.optimizer, training.labels
+    optimizer, labels = training.optimizer, training.labels
     learning_rate = training.learning_rate
     train = run.train
-
-    def trained_loss(params, *args):
-        return loss_fn(model, run, stop_frozen_gradients(params, labels), *args)
-
-    grad_and_aux = jax.value_and_grad(trained_loss, has_aux=True)
 
     def step_fn(state: TrainState, batch: dict, mask_meta) -> tuple[TrainState, dict]:
         counts = target_counts(run, batch, mask_meta)
         num_micro = batch["tokens"].shape[0]
         mtp_weight = mtp_weight_at(run, applied_updates(state.opt_state))
+        # The params the micro-batches compute with, made once: compute dtype, stage layout
+        # (train/parallel/compute_params.py); the pullback returns float32 gradients in the
+        # stored layout (a reduce-scatter under sharded master weights).
+        compute, to_stored = jax.vjp(
+            lambda p: compute_params(p, training.variable_axes["params"], run.model,
+                                     run.trained_mtp_heads()), state.params)
+        model = training.model
+        if mesh_axis_size("pipeline") > 1:
+            model = model.clone(staged_pipeline=True)
+
+        def trained_loss(params, *args):
+            return loss_fn(model, run, stop_frozen_gradients(params, labels), *args)
+
+        grad_and_aux = jax.value_and_grad(trained_loss, has_aux=True)
 
         def accumulate(grads, micro):
-            (loss, (parts, aux)), g = grad_and_aux(state.params, state.balance, micro, mask_meta,
+            (loss, (parts, aux)), g = grad_and_aux(compute, state.balance, micro, mask_meta,
                                                    counts, num_micro, mtp_weight)
             # the experts of every token (aux moe.routed_experts) are not a monitor
             moe, mtp_moe = ({k: v for k, v in aux.get(key, {}).items() if k != "routed_experts"}
                             for key in ("moe", "mtp_moe"))
+            g = stored_layout(to_stored(g)[0], training, run)
             return jax.tree.map(jnp.add, grads, g), (loss, parts, moe, mtp_moe)
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        zeros = stored_layout(jax.tree.map(jnp.zeros_like, state.params), training, run)
         grads, (losses, parts, moe_aux, mtp_moe_aux) = jax.lax.scan(accumulate, zeros, batch)
         # lm/mtp terms are normalised by whole-step counts: sum them; the balance and indexer
         # losses are per-micro-batch means: average them.

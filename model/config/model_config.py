@@ -33,6 +33,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_kernels", "save_attention_out",
                   "save_ffn_out")
 EP_COLLECTIVES = ("auto", "ragged", "padded")
+CONTEXT_LAYOUTS = ("auto", "contiguous", "balanced")  # model/parallel/context.py
 INT32_MAX = 2**31 - 1
 # Far beyond any model (the largest have ~100 layers); bounds what per-layer lists a config
 # (or a checkpoint's config.json) makes us build.
@@ -120,6 +121,9 @@ class MoEConfig(Config):
     # `sorted`: largest row chunk of an expert's matmuls (256: 1.4x a dense FFN of equal FLOPs on
     # CPU, 128: 1.55x; docs/performance.md); `pallas`: the grouped matmuls' row tile.
     block_size: int = 256
+    # Most tokens per device per expert-parallel exchange (model/parallel/expert_parallel.py):
+    # bounds the dropless receive buffers to ep x this x top_k rows; 0 = all of a layer's at once.
+    ep_chunk_tokens: int = 0
 
     def validate(self) -> None:
         check_int("num_experts", self.num_experts, 1)
@@ -139,6 +143,7 @@ class MoEConfig(Config):
             raise ConfigError("num_ep_groups", f"{self.num_ep_groups} does not divide "
                               f"num_experts={self.num_experts}")
         check_int("block_size", self.block_size, 1)
+        check_int("ep_chunk_tokens", self.ep_chunk_tokens, 0)
         check_int("hash_layers", self.hash_layers, 0)
         check_int("num_groups", self.num_groups, 1)
         check_int("topk_groups", self.topk_groups, 1)
@@ -199,15 +204,19 @@ class ModelConfig(Config):
     remat_policy: str = "none"
     scan_layers: bool = True
     init_std: float = 0.02
-    # Parallel execution under a device mesh (model/parallel/expert_parallel.py,
-    # model/parallel/pipeline.py): the collective that moves tokens to their experts' devices
-    # (`ragged`: ragged_all_to_all, GPU/TPU; `padded`: all_to_all of worst-case-sized chunks, any
-    # backend; `auto`: padded on CPU, whose XLA lacks ragged_all_to_all), the micro-batches per
-    # pipelined forward (0 = twice the number of stages) and the virtual stages per device
-    # (1: GPipe; V > 1: the interleaved schedule).
+    # Parallel execution under a device mesh (model/parallel/expert_parallel.py, pipeline.py,
+    # context.py): the collective that moves tokens to their experts' devices (`ragged`:
+    # ragged_all_to_all, GPU/TPU; `padded`: all_to_all of worst-case-sized chunks, any backend;
+    # `auto`: padded on CPU, whose XLA lacks ragged_all_to_all), the micro-batches per pipelined
+    # forward (0 = twice the stages), the virtual stages per device (1: GPipe; V > 1:
+    # interleaved), whether a pipeline tick saves only its stage input (recomputing the stage in
+    # the backward pass), and how a sequence split over `mesh.context` lays out its chunks
+    # (`auto`: `balanced`, the causal load balance, with full-attention layers, else contiguous).
     ep_collective: str = "auto"
     pipeline_microbatches: int = 0
     pipeline_virtual_stages: int = 1
+    pipeline_stage_remat: bool = True
+    context_layout: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("num_layers", self.num_layers, 1)  # the per-layer lists below depend on it
@@ -290,7 +299,8 @@ class ModelConfig(Config):
         check_choice("ep_collective", self.ep_collective, EP_COLLECTIVES)
         check_int("pipeline_microbatches", self.pipeline_microbatches, 0)
         check_int("pipeline_virtual_stages", self.pipeline_virtual_stages, 1)
-        for name in ("qk_norm", "tie_embeddings", "scan_layers"):
+        check_choice("context_layout", self.context_layout, CONTEXT_LAYOUTS)
+        for name in ("qk_norm", "tie_embeddings", "scan_layers", "pipeline_stage_remat"):
             check_bool(name, getattr(self, name))
 
     # ---- derived per-layer facts -------------------------------------------------------------
@@ -315,7 +325,9 @@ class ModelConfig(Config):
 
     def is_hash_layer(self, layer: int) -> bool:
         """An MoE layer among the first `moe.hash_layers` ones: routed by token id."""
-        return layer in self.moe_layer_indices()[:self.moe.hash_layers]
+        if not self.moe.hash_layers or not self.is_moe_layer(layer):
+            return False  # (the common case answered without listing the MoE layers)
+        return sum(map(self.is_moe_layer, range(layer))) < self.moe.hash_layers
 
     def is_moe_layer(self, layer: int) -> bool:
         if self.moe_layers is not None:

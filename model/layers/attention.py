@@ -25,6 +25,8 @@ from model.layers.norm import RMSNorm
 from model.layers.projection import Projection
 from model.layers.rope import apply_rope
 from model.ops.tables import ATTENTION
+from model.parallel.context import context_layout, splits_sequences
+from model.parallel.context_attention import context_attention
 from model.parallel.mesh import mesh_size, shard_attention_core
 
 
@@ -74,7 +76,9 @@ class Attention(nn.Module):
             y = self._cached_attention(q, k, v, positions, window, sink, geo.rotary_dims)
         else:
             core = ATTENTION.resolve(cfg.attention_impl)
-            if cfg.attention_impl == "pallas" and mesh_size() > 1:
+            if splits_sequences(self):  # the sequence is split: exchange what crosses
+                core = context_attention(core, context_layout(cfg))
+            elif cfg.attention_impl == "pallas" and mesh_size() > 1:
                 core = shard_attention_core(core)  # XLA does not partition a pallas_call
             y = core(q, k, v, window=window, segment_ids=segment_ids, sink=sink)  # [B, T, H, Dv]
 

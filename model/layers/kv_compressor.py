@@ -25,6 +25,12 @@ from model.ops.sparse_indexer import (
     indexer_queries,
     select_entries,
 )
+from model.parallel.context import context_layout, splits_sequences
+from model.parallel.context_compression import (
+    context_compress,
+    context_dense_indexer_terms,
+    context_select_entries,
+)
 
 
 QK_FORMATS = {"none": lambda x: x, "mxfp4": fp4_qk}
@@ -62,10 +68,14 @@ class Compressor(nn.Module):
                                 1.0 + self.kv_norm.astype(jnp.float32))
 
     def __call__(self, hidden, segment_ids, positions, inv_freq) -> CompressedKV:
-        """positions [B, T]: the RoPE positions the queries use (model.ops.kv_compression)."""
-        return compress_kv(hidden, self.params(), rate=self.rate, overlap=self.overlap,
-                           inv_freq=inv_freq, segment_ids=segment_ids, positions=positions,
-                           eps=self.config.norm_eps)
+        """positions [B, T]: the RoPE positions the queries use (model.ops.kv_compression).
+        Under `mesh.context` the entries of every shard, whole on each."""
+        options = dict(rate=self.rate, overlap=self.overlap, inv_freq=inv_freq,
+                       segment_ids=segment_ids, positions=positions, eps=self.config.norm_eps)
+        if splits_sequences(self):
+            return context_compress(hidden, self.params(), layout=context_layout(self.config),
+                                    **options)
+        return compress_kv(hidden, self.params(), **options)
 
 
 class LightningIndexer(nn.Module):
@@ -115,8 +125,15 @@ class LightningIndexer(nn.Module):
             return select_entries(queries, head_weights, quantize(keys.entries), positions,
                                   entry_ends(keys), **options)
         keys = compressor(hidden, segment_ids, positions, inv_freq)
-        token_index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         entries = quantize(keys.entries)
+        if splits_sequences(self):  # each shard scores its queries against every key
+            split = dict(layout=context_layout(cfg), **options)
+            keys = keys._replace(entries=entries)
+            if dense_target is not None:
+                return context_dense_indexer_terms(queries, head_weights, keys, dense_target,
+                                                   segment_ids, **split)
+            return context_select_entries(queries, head_weights, keys, segment_ids, **split)
+        token_index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         placement = dict(query_segment_ids=segment_ids, entry_segment_ids=keys.segment_ids,
                          **options)
         if dense_target is not None:

@@ -8,6 +8,8 @@ Hash-routed layers (DeepSeek-V4 report 2.1) have no bias; their token -> experts
 `tid2eid` [vocab, k] int32 sits in the same non-trainable collection.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,7 @@ from model.ops.mx_quant import fake_mxfp4_weight
 from model.ops.swiglu import SwiGLUClamp
 from model.ops.tables import MOE
 from model.parallel.expert_parallel import expert_parallel_experts
+from model.parallel.context import splits_sequences
 from model.parallel.mesh import mesh_size
 
 
@@ -43,6 +46,20 @@ def routed_experts(x, indices, combine_weights, weights: ExpertWeights, *, clamp
         y = combine_copies(copy_out, combine_weights, x.dtype)
     return y, finalize_statistics(sums, weights.gate.shape[-1])
 
+
+
+def _flat_tokens(x: jax.Array, time_major: bool) -> jax.Array:
+    """[B, T, ...] -> [B·T, ...], row-major or (time_major) over [T, B]."""
+    if time_major:
+        x = jnp.swapaxes(x, 0, 1)
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _token_rows(x: jax.Array, batch: int, length: int, time_major: bool) -> jax.Array:
+    """Inverse of `_flat_tokens`: [B·T, ...] -> [B, T, ...]."""
+    if time_major:
+        return jnp.swapaxes(x.reshape(length, batch, *x.shape[1:]), 0, 1)
+    return x.reshape(batch, length, *x.shape[1:])
 
 
 class MoE(nn.Module):
@@ -72,7 +89,12 @@ class MoE(nn.Module):
         cfg, moe = self.config, self.config.moe
         dtype, param_dtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
         batch, length, d_model = x.shape
-        tokens = x.reshape(batch * length, d_model)
+        # Tokens in one list, time-major under `mesh.context` (T split over shards, B over the
+        # batch axes: merging [T, B] keeps each device's tokens in place, [B, T] would not).
+        time_major = splits_sequences(self)
+        flat = functools.partial(_flat_tokens, time_major=time_major)
+        rows = functools.partial(_token_rows, batch=batch, length=length, time_major=time_major)
+        tokens = flat(x)
 
         router_kernel = self.param(
             "router", normal_init(cfg.init_std, ("embed", "expert")),
@@ -88,7 +110,7 @@ class MoE(nn.Module):
                 lambda: nn.with_logical_partitioning(random_hash_table, ("vocab", "top_k"))(
                     self.make_rng("params"), cfg.vocab_size, moe.num_experts, moe.top_k),
             ).value
-            routing = hash_route(token_ids.reshape(-1), table, logits, moe)
+            routing = hash_route(flat(token_ids), table, logits, moe)
         else:
             bias = None
             if moe.router_bias:
@@ -98,7 +120,7 @@ class MoE(nn.Module):
                         jnp.zeros, ("expert",))((moe.num_experts,), jnp.float32),
                 ).value
             replayed = (None if replayed_experts is None
-                        else replayed_experts.reshape(batch * length, moe.top_k))
+                        else flat(replayed_experts))
             routing = route(logits, bias, moe, replayed)
 
         def expert_param(name, shape, axes):
@@ -120,11 +142,12 @@ class MoE(nn.Module):
         if mesh_size() > 1:
             y, stats = expert_parallel_experts(tokens.astype(dtype), routing.indices,
                                                routing.weights, weights,
-                                               collective=cfg.ep_collective, **options)
+                                               collective=cfg.ep_collective,
+                                               chunk=moe.ep_chunk_tokens, **options)
         else:
             y, stats = routed_experts(tokens.astype(dtype), routing.indices, routing.weights,
                                       weights, **options)
-        y = y.reshape(batch, length, d_model)
+        y = rows(y)
         if moe.num_shared_experts:
             y = y + SwiGLU(cfg, moe.shared_hidden * moe.num_shared_experts, self.shared_limit,
                            name="shared_expert")(x)
@@ -135,18 +158,17 @@ class MoE(nn.Module):
             "expert_load": load,
             "expert_prob": mean_probs,
             "routing_confidence": jax.lax.stop_gradient(
-                routing_confidence(routing.probs, routing.indices).reshape(batch, length)
+                rows(routing_confidence(routing.probs, routing.indices))
             ),
-            "routed_experts": routing.indices.reshape(batch, length, moe.top_k),
+            "routed_experts": rows(routing.indices),
             # DeepSeek-V4's sequence-wise balance loss (report 2.1); a fixed hash choice has
             # nothing to balance.
             "sequence_balance_loss": (jnp.zeros((), jnp.float32) if self.is_hash else
                                       sequence_balance_loss(
-                                          routing.probs.reshape(batch, length, -1),
-                                          routing.indices.reshape(batch, length, -1), valid)),
+                                          rows(routing.probs), rows(routing.indices), valid)),
             **stats,
         }
         if replayed_experts is not None:  # (an unrecorded token's own choice is its choice)
             mismatch = choices_differ(routing.own_choice, routing.indices)
-            aux["replay_mismatch"] = mismatch.astype(jnp.float32).reshape(batch, length)
+            aux["replay_mismatch"] = rows(mismatch.astype(jnp.float32))
         return y, aux

@@ -27,11 +27,11 @@ import jax.numpy as jnp
 
 from model.config import ModelConfig
 from model.inference.kv_cache import KVCacheSpec
-from model.layers.block import DecoderBlock
 from model.layers.common import dtype_of
 from model.layers.hyper_connections import HyperHead
 from model.layers.norm import RMSNorm
 from model.layers.projection import Projection
+from model.layers.stack import block_class
 
 
 def shift_tokens_left(tokens, offset: int):
@@ -72,8 +72,11 @@ class MTPHead(nn.Module):
         # A full layer's clamps are the last decoder layer's (DeepSeek-V4 has one for all); the
         # dense block is unclamped, as Step 3.5's checkpoint has it.
         limits = (cfg.swiglu_limits[-1], cfg.swiglu_limits_shared[-1]) if layer else (0.0, 0.0)
-        self.block = DecoderBlock(cfg, cfg.mtp.attention_type, is_moe=layer, limit=limits[0],
-                                  shared_limit=limits[1], kv_cache=self.kv_cache, streams=layer)
+        # rematerialised like the decoder layers (model.remat_policy): under differentiation
+        # the block keeps what the policy saves, not every intermediate of its batch
+        self.block = block_class(cfg, in_loop=False)(
+            cfg, cfg.mtp.attention_type, is_moe=layer, limit=limits[0], shared_limit=limits[1],
+            kv_cache=self.kv_cache, streams=layer)
         if reads_streams(cfg):
             hc = cfg.hyper_connections
             self.hc_head = HyperHead(hc_eps=hc.eps, norm_eps=cfg.norm_eps, init_std=cfg.init_std,

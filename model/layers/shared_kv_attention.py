@@ -42,6 +42,8 @@ from model.ops.compressed_attention import attend_window_and_entries, compressed
 from model.ops.interleaved_rope import rotate_trailing_pairs
 from model.ops.kv_compression import CompressedKV
 from model.ops.sparse_indexer import indexer_kl_loss
+from model.parallel.context import context_layout, splits_sequences
+from model.parallel.context_compression import context_compressed_attention
 
 
 def rope_inv_freq(cfg: ModelConfig, attention_type: str) -> np.ndarray:
@@ -106,16 +108,14 @@ class SharedKVAttention(nn.Module):
         if self.kv_cache is not None:
             y = self._cached_attention(x, q, kv, q_latent, positions, sinks, inv_freq)
         elif self.attention_type == "W":
-            y = compressed_attention(q, kv, no_entries(batch, attn.head_dim, dtype), sinks,
-                                     **self._core_options(segment_ids))
+            y = self._attend(q, kv, no_entries(batch, attn.head_dim, dtype), sinks, segment_ids)
         else:
             compressed = self._compressor()(x, segment_ids, positions, inv_freq)
             if self.attention_type == "H":
-                y = compressed_attention(q, kv, compressed, sinks,
-                                         **self._core_options(segment_ids))
+                y = self._attend(q, kv, compressed, sinks, segment_ids)
             elif attn.csa_attention == "dense":  # every visible entry; the indexer learns it
-                y, entry_probs = compressed_attention(q, kv, compressed, sinks, entry_probs=True,
-                                                      **self._core_options(segment_ids))
+                y, entry_probs = self._attend(q, kv, compressed, sinks, segment_ids,
+                                              entry_probs=True)
                 terms = LightningIndexer(cfg, name="indexer")(x, q_latent, positions,
                                                               segment_ids, inv_freq,
                                                               dense_target=entry_probs)
@@ -124,8 +124,8 @@ class SharedKVAttention(nn.Module):
             else:
                 selection = LightningIndexer(cfg, name="indexer")(x, q_latent, positions,
                                                                   segment_ids, inv_freq)
-                y, entry_probs = compressed_attention(
-                    q, kv, compressed, sinks, entry_probs=True, **self._core_options(segment_ids),
+                y, entry_probs = self._attend(
+                    q, kv, compressed, sinks, segment_ids, entry_probs=True,
                     selected=jnp.where(selection.valid, selection.indices, -1))
                 aux["indexer_loss"] = indexer_kl_loss(entry_probs[:, :, None], selection.scores,
                                                       selection.valid)
@@ -143,6 +143,15 @@ class SharedKVAttention(nn.Module):
     def _core_options(self, segment_ids) -> dict:
         return dict(window=self.config.window, segment_ids=segment_ids,
                     query_chunk=self.config.shared_kv_attention.query_chunk)
+
+    def _attend(self, q, kv, compressed, sinks, segment_ids, **kwargs):
+        """The core attention (model.ops.compressed_attention), per `mesh.context` shard when
+        the sequence is split."""
+        options = dict(self._core_options(segment_ids), **kwargs)
+        if splits_sequences(self):
+            return context_compressed_attention(q, kv, compressed, sinks,
+                                                layout=context_layout(self.config), **options)
+        return compressed_attention(q, kv, compressed, sinks, **options)
 
     def _compressor(self) -> Compressor:
         attn = self.config.shared_kv_attention

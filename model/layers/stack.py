@@ -41,15 +41,26 @@ _REMAT_POLICIES = {
 FULLY_UNROLLED_LAYERS = 4
 
 
-def scan_unroll(seg: Segment) -> int:
-    """Iterations per loop step of the scanned segment `seg`."""
+def scan_unroll(seg: Segment, remat: bool = False) -> int:
+    """Iterations per loop step of the scanned segment `seg`. Under a remat policy (`remat`)
+    always 1: the backward loop then recomputes one period per step, where a fully unrolled
+    segment let XLA schedule several layers' recomputations, and their attention scores,
+    together (tiny model at d_model 256, 8 host devices: remat=full peaked at 559 MiB unrolled,
+    346 MiB rolled; `python -m train.plan --measure`)."""
+    if remat:
+        return 1
     return seg.repeats if seg.period * seg.repeats <= FULLY_UNROLLED_LAYERS else 1
 
 
-def block_class(cfg: ModelConfig, in_scan: bool):
+def block_class(cfg: ModelConfig, in_loop: bool):
+    """The block, rematerialised by the config's policy. `in_loop`: it runs as the body of a
+    loop that repeats it (a rolled scan), which keeps XLA from merging the backward pass's
+    recomputation with the forward (CSE), so remat needs no barrier there. A fully unrolled
+    scan is inlined like straight-line code: without the barrier XLA merges the two and keeps
+    every forward activation (measured with `python -m train.plan --measure`)."""
     if cfg.remat_policy == "none":
         return DecoderBlock
-    return nn.remat(DecoderBlock, policy=_REMAT_POLICIES[cfg.remat_policy], prevent_cse=not in_scan)
+    return nn.remat(DecoderBlock, policy=_REMAT_POLICIES[cfg.remat_policy], prevent_cse=not in_loop)
 
 
 class BlockGroup(nn.Module):
@@ -59,10 +70,11 @@ class BlockGroup(nn.Module):
     config: ModelConfig
     kinds: tuple
     kv_cache: KVCacheSpec | None = None
+    in_loop: bool = True  # False: a fully unrolled scan (`block_class`)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids, token_ids=None, routed_experts=None):
-        block = block_class(self.config, in_scan=True)
+        block = block_class(self.config, self.in_loop)
         auxes = []
         for j, kind in enumerate(self.kinds):
             x, aux = block(self.config, kind.attention_type, kind.is_moe, kind.limit,
@@ -100,20 +112,25 @@ class LayerStack(nn.Module):
     of length num_layers). `token_ids` [B, T] feed the hash-routed MoE layers;
     `routed_experts` [L_moe, B, T, k] replays an expert choice (model/layers/router.py). With
     `kv_cache` the layers decode incrementally; their caches are the `cache` collection,
-    stacked like params."""
+    stacked like params. `staged_pipeline`: the pipelined segment's params come in their stage
+    layout (see `model.lm.CausalLM`)."""
 
     config: ModelConfig
     kv_cache: KVCacheSpec | None = None
+    staged_pipeline: bool = False
 
     @nn.compact
     def __call__(self, x, positions, segment_ids, token_ids=None, routed_experts=None):
         cfg = self.config
+        if self.kv_cache is not None and mesh_axis_size("context") > 1:
+            raise ValueError("decoding with KV caches does not run under a context mesh axis; "
+                             "use mesh.context=1 for inference")
         kinds = layer_kinds(cfg)
         per_layer_aux = [None] * cfg.num_layers
         routes = ([None] * cfg.num_layers if routed_experts is None
                   else per_layer_routes(cfg, routed_experts))
         if not cfg.scan_layers:
-            block = block_class(cfg, in_scan=False)
+            block = block_class(cfg, in_loop=False)
             for i, kind in enumerate(kinds):
                 x, per_layer_aux[i] = block(cfg, kind.attention_type, kind.is_moe, kind.limit,
                                             kind.shared_limit, self.kv_cache, kind.is_hash,
@@ -136,16 +153,18 @@ class LayerStack(nn.Module):
                                            (positions, segment_ids, token_ids), stages)
                 _scatter_aux(per_layer_aux, seg, auxes)
                 continue
+            unroll = scan_unroll(seg, cfg.remat_policy != "none")
             scanned = nn.scan(
                 BlockGroup,
                 variable_axes={"params": 0, "balance": 0, "cache": 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
                 length=seg.repeats,
-                unroll=scan_unroll(seg),
+                unroll=unroll,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, auxes = scanned(cfg, unit, self.kv_cache, name=f"segment_{s}")(
+            x, auxes = scanned(cfg, unit, self.kv_cache, unroll < seg.repeats,
+                               name=f"segment_{s}")(
                 x, positions, segment_ids, token_ids,
                 None if routed_experts is None else segment_routes(routes, seg))
             _scatter_aux(per_layer_aux, seg, auxes)
@@ -159,7 +178,8 @@ class LayerStack(nn.Module):
                      if name in tree}
         group = BlockGroup(self.config, unit, parent=None)
         return pipeline_forward(lambda v, h, *r: group.apply(v, h, *r), variables, x, rows,
-                                stage_plan(self.config, stages))
+                                stage_plan(self.config, stages),
+                                staged=("params",) if self.staged_pipeline else ())
 
 
 def _scatter_aux(per_layer_aux: list, seg: Segment, auxes: tuple) -> None:

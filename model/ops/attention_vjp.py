@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from model.parallel.mesh import mesh_size
+from model.parallel.mesh import global_view
 from pallas_kernels.saved_names import name_attention
 
 _NEG = -1e30  # finite "minus infinity": keeps gradients NaN-free on fully masked entries
@@ -54,11 +54,12 @@ grouped_attention.defvjp(_forward, _backward)
 
 def _blockwise(block_fn, q, k, *rest):
     """block_fn over the leading (block) axis in `lax.map` steps of ~_SCORES_PER_STEP scores.
-    Under a device mesh the block axis may be sharded (it holds the batch), and a loop over a
-    sharded axis would gather it onto every device: there it runs as one step."""
+    In the global view of a device mesh the block axis may be sharded (it holds the batch), and
+    a loop over a sharded axis would gather it onto every device: there it runs as one step
+    (inside a `shard_map` the blocks are the device's own)."""
     num_blocks, rows, keys = q.shape[0], q.shape[1], k.shape[1]
     per_step = max(1, _SCORES_PER_STEP // (rows * keys))
-    if per_step >= num_blocks or mesh_size() > 1:
+    if per_step >= num_blocks or global_view():
         return block_fn(q, k, *rest)
     return jax.lax.map(lambda args: block_fn(*args), (q, k, *rest), batch_size=per_step)
 

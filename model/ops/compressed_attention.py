@@ -43,7 +43,9 @@ def compressed_attention(q: jax.Array, kv: jax.Array, compressed: CompressedKV, 
                          *, window: int, segment_ids: jax.Array | None = None,
                          selected: jax.Array | None = None,
                          query_chunk: int = QUERY_CHUNK,
-                         entry_probs: bool = False):
+                         entry_probs: bool = False,
+                         front: tuple[jax.Array, jax.Array] | None = None,
+                         first_index: jax.Array | None = None):
     """q: [B, T, H, c] (normed, roped queries); kv: [B, T, c] raw sliding-window entries;
     compressed: entries [B, N, c]; sink: [H] logits; window: W >= 1; segment_ids: [B, T]
     (None: one document per row); selected: [B, T, k] int indices into the N compressed slots,
@@ -54,6 +56,9 @@ def compressed_attention(q: jax.Array, kv: jax.Array, compressed: CompressedKV, 
 
     An entry is attended only if `compressed.visible` (complete before the query, same
     document), whatever `selected` says, so an indexer's stray picks are harmless.
+    A piece of a longer sequence (a context shard, model/parallel/context_compression.py)
+    gives `front`: the raw entries [B, F, c] and segment ids [B, F] of the F rows before its
+    first query (F <= W - 1), and `first_index` [B]: its first query's token index.
     """
     batch, length, heads, dim = q.shape
     if segment_ids is None:
@@ -62,9 +67,13 @@ def compressed_attention(q: jax.Array, kv: jax.Array, compressed: CompressedKV, 
     q_p = _chunk_rows(q, chunk)
     num_chunks = q_p.shape[1] // chunk
     seg_p = _chunk_rows(segment_ids, chunk, pad_value=-1)  # padding rows match no real key
-    # Raw keys of chunk n are rows [(n-1)C, (n+1)C) of kv with C zero rows in front.
-    kv_front = jnp.pad(_chunk_rows(kv, chunk), ((0, 0), (chunk, 0), (0, 0)))
-    seg_front = jnp.pad(seg_p, ((0, 0), (chunk, 0)), constant_values=-1)
+    # Raw keys of chunk n: the `before` rows ahead of it (chunk n-1, or what comes before the
+    # first chunk) and the chunk itself; zero rows of segment -1 where there are none.
+    before = chunk if front is None else max(chunk, front[0].shape[1])
+    front_kv, front_seg = ((kv[:, :0], segment_ids[:, :0]) if front is None else front)
+    kv_front = jnp.concatenate([_front_pad(front_kv, before, 0), _chunk_rows(kv, chunk)], 1)
+    seg_front = jnp.concatenate([_front_pad(front_seg, before, -1), seg_p], 1)
+    first_index = jnp.zeros((batch,), jnp.int32) if first_index is None else first_index
     if selected is not None:
         selected = _chunk_rows(selected, chunk, pad_value=-1)
 
@@ -72,14 +81,14 @@ def compressed_attention(q: jax.Array, kv: jax.Array, compressed: CompressedKV, 
         start = n * chunk
         q_c = jax.lax.dynamic_slice_in_dim(q_p, start, chunk, axis=1)  # [B, C, H, c]
         seg_q = jax.lax.dynamic_slice_in_dim(seg_p, start, chunk, axis=1)  # [B, C]
-        k_win = jax.lax.dynamic_slice_in_dim(kv_front, start, 2 * chunk, axis=1)  # [B, 2C, c]
-        seg_k = jax.lax.dynamic_slice_in_dim(seg_front, start, 2 * chunk, axis=1)
+        k_win = jax.lax.dynamic_slice_in_dim(kv_front, start, before + chunk, axis=1)
+        seg_k = jax.lax.dynamic_slice_in_dim(seg_front, start, before + chunk, axis=1)
         q_pos = start + jnp.arange(chunk)
-        k_pos = start - chunk + jnp.arange(2 * chunk)
+        k_pos = start - before + jnp.arange(before + chunk)
         distance = q_pos[:, None] - k_pos[None, :]
         win_mask = ((distance >= 0) & (distance < window))[None] & (
-            seg_q[:, :, None] == seg_k[:, None, :])  # [B, C, 2C]
-        visible = compressed.visible(jnp.broadcast_to(q_pos, (batch, chunk)), seg_q)  # [B, C, N]
+            seg_q[:, :, None] == seg_k[:, None, :])  # [B, C, F + C]
+        visible = compressed.visible(first_index[:, None] + q_pos, seg_q)  # [B, C, N]
         if selected is None:
             return attend_window_and_entries(q_c, k_win, win_mask, compressed.entries, visible,
                                              sink)
@@ -93,6 +102,13 @@ def compressed_attention(q: jax.Array, kv: jax.Array, compressed: CompressedKV, 
         return outs
     summed = jnp.moveaxis(summed, 0, 1)  # [B, n, C, N or k]
     return outs, summed.reshape(batch, num_chunks * chunk, -1)[:, :length]
+
+
+def _front_pad(rows: jax.Array, count: int, fill) -> jax.Array:
+    """[B, F, ...] -> [B, count, ...]: `fill` rows in front of `rows` (F <= count)."""
+    widths = [(0, 0)] * rows.ndim
+    widths[1] = (count - rows.shape[1], 0)
+    return jnp.pad(rows, widths, constant_values=fill)
 
 
 def _selected_in_row_blocks(q, window_keys, window_mask, entries, visible, sink, selected):

@@ -76,18 +76,24 @@ def document_offsets(segment_ids: jax.Array) -> jax.Array:
 def block_starts(segment_ids: jax.Array, rate: int) -> jax.Array:
     """[B, T] -> [B, T // rate] int32: first token of each complete document-aligned block, in
     order, then T for empty slots."""
-    batch, length = segment_ids.shape
-    offsets = document_offsets(segment_ids)
-    index = jnp.arange(length)
-    last = jnp.minimum(index + rate - 1, length - 1)
+    return complete_blocks(document_offsets(segment_ids), rate, segment_ids.shape[1] // rate)
+
+
+def complete_blocks(offsets: jax.Array, rate: int, slots: int, first_end: int = 0) -> jax.Array:
+    """offsets [B, R]: the rows' offsets in their documents (-1: no token) -> [B, slots] int32:
+    the first row of each complete document-aligned block whose last row is at or after
+    `first_end`, in order, then R for empty slots (and blocks past `slots`)."""
+    batch, rows = offsets.shape
+    index = jnp.arange(rows)
+    last = jnp.minimum(index + rate - 1, rows - 1)
     # The block's last token is rate-1 further into the same document iff no document starts
     # inside the block (a restart would make its offset smaller).
-    complete = (index + rate - 1 < length) & (offsets[:, last] == offsets + rate - 1)
-    is_start = complete & (offsets % rate == 0)
-    slot = jnp.where(is_start, jnp.cumsum(is_start, axis=1) - 1, length // rate)
-    starts = jnp.full((batch, length // rate), length, jnp.int32)
-    rows = jnp.arange(batch)[:, None]
-    return starts.at[rows, slot].set(jnp.broadcast_to(index, (batch, length)), mode="drop")
+    complete = (index + rate - 1 < rows) & (offsets[:, last] == offsets + rate - 1)
+    is_start = complete & (offsets % rate == 0) & (index + rate - 1 >= first_end)
+    slot = jnp.where(is_start, jnp.cumsum(is_start, axis=1) - 1, slots)
+    starts = jnp.full((batch, slots), rows, jnp.int32)
+    batch_rows = jnp.arange(batch)[:, None]
+    return starts.at[batch_rows, slot].set(jnp.broadcast_to(index, (batch, rows)), mode="drop")
 
 
 def _gather_blocks(x: jax.Array, first: jax.Array, rate: int) -> jax.Array:
@@ -164,20 +170,38 @@ def compress_kv(hidden: jax.Array, params: CompressorParams, *, rate: int, overl
     if segment_ids is None:
         segment_ids = jnp.zeros((batch, length), jnp.int32)
     kv, gate = project_tokens(hidden, params)  # [B, T, c or 2c]
-    first = block_starts(segment_ids, rate)  # [B, N]
-    first_in_row = jnp.minimum(first, length - 1)  # empty slots read the last token, then zeroed
-    block_offset = jnp.take_along_axis(document_offsets(segment_ids), first_in_row, axis=1)
-    block_position = (block_offset if positions is None else
-                      jnp.take_along_axis(positions.astype(jnp.int32), first_in_row, axis=1))
+    offsets = document_offsets(segment_ids)
+    return compress_rows(kv, gate, offsets, segment_ids,
+                         offsets if positions is None else positions, params, rate=rate,
+                         overlap=overlap, inv_freq=inv_freq, eps=eps, slots=length // rate)
+
+
+def compress_rows(kv: jax.Array, gate: jax.Array, offsets: jax.Array, segment_ids: jax.Array,
+                  positions: jax.Array, params: CompressorParams, *, rate: int, overlap: bool,
+                  inv_freq: jax.Array, eps: float, slots: int, first_end: int = 0,
+                  index_base=0, length: int | None = None) -> CompressedKV:
+    """`compress_kv` from the projections (`project_tokens`) kv / gate [B, R, F] of R rows with
+    their document offsets, segment ids and RoPE positions [B, R]: the complete blocks whose
+    last row is at or after `first_end`, at most `slots` of them. Entries' `last_token` is
+    `index_base` ([B] or a scalar: the token index of row 0) plus the row; `length` (default
+    R) marks empty slots. A context shard passes its rows with the rows before them in front
+    (model/parallel/context_compression.py)."""
+    rows = kv.shape[1]
+    length = rows if length is None else length
+    first = complete_blocks(offsets, rate, slots, first_end)  # [B, slots]
+    first_in_row = jnp.minimum(first, rows - 1)  # empty slots read the last row, then zeroed
+    block_offset = jnp.take_along_axis(offsets, first_in_row, axis=1)
+    block_position = jnp.take_along_axis(positions.astype(jnp.int32), first_in_row, axis=1)
     previous = None
     if overlap:  # a document's first block ("boundary block") has no previous block
         previous = (_gather_blocks(kv, first - rate, rate), _gather_blocks(gate, first - rate, rate),
                     block_offset >= rate)
     entries = pool_blocks(_gather_blocks(kv, first, rate), _gather_blocks(gate, first, rate),
                           previous, block_position, params, inv_freq=inv_freq,
-                          eps=eps).astype(hidden.dtype)
-    empty = first >= length
+                          eps=eps).astype(kv.dtype)
+    empty = first >= rows
     entries = jnp.where(empty[..., None], 0, entries)
-    last_token = jnp.where(empty, length, first + rate - 1).astype(jnp.int32)
+    index_base = jnp.reshape(jnp.asarray(index_base, jnp.int32), (-1, 1))
+    last_token = jnp.where(empty, length, index_base + first + rate - 1).astype(jnp.int32)
     entry_segments = jnp.take_along_axis(segment_ids, first_in_row, axis=1)
     return CompressedKV(entries, last_token, entry_segments.astype(jnp.int32))

@@ -23,19 +23,20 @@ from pallas_kernels.target import target_backend
 
 def linear(x: jax.Array, kernel: jax.Array, contract: int = 1) -> jax.Array:
     """x [..., *in] @ kernel [*in, *out] -> [..., *out], contracting the `contract` trailing
-    axes of x with the leading axes of kernel (`jnp.tensordot(x, kernel, contract)`)."""
+    axes of x with the leading axes of kernel (`jnp.tensordot(x, kernel, contract)`). The
+    leading axes stay apart (merging [B, T] would reshard a sequence split over `context`)."""
     inner = x.shape[x.ndim - contract:]
     if inner != kernel.shape[:contract]:
         raise ValueError(f"linear: x axes {inner} do not match kernel {kernel.shape}")
     outer, features = x.shape[:x.ndim - contract], kernel.shape[contract:]
-    rows = x.reshape(-1, math.prod(inner))
+    rows = x.reshape(*outer, math.prod(inner))
     y = _matmul(rows, kernel.reshape(math.prod(inner), math.prod(features)))
     return y.reshape(*outer, *features)
 
 
 @jax.custom_vjp
 def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [N, K] @ w [K, M] -> [N, M]."""
+    """x [..., K] @ w [K, M] -> [..., M]."""
     return x @ w
 
 
@@ -45,11 +46,14 @@ def _matmul_fwd(x, w):
 
 def _matmul_bwd(residuals, g):
     x, w = residuals
-    dx = jax.lax.dot_general(g, w, (((1,), (1,)), ((), ())))  # g [N, M] · w [K, M] over M
+    dx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())))  # g [..., M] · w over M
+    lead = tuple(range(x.ndim - 1))
     if target_backend() == "cpu":
-        dw = jnp.transpose(x) @ g  # [K, N] @ [N, M]: a standard product after a cheap copy
+        # [K, ...] @ [..., M]: a standard product after a cheap copy
+        dw = jax.lax.dot_general(jnp.moveaxis(x, -1, 0), g,
+                                 ((tuple(d + 1 for d in lead), lead), ((), ())))
     else:
-        dw = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())))
+        dw = jax.lax.dot_general(x, g, ((lead, lead), ((), ())))
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

@@ -80,11 +80,11 @@ def sorted_block_ffn(x, indices, weights: ExpertWeights, clamp: SwiGLUClamp, blo
     rows = permute_rows(x, row_copy // top_k, copy_row.reshape(num_tokens, top_k))
 
     starts = jnp.cumsum(copies.group_sizes) - copies.group_sizes
-    out, h_sq = grouped_swiglu(rows, *weights, starts, copies.group_sizes, clamp, sizes)
+    out, h_sq, out_sq = grouped_swiglu(rows, *weights, starts, copies.group_sizes, clamp, sizes)
     out = checkpoint_name(out, EXPERT_OUT)
     row_expert = jnp.concatenate([copies.row_expert, jnp.full((slack,), num_experts,
                                                                copies.row_expert.dtype)])
-    sums = expert_statistic_sums(out, h_sq, row_expert, copies.group_sizes)
+    sums = expert_statistic_sums(out_sq, h_sq, row_expert, copies.group_sizes)
     copy_out = permute_rows(out, copy_row, row_copy[:, None])
     return copy_out.reshape(num_tokens, top_k, -1), sums
 
@@ -125,8 +125,8 @@ def ragged_dot_ffn(x, indices, weights: ExpertWeights, clamp: SwiGLUClamp, block
     out = jax.lax.ragged_dot(h, weights.down, copies.group_sizes)
     out = jnp.where((copies.row_expert < weights.gate.shape[0])[:, None], out, 0)
     out = checkpoint_name(out, EXPERT_OUT)
-    sums = expert_statistic_sums(out, jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1),
-                                 copies.row_expert, copies.group_sizes)
+    sums = expert_statistic_sums(squared_norms(out), squared_norms(h), copies.row_expert,
+                                 copies.group_sizes)
     return return_rows(out, dispatch, indices.shape[1]), sums
 
 
@@ -136,17 +136,23 @@ def combine_copies(copy_out, combine_weights, dtype):
     return y.astype(dtype)
 
 
+def squared_norms(x: jax.Array) -> jax.Array:
+    """[R, n] -> [R] float32 squared norms of the rows."""
+    return jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1)
+
+
 @jax.named_scope("monitors")
-def expert_statistic_sums(out, h_sq, row_expert, group_sizes) -> dict:
+def expert_statistic_sums(out_sq, h_sq, row_expert, group_sizes) -> dict:
     """Per-expert sums behind the health signals (report 4.1.2-4.1.3), without gradient.
 
-    out: [R, D] expert outputs, h_sq: [R] squared norms of the SwiGLU intermediate, row_expert:
-    [R] non-decreasing expert ids (ids >= E are ignored). All-zero padding rows add nothing.
-    Returns `expert_tokens`, `h_sq_sum`, `out_norm_sum`, `expert_out_norm_max`, each [E].
+    out_sq / h_sq: [R] squared norms of the expert outputs / SwiGLU intermediates (float32),
+    row_expert: [R] non-decreasing expert ids (ids >= E are ignored). All-zero padding rows add
+    nothing. Returns `expert_tokens`, `h_sq_sum`, `out_norm_sum`, `expert_out_norm_max`, each
+    [E].
     """
-    out, h_sq = jax.lax.stop_gradient((out, h_sq))
+    out_sq, h_sq = jax.lax.stop_gradient((out_sq, h_sq))
     num_experts = group_sizes.shape[0]
-    out_norm = jnp.linalg.norm(out.astype(jnp.float32), axis=-1)
+    out_norm = jnp.sqrt(out_sq)
     seg = dict(segment_ids=row_expert, num_segments=num_experts, indices_are_sorted=True)
     return {
         "expert_tokens": group_sizes.astype(jnp.float32),

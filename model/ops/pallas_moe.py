@@ -25,6 +25,7 @@ from model.ops.moe_dispatch import (
     dispatch_rows,
     expert_statistic_sums,
     return_rows,
+    squared_norms,
 )
 from model.ops.swiglu import SwiGLUClamp
 from pallas_kernels import grouped_leg_table, grouped_matmul, grouped_matmul_triton
@@ -113,5 +114,5 @@ def pallas_moe_ffn(x, indices, weights: ExpertWeights, clamp: SwiGLUClamp, block
     sizes = dispatch.copies.group_sizes
     out, h_sq = expert_swiglu(rows, gate_up, weights.down, sizes, clamp, plan, interpret)
     out = checkpoint_name(out, EXPERT_OUT)
-    sums = expert_statistic_sums(out, h_sq, dispatch.copies.row_expert, sizes)
+    sums = expert_statistic_sums(squared_norms(out), h_sq, dispatch.copies.row_expert, sizes)
     return return_rows(out, dispatch, indices.shape[1]), sums

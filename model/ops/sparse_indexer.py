@@ -294,6 +294,18 @@ def dense_indexer_terms(
     target [B, T, S]: the main attention's probability of each entry summed over heads (no
     gradient); positions / segment ids and `score_dtype` as in `select_entries`.
     """
+    kl, count, hits, slots = dense_indexer_sums(
+        queries, head_weights, keys, target, query_positions, entry_end_positions, top_k=top_k,
+        chunk_size=chunk_size, query_segment_ids=query_segment_ids,
+        entry_segment_ids=entry_segment_ids, score_dtype=score_dtype)
+    return DenseIndexerTerms(kl / jnp.maximum(count, 1.0), hits, slots)
+
+
+def dense_indexer_sums(queries, head_weights, keys, target, query_positions, entry_end_positions,
+                       *, top_k: int, chunk_size: int, query_segment_ids=None,
+                       entry_segment_ids=None, score_dtype=jnp.float32):
+    """`dense_indexer_terms` before the mean: (Σ_t KL_t, queries with support, recall hits,
+    recall slots), float32 scalars that add up over pieces of the queries."""
     chunked = functools.partial(_query_chunks, chunk_size=chunk_size)
     segments = () if query_segment_ids is None else (chunked(query_segment_ids),)
     target = jax.lax.stop_gradient(target)
@@ -311,5 +323,4 @@ def dense_indexer_terms(
     kl, count, hits, slots = jax.lax.map(jax.checkpoint(one_chunk), (
         chunked(queries), chunked(head_weights), chunked(target),
         chunked(query_positions, fill=-1), *segments))
-    return DenseIndexerTerms(jnp.sum(kl) / jnp.maximum(jnp.sum(count), 1.0), jnp.sum(hits),
-                             jnp.sum(slots))
+    return jnp.sum(kl), jnp.sum(count), jnp.sum(hits), jnp.sum(slots)

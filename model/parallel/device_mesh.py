@@ -69,14 +69,17 @@ def mesh_over(sizes: dict[str, int], devices: list) -> Mesh:
 
 def decode_mesh(text: str | None, flag: str = "--mesh") -> Mesh | None:
     """The mesh a model decodes on: `text` parsed (None: no mesh, one device) over the first
-    devices it needs. Decoding does not pipeline, so `pipeline` is refused; a mesh larger than
-    the devices is named with the count."""
+    devices it needs. Decoding does not pipeline or split its sequence, so `pipeline` and
+    `context` are refused; a mesh larger than the devices is named with the count."""
     if text is None:
         return None
     sizes = parse_mesh(text, flag)
     if sizes.get("pipeline", 1) != 1:
         raise ValueError(f"{flag}: decoding does not pipeline; shard the model over tensor, "
                          "expert and fsdp instead")
+    if sizes.get("context", 1) != 1:
+        raise ValueError(f"{flag}: decoding keeps each sequence whole, not split over context; "
+                         "shard the model over tensor, expert and fsdp instead")
     devices = jax.devices()
     fixed = math.prod(s for s in sizes.values() if s != -1)
     if -1 in sizes.values():

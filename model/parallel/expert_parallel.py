@@ -2,8 +2,8 @@
 over the mesh axis `expert`, run there, and come back. Dropless.
 
 Inside a `shard_map` over the whole mesh each device holds n tokens (the batch is sharded over
-`data`, `fsdp` and `expert`) and E / ep experts (weights sharded over `expert`, gathered over
-the other axes). Per device:
+`data`, `fsdp` and `expert`, each sequence over `context`) and E / ep experts (weights sharded
+over `expert`, gathered over the other axes). Per device:
   1. sort its n*k routed copies by expert, so the copies for each expert-axis peer are one
      contiguous chunk (peer p owns experts [p E/ep, (p+1) E/ep));
   2. exchange chunk sizes (all_to_all), then the chunks themselves (`exchange`);
@@ -11,7 +11,12 @@ the other axes). Per device:
   4. send the results back along the same routes and combine them with the router weights.
 The receive buffer holds ep * n * k rows: dropless needs room for every peer sending all its
 copies here (the skewed worst case). Unused rows carry the id "no expert" and cost no FLOPs in
-the `sorted` path.
+the `sorted` path. `chunk` (model.moe.ep_chunk_tokens) bounds that: each device exchanges its
+tokens at most `chunk` at a time (the largest divisor of its token count not above it;
+`lax.map`, every chunk rematerialised in the backward pass), so the buffers and the expert
+intermediates hold ep * chunk * k rows whatever the batch, for one more pass of the exchange
+and the experts in the backward. Same result: a token's copies travel
+together, and the statistics add over chunks.
 
 When the tokens are not sharded over `expert` (decoding one row: model/parallel/device_mesh.py's
 rules keep the batch whole), every device already holds every token: each runs its own experts
@@ -115,24 +120,62 @@ def _local_experts(x, indices, combine_weights, gate, up, down, *, num_experts, 
     return y, sums
 
 
+def exchange_chunk(n: int, chunk: int) -> int:
+    """Tokens per exchange of a device routing `n` tokens with model.moe.ep_chunk_tokens =
+    `chunk`: the largest divisor of n not above it (0: all n)."""
+    if not chunk or chunk >= n:
+        return n
+    return max(d for d in range(1, chunk + 1) if n % d == 0)
+
+
+def _in_chunks(body, chunk: int):
+    """`body`(x [n, D], indices, combine_weights, *weights) -> (y, sums), run on the tokens in
+    chunks of the largest divisor of n not above `chunk` when 0 < chunk < n (module docstring)."""
+
+    def run(x, indices, combine_weights, *weights):
+        n = x.shape[0]
+        size = exchange_chunk(n, chunk)
+        if size == n:
+            return body(x, indices, combine_weights, *weights)
+
+        def one(part):
+            return body(*part, *weights)
+
+        split = lambda a: a.reshape(n // size, size, *a.shape[1:])  # noqa: E731
+        y, sums = jax.lax.map(jax.checkpoint(one, prevent_cse=False),
+                              (split(x), split(indices), split(combine_weights)))
+        sums = {k: (jnp.max if k == "expert_out_norm_max" else jnp.sum)(v, axis=0)
+                for k, v in sums.items()}
+        return y.reshape(n, *y.shape[2:]), sums
+
+    return run
+
+
 def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights, *,
-                            clamp: SwiGLUClamp, impl: str, block_size: int, collective: str):
+                            clamp: SwiGLUClamp, impl: str, block_size: int, collective: str,
+                            chunk: int = 0):
     """`model.layers.moe.routed_experts` with the experts spread over the mesh axis `expert`
     (under a mesh context and the logical-axis rules; see module docstring).
-    x [N, D], indices/combine_weights [N, k] -> (y [N, D], per-expert stats dict of [E])."""
+    x [N, D], indices/combine_weights [N, k] -> (y [N, D], per-expert stats dict of [E]).
+    `chunk`: tokens per device per exchange (0: all of them at once)."""
     num_experts = weights.gate.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
     peers = mesh.shape[AXIS]
     if num_experts % peers:
         raise ValueError(f"mesh.expert={peers} does not divide moe.num_experts={num_experts}")
-    token_spec = logical_spec("batch", None)
-    token_axes = spec_axes(token_spec[0])
-    if AXIS not in token_axes:
-        if token_axes:
+    batch_axes = spec_axes(logical_spec("batch")[0])
+    if AXIS not in batch_axes:
+        if batch_axes:
             raise ValueError("expert parallelism needs the batch sharded over the `expert` axis "
-                             f"or not at all (rules give {token_spec})")
-        return _experts_of_whole_tokens(x, indices, combine_weights, weights, token_spec,
-                                        clamp=clamp, impl=impl, block_size=block_size)
+                             f"or not at all (rules give {batch_axes})")
+        return _experts_of_whole_tokens(x, indices, combine_weights, weights,
+                                        logical_spec("batch", None), clamp=clamp, impl=impl,
+                                        block_size=block_size)
+    # x's N tokens: B rows over the batch axes, T over `context`; the MoE layer lists them
+    # time-major under `context` (model/layers/moe.py)
+    token_axes = (*(a for a in spec_axes(logical_spec("length")[0]) if mesh.shape[a] > 1),
+                  *batch_axes)
+    token_spec = P(token_axes, None)
     stat_axes = tuple(a for a in token_axes if a != AXIS and mesh.shape[a] > 1)
     body = functools.partial(
         _local_experts, num_experts=num_experts, clamp=clamp, impl=impl, block_size=block_size,
@@ -142,7 +185,8 @@ def expert_parallel_experts(x, indices, combine_weights, weights: ExpertWeights,
     # over the mesh; outputs and gradients are compared with the unsharded path in
     # tests/train/test_parallel.py.
     y, sums = jax.shard_map(
-        body, in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec, expert_spec),
+        _in_chunks(body, chunk),
+        in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec, expert_spec),
         out_specs=(token_spec, P(AXIS)), check_vma=False,
     )(x, indices, combine_weights, *weights)
     return y, finalize_statistics(sums, weights.gate.shape[-1])

@@ -2,7 +2,8 @@
 
 The trainer enters `jax.set_mesh(mesh)` and flax's `nn.logical_axis_rules(rules)` (see
 `train.parallel.sharding`); without them every helper here reports a single device and the model
-runs its plain single-device code. Mesh axis names: `pipeline`, `data`, `fsdp`, `expert`, `tensor`.
+runs its plain single-device code. Mesh axis names: `pipeline`, `data`, `fsdp`, `expert`,
+`context`, `tensor`.
 """
 
 import functools
@@ -25,6 +26,13 @@ def mesh_size() -> int:
     """Devices in the current mesh context (1 without one)."""
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty else math.prod(mesh.shape.values())
+
+
+def global_view() -> bool:
+    """Whether the arrays being traced are global arrays over a mesh of several devices (XLA
+    partitions them), rather than one device's blocks inside a `shard_map`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh_size() > 1 and not mesh.are_all_axes_manual
 
 
 def logical_spec(*logical_axes: str | None) -> PartitionSpec:

@@ -18,28 +18,36 @@ buffer of M micro-batches holds those outputs and, after the last round, the res
 ticks of k slots each finish the work, so the idle share of the devices, the bubble, is
 (S - 1) / (V M + S - 1): GPipe's (S - 1) / (M + S - 1) at V = 1, and that of interleaved 1F1B
 (Narayanan et al. 2021) for V > 1. This is the breadth-first order of that schedule: the
-backward pass is JAX's autodiff of the tick loop (the mirrored schedule), so every micro-batch's
-stage inputs stay live until it, as in GPipe, rather than 1F1B's at most ~S in flight.
+backward pass is JAX's autodiff of the tick loop (the mirrored schedule), so every tick's saved
+activations stay live until it, as in GPipe, rather than 1F1B's at most ~S micro-batches in
+flight. With `model.pipeline_stage_remat` (the default) a tick saves only its stage input (one
+[b, T, ...] slice per device) and the backward recomputes the stage's forward before
+differentiating it, one tick at a time: the saved activations grow with the ticks by one layer
+input each, not by every layer's residuals, at the cost of one more forward of the segment.
 
 Written in the global (GSPMD) view, as MaxText does: an [S, ...] activation buffer sharded over
 `pipeline` advances one stage per tick (a collective permute) and every stage runs at once
 through `jax.vmap(..., spmd_axis_name="pipeline")`, so shard_map regions inside a stage (expert
 parallelism) keep working. The segment's params keep their [R, ...] stack and layer order in the
-model's tree (checkpoints move between meshes); the step arranges them into the stage layout
-[S, V, k, ...]: a reshape when V = 1 and S divides R (the stack is then stored sharded over
-`pipeline` along R), otherwise a gather with zero rows for the padded slots and one all-to-all
-(the stack is then stored sharded over `pipeline` along another dimension, see
-`model.parallel.rules.param_specs`), whose transpose brings the gradients back. Layers outside
-the segment, embeddings and heads run outside the pipeline, replicated over `pipeline`. The
-activations entering the pipeline may carry more axes than [B, T, D] (mHC's n streams
-[B, T, n, D]); per-row inputs (positions, segment ids, token ids for hash routing) follow their
-micro-batch.
+model's tree (checkpoints move between meshes) and are arranged into the stage layout
+[S, V, k, ...] (`stage_layout`): a reshape when V = 1 and S divides R (the stack is then stored
+sharded over `pipeline` along R), otherwise a gather with zero rows for the padded slots and
+one all-to-all (the stack is then stored sharded over `pipeline` along another dimension, see
+`model.parallel.rules.param_specs`), whose transpose brings the gradients back. The train step
+arranges its copy of the params once per step (train/parallel/compute_params.py) and passes it
+`staged`. Layers outside the segment, embeddings and heads run outside the pipeline with their
+rows split over `pipeline` too (one more data-parallel axis there: `model.parallel.rules`); the
+micro-batch queue gathers the rows of each micro-batch from the pipeline's devices, and inside
+the stages no logical axis maps to `pipeline` (`stage_rules`). The activations entering the
+pipeline may carry more axes than [B, T, D] (mHC's n streams [B, T, n, D]); per-row inputs
+(positions, segment ids, token ids for hash routing) follow their micro-batch.
 """
 
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,6 +90,7 @@ class StagePlan(NamedTuple):
     virtual: int  # V
     repeats: int  # R
     microbatches: int  # M
+    remat: bool = True  # a tick saves its stage input only (model.pipeline_stage_remat)
 
     @property
     def chunks(self) -> int:
@@ -126,7 +135,7 @@ def stage_plan(cfg: ModelConfig, stages: int) -> StagePlan:
     stages lack the micro-batches they need."""
     repeats = plan_segments(layer_kinds(cfg))[pipelined_segment(cfg, stages)].repeats
     plan = StagePlan(stages, cfg.pipeline_virtual_stages, repeats,
-                     num_microbatches(cfg, stages))
+                     num_microbatches(cfg, stages), cfg.pipeline_stage_remat)
     if plan.virtual > 1 and plan.microbatches < stages:
         raise ValueError(f"model.pipeline_microbatches: {plan.microbatches} micro-batches are "
                          f"fewer than the {stages} stages; virtual stages "
@@ -154,31 +163,57 @@ def merge_microbatch_aux(name: str, values: jax.Array) -> jax.Array:
 
 
 def stage_layout(variables, plan: StagePlan):
-    """Variables with a leading [R] axis -> [S, V, k, ...] (device, round, slot)."""
+    """Variables with a leading [R] axis -> [S, V, k, ...] (device, round, slot).
+
+    One gather in device-major order (padded slots read zeros), whose [S V k] rows split over
+    `pipeline` as they come: no transpose of a sharded stack (XLA's partitioner would
+    replicate it whole first), and the stored stack's `pipeline` sharding on another dimension
+    becomes one all-to-all."""
     if plan.contiguous:
         return jax.tree.map(lambda a: a.reshape(plan.stages, 1, plan.slots, *a.shape[1:]),
                             variables)
-    index = plan.slot_repeats().reshape(-1)  # chunk-major, chunk c = v * S + s
+    # [C, k] chunk-major (c = v S + s) -> [S, V, k] device-major
+    index = plan.slot_repeats().reshape(plan.virtual, plan.stages, plan.slots)
+    index = np.swapaxes(index, 0, 1).reshape(-1)
 
     def arrange(a):
-        padded = jnp.concatenate([a, jnp.zeros_like(a[:1])]) if plan.idle_slots else a
-        stacked = padded[index].reshape(plan.virtual, plan.stages, plan.slots, *a.shape[1:])
-        stacked = jnp.swapaxes(stacked, 0, 1)
+        stacked = jnp.take(a, index, axis=0, mode="fill", fill_value=0)  # row R: zeros
+        stacked = stacked.reshape(plan.stages, plan.virtual, plan.slots, *a.shape[1:])
         return jax.lax.with_sharding_constraint(
             stacked, P("pipeline", *[P.UNCONSTRAINED] * (stacked.ndim - 1)))
 
     return jax.tree.map(arrange, variables)
 
 
+def _without_pipeline(axes):
+    if axes is None or isinstance(axes, str):
+        return None if axes == "pipeline" else axes
+    kept = tuple(a for a in axes if a != "pipeline")
+    return kept or None
+
+
+def stage_rules() -> tuple:
+    """The active logical-axis rules with `pipeline` taken out of every entry: inside the
+    stages `pipeline` indexes the stages, never rows or weight dimensions."""
+    return tuple((name, _without_pipeline(axes)) for name, axes in nn.get_logical_axis_rules())
+
+
 def pipeline_forward(repeat_fn: Callable, variables: dict, x: jax.Array, rows: tuple,
-                     plan: StagePlan):
+                     plan: StagePlan, staged: tuple[str, ...] = ()):
     """Runs the R stacked repeats of a segment as pipeline stages (module docstring).
 
     repeat_fn(variables_of_one_repeat, x [b, T, ...], *rows of the micro-batch) -> (x, aux
-    pytree); variables: pytree with leading [R] axes; x: [B, T, ...]; rows: per-row inputs
-    [B, T] or None (positions, segment ids, token ids). Returns (x [B, T, ...], aux with leading
-    [R] axes merged over micro-batches).
+    pytree); variables: pytree with leading [R] axes, or with `staged` naming some of its
+    top-level entries (variable collections) that are already in the stage layout
+    [S, V, k, ...]; x: [B, T, ...]; rows: per-row inputs [B, T] or None (positions, segment
+    ids, token ids). Returns (x [B, T, ...], aux with leading [R] axes merged over
+    micro-batches).
     """
+    with nn.logical_axis_rules(stage_rules()):
+        return _pipeline_forward(repeat_fn, variables, x, rows, plan, staged)
+
+
+def _pipeline_forward(repeat_fn, variables, x, rows, plan, staged):
     stages, virtual, slots, microbatches = plan.stages, plan.virtual, plan.slots, plan.microbatches
     batch = x.shape[0]
     if batch % microbatches:
@@ -191,7 +226,9 @@ def pipeline_forward(repeat_fn: Callable, variables: dict, x: jax.Array, rows: t
     queue_spec = P(None, *activation)  # [M, b, T, ...]: micro-batches in and out
     queue = jax.lax.with_sharding_constraint(split(x), queue_spec)
     row_inputs = tuple(None if r is None else split(r) for r in rows)
-    stage_vars = stage_layout(variables, plan)
+    stage_vars = ({col: tree if col in staged else stage_layout(tree, plan)
+                   for col, tree in variables.items()} if staged
+                  else stage_layout(variables, plan))
     live = jnp.asarray(plan.slot_repeats() < plan.repeats)  # [C, k]: real (not padded) slots
 
     def stage_fn(vars_s, stage, round_, h, *rows_s):
@@ -209,7 +246,8 @@ def pipeline_forward(repeat_fn: Callable, variables: dict, x: jax.Array, rows: t
         return jax.lax.scan(body, h, (chunk_vars, chunk_live))
 
     row_axes = tuple(None if r is None else 0 for r in row_inputs)
-    run_stages = jax.vmap(stage_fn, in_axes=(0, 0, 0, 0, *row_axes), spmd_axis_name="pipeline")
+    run_stages = jax.vmap(jax.checkpoint(stage_fn, prevent_cse=False) if plan.remat else stage_fn,
+                          in_axes=(0, 0, 0, 0, *row_axes), spmd_axis_name="pipeline")
     stage_ids = jnp.arange(stages)
     work_items = virtual * microbatches
 

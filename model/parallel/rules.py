@@ -5,9 +5,13 @@
 
 Decoupled layouts (report 3.2): attention and dense weights shard over `fsdp` (the `embed`
 axis) and `tensor` (heads, FFN hidden, vocabulary); routed experts shard over `expert`. Tokens
-shard over `data`, `fsdp` and `expert` together, so the expert axis is data parallelism for
-everything but the routed experts (`model.parallel.expert_parallel` moves tokens to their
-experts). The pipelined layer segment (`model.parallel.pipeline`) shards its `layers` axis over
+shard over `pipeline`, `data`, `fsdp` and `expert` together, so the expert axis is data
+parallelism for everything but the routed experts (`model.parallel.expert_parallel` moves tokens
+to their experts) and the pipeline axis for everything outside the pipelined segment
+(embeddings, the layers before and after it, the heads; inside the stages the rules drop
+`pipeline`: `model.parallel.pipeline.stage_rules`). Activations split their sequence over
+`context` (`model.parallel.context`; attention exchanges what crosses the shards). The
+pipelined layer segment (`model.parallel.pipeline`) shards its `layers` axis over
 `pipeline` when the stages hold contiguous, equal runs of its repeats; with virtual or uneven
 stages, which rearrange the repeats every step, `pipeline` goes to the largest other dimension
 it divides instead, so that rearranging is local and one all-to-all moves the result to the
@@ -33,13 +37,13 @@ from model.config import ModelConfig
 from model.parallel.mesh import spec_axes
 from model.parallel.pipeline import pipelined_segment, stage_plan
 
-MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")  # outermost first
-BATCH_AXES = ("data", "fsdp", "expert")
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")  # outermost first
+BATCH_AXES = ("pipeline", "data", "fsdp", "expert")
 
 # logical axis -> mesh axes (`model.layers.common` lists the logical names).
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", BATCH_AXES),
-    ("length", None),
+    ("length", "context"),  # one sequence split over `context` (model.parallel.context)
     ("act_embed", None),
     ("vocab", "tensor"),
     ("embed", "fsdp"),

@@ -40,6 +40,7 @@ def test_sharded_decode_equals_one_device(hf_source, tmp_path):
     ([], "one of --prompt or --prompt-file is required (or --chat alone"),
     (["--prompt", "1", "--prompt-file", "p.txt"], "not allowed with argument"),
     (["--prompt", "1", "--mesh", "pipeline=2"], "--mesh: decoding does not pipeline"),
+    (["--prompt", "1", "--mesh", "context=2"], "--mesh: decoding keeps each sequence whole"),
     (["--prompt", "1", "--mesh", "tensor=2,expert=2"], "--mesh: tensor=2,expert=2 needs 4 "
                                                          "devices, this process has 1"),
     (["--prompt", "1", "--mesh", "tensor=two"], "--mesh: tensor='two' is not an integer"),

@@ -98,8 +98,8 @@ def test_grouped_swiglu_matches_per_row_reference(name, max_chunk, limit):
         owned = jnp.asarray(row_expert < num_experts)[:, None]
 
         def loss(fn, rows, *weights):
-            out, h_sq = fn(rows, *weights)
-            return jnp.sum(jnp.where(owned, out, 0) * probe), (out, h_sq)
+            out, h_sq, *out_sq = fn(rows, *weights)
+            return jnp.sum(jnp.where(owned, out, 0) * probe), (out, h_sq, out_sq)
 
         def chunked(rows, *weights):
             return grouped_swiglu(rows, *weights, starts, jnp.asarray(counts, jnp.int32),
@@ -114,12 +114,14 @@ def test_grouped_swiglu_matches_per_row_reference(name, max_chunk, limit):
             step = jax.value_and_grad(lambda *a, fn=fn: loss(fn, *a), argnums=(0, 1, 2, 3),
                                       has_aux=True)
             results[label] = fast_jit(step)(rows, *weights)
-        (_, (out, h_sq)), grads = results["chunked"]
-        (_, (ref_out, ref_h_sq)), ref_grads = results["reference"]
+        (_, (out, h_sq, (out_sq,))), grads = results["chunked"]
+        (_, (ref_out, ref_h_sq, _)), ref_grads = results["reference"]
         mask = row_expert < num_experts
         np.testing.assert_allclose(out[mask], ref_out[mask], rtol=1e-10, atol=1e-12)
-        assert h_sq.dtype == jnp.float32  # statistics are kept in float32
+        assert h_sq.dtype == out_sq.dtype == jnp.float32  # statistics are kept in float32
         np.testing.assert_allclose(h_sq[mask], ref_h_sq[mask], rtol=1e-6)
+        ref_out_sq = np.sum(np.square(np.asarray(ref_out, np.float64)), axis=-1)
+        np.testing.assert_allclose(out_sq[mask], ref_out_sq[mask], rtol=1e-6)
         for label, got, want in zip(["rows", "gate", "up", "down"], grads, ref_grads):
             np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12, err_msg=label)
         # experts without rows get exactly zero weight gradient

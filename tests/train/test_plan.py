@@ -12,7 +12,13 @@ import pytest
 from model.config import load_config
 from model.layers.layer_plan import LayerKind
 from train.config import load_run_config
-from train.parallel.memory_plan import activation_bytes, chunk_working_bytes, layer_bytes
+from train.parallel.activation_plan import (
+    activation_bytes,
+    chunk_working_bytes,
+    layer_bytes,
+    scores_bytes,
+)
+from train.parallel.exchange_plan import exchange_bytes
 from train.parallel.plan import PlanError, main, parse_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,19 +82,24 @@ def test_step35_preset_counts_and_expert_sharding(capsys):
 
     # The report's PP8 x EP8 (3.2): the [S F S S] x 10 segment in 8 uneven stages (2, 2, 1 x 6
     # repeats); its expert matrices split 64 ways (the `layers` axis does not divide by 8, so
-    # `pipeline` takes the 4096-wide one), the 2 clamped MoE layers after it 8 ways.
+    # `pipeline` takes the 4096-wide one), the 2 clamped MoE layers after it 8 ways, and, as
+    # float32 master weights of a bfloat16 model under ZeRO-1, all of them over data=64 too.
     pp8 = plan(capsys, "--config", STEP35, "--mesh", "data=64,expert=8,pipeline=8")
     pipe = pp8["pipeline"]
     assert (pipe["segment_period"], pipe["segment_repeats"]) == (4, 10)
     assert pipe["chunk_repeats"] == [2, 2, 1, 1, 1, 1, 1, 1] and pipe["idle_slots"] == 6
     per_layer = routed // 42
-    assert pp8["params_by_group_bytes"]["moe_routed"] == per_layer * 40 // 64 + per_layer * 2 // 8
+    assert pp8["sharded_master"]
+    assert pp8["params_by_group_bytes"]["moe_routed"] == (per_layer * 40 // (64 * 64)
+                                                          + per_layer * 2 // (8 * 64))
     gpipe, interleaved = pipe["schedules"]  # 16 micro-batches; 2 virtual stages: 16 chunks
     assert gpipe["bubble_fraction"] == pytest.approx(7 / 23)
     assert interleaved["virtual_stages"] == 2
     assert interleaved["bubble_fraction"] == pytest.approx(7 / 39)
     assert interleaved["slots_per_device"] == gpipe["slots_per_device"] == 2
-    assert pp8["activation_parts_bytes"]["pipeline_stage_params"] > 0
+    # the step's bfloat16 copy holds the segment in the stage layout: 2 repeat slots per device
+    # (of 4 layers: 4 x 288 / 8 experts of 3 matrices) besides the rest of the model
+    assert pp8["per_device_bytes"]["compute_params"] > 2 * 4 * per_layer // 8 // 2
 
 
 def test_mimo_v2_flash_counts_and_expert_sharding(capsys):
@@ -160,17 +171,41 @@ def test_activation_estimate_responds_to_batch_and_remat(capsys):
     assert by_policy["full"] < by_policy["dots"] < by_policy["none"]
     # dots_with_kernels adds, per token and layer (float32, no tensor split), the attention
     # core's output and log-sum-exp (H * (4 * 32 + 4): 3 full layers of 4 heads, 6 SWA layers
-    # of 6) and the 8 MoE layers' routed gate/up and outputs (4 * top_k 4 * (2 * 64 + 128))
+    # of 6, and the trained MTP head's SWA block, rematerialised like a layer) and the 8 MoE
+    # layers' routed gate/up and outputs (4 * top_k 4 * (2 * 64 + 128))
     kernels = plan(capsys, "--config", TINY, "--mesh", "data=1",
                    "model.remat_policy=dots_with_kernels")["per_device_bytes"]["activations"]
-    per_token = (3 * 4 + 6 * 6) * (4 * 32 + 4) + 8 * 4 * 4 * (2 * 64 + 128)
+    per_token = (3 * 4 + 7 * 6) * (4 * 32 + 4) + 8 * 4 * 4 * (2 * 64 + 128)
     assert kernels - by_policy["dots"] == 8 * 256 * per_token
     parts = base["activation_parts_bytes"]
     assert sum(parts.values()) == base["per_device_bytes"]["activations"]
-    assert parts["logits_chunk"] == 2 * 1024 * 4096 * 4  # logits + gradient, float32
+    # logits + gradient, float32, or a layer's working set, whichever is larger
+    sets = base["working_sets_bytes"]
+    assert sets["logits_chunk"] == 2 * 1024 * 4096 * 4
+    assert parts["working_set"] == max(sets["layer"], sets["logits_chunk"])
     total = sum(base["per_device_bytes"][k] for k in ("params", "optimizer_state", "gradients",
                                                       "other_state", "activations"))
     assert base["per_device_bytes"]["total"] == total
+
+
+def test_working_set_terms_by_hand():
+    """tiny.yaml (float32, D=128, KV heads 2 of 32): attention scores while a layer runs, never
+    saved; the expert-parallel exchange and receive buffer with mesh.expert=4."""
+    cfg = load_config(TINY)
+    swa, full = LayerKind("S", True, 0.0, 0.0, False), LayerKind("F", True, 0.0, 0.0, False)
+    # float32 scores + probabilities: 6 SWA heads x 2 chunks of max(window 32, 128) keys;
+    # 4 full heads x 5/8 of 1024 keys (4 causal blocks of 256 queries)
+    assert scores_bytes(cfg, swa, 1024, 1) == 6 * 256 * 8
+    assert scores_bytes(cfg, full, 1024, 1) == 4 * 640 * 8
+    assert scores_bytes(cfg.replace(attention_impl="pallas"), full, 1024, 1) == 0
+    # padded exchange: send and receive buffers of both exchanges, 4 peers x top-4 copies of D
+    assert exchange_bytes(cfg, swa, 4) == 4 * 4 * 4 * 4 * 128
+    assert exchange_bytes(cfg.replace(ep_collective="ragged"), swa, 4) == 4 * 4 * 4 * 128
+    assert exchange_bytes(cfg, swa, 1) == exchange_bytes(cfg, LayerKind("F", False, 0, 0,
+                                                                         False), 4) == 0
+    # the saved O: the receive buffer's routed rows (in, out, gate/up/act of 64) grow 4x
+    one, four = (layer_bytes(cfg, swa, 1024, 1, expert=e)[1] for e in (1, 4))
+    assert four - one == 3 * 4 * 4 * (2 * 128 + 3 * 64)
 
 
 def test_pipeline_reports_bubble_of_gpipe_and_interleaved(capsys):
@@ -184,7 +219,6 @@ def test_pipeline_reports_bubble_of_gpipe_and_interleaved(capsys):
     assert [(r["virtual_stages"], r["slots_per_device"]) for r in pipe["schedules"]] == [
         (1, 4), (4, 4)]
     assert pipe["schedules"][1]["bubble_fraction"] == pytest.approx(1 / (4 * micro + 1))
-    assert "pipeline_stage_params" not in out["activation_parts_bytes"]  # a reshape, no copy
     assert main(["--config", TINY, "--mesh", "pipeline=2,data=1", *PIPELINABLE]) == 0
     assert "bubble 20.0%" in capsys.readouterr().out
 
@@ -290,7 +324,7 @@ def test_v4_plans_and_mhc_streams_cost_memory(capsys):
                       "fsdp=4,expert=2,tensor=1", "--batch-size", "16")
     assert untensored["tokens_per_device"] == flash["tokens_per_device"]
     # `heads` shard over tensor: query-sized arrays and scores halve
-    assert untensored["activation_parts_bytes"]["layer_working_set"] > parts["layer_working_set"]
+    assert untensored["working_sets_bytes"]["layer"] > flash["working_sets_bytes"]["layer"]
     sizes = {"pipeline": 1, "data": 1, "fsdp": 2, "expert": 2, "tensor": 2}
 
     def tiny_parts(hc_mult: int) -> dict:
@@ -298,7 +332,7 @@ def test_v4_plans_and_mhc_streams_cost_memory(capsys):
         return activation_bytes(run, sizes)["parts"]
 
     four, one = tiny_parts(4), tiny_parts(1)
-    for part in ("layers_saved", "layer_working_set", "embeddings_and_io"):
+    for part in ("layers_saved", "working_set", "embeddings_and_io"):
         assert four[part] > one[part], part
     assert four["mtp_heads"] == one["mtp_heads"]  # the MTP block takes one stream
 

@@ -2,13 +2,14 @@
 and what GPipe and the interleaved schedule cost side by side (model/parallel/pipeline.py).
 
 Per schedule (V virtual stages per device, V = 1 GPipe): the bubble (S - 1) / (V M + S - 1)
-(interleaved 1F1B's for V > 1), the activation estimate of `memory_plan.activation_bytes` (the
-schedule runs as JAX's autodiff of its forward ticks: every micro-batch's stage inputs stay
-until the backward, GPipe-like, not 1F1B's), and, unless the stages hold contiguous runs of
-repeats, the step's stage-layout copy of the segment's params and its gradient (param dtype;
-`stage_copy_bytes`). The candidates are GPipe, the configured V, and the largest V that keeps
-the repeat slots per device of GPipe (ceil(R / (S V)) * V = ceil(R / S)), which lowers the
-bubble at no cost in work per device.
+(interleaved 1F1B's for V > 1), the activation estimate of `activation_plan.activation_bytes`
+(the schedule runs as JAX's autodiff of its forward ticks: every tick's saved activations stay
+until the backward, GPipe-like, not 1F1B's; with model.pipeline_stage_remat only its stage
+input), and the step's compute copy of the params with the gradients (train/parallel/
+copy_plan.py: the copy holds the segment's k V repeat slots per device in the stage layout).
+The candidates are GPipe, the configured V, and the largest V that keeps the repeat slots per
+device of GPipe (ceil(R / (S V)) * V = ceil(R / S)), which lowers the bubble at no cost in work
+per device.
 """
 
 from __future__ import annotations
@@ -36,14 +37,6 @@ def free_virtual_stages(plan: StagePlan) -> int:
     return best
 
 
-def stage_copy_bytes(plan: StagePlan, segment_bytes: int) -> int:
-    """Per device: the stage-layout copy of the segment's params (k V repeats) and its gradient,
-    from `segment_bytes`, the device's stored share of the segment (R / S repeats' worth)."""
-    if plan.contiguous:
-        return 0
-    return round(2 * segment_bytes * plan.slots * plan.virtual * plan.stages / plan.repeats)
-
-
 def describe(run: RunConfig, stages: int) -> dict:
     """Static facts of the configured split (ValueError if training would refuse it)."""
     index = pipelined_segment(run.model, stages)
@@ -58,20 +51,17 @@ def describe(run: RunConfig, stages: int) -> dict:
             "schedule": "GPipe" if plan.virtual == 1 else "interleaved"}
 
 
-def schedules(run: RunConfig, sizes: dict[str, int], segment_bytes: int, fixed_bytes: int,
-              activation_bytes) -> list[dict]:
-    """GPipe, the configured and the free interleaved schedule: bubble, activations (with the
-    stage copy) and the per-device total (`fixed_bytes`: params, optimizer state, gradients,
-    other state)."""
+def schedules(run: RunConfig, sizes: dict[str, int], device_rows) -> list[dict]:
+    """GPipe, the configured and the free interleaved schedule: bubble, activations and the
+    per-device total, from `device_rows(variant)` (memory_plan.device_rows of a variant)."""
     plan = stage_plan(run.model, sizes["pipeline"])
     rows = []
     for virtual in sorted({1, plan.virtual, free_virtual_stages(plan)}):
         variant = with_virtual(run, virtual)
         option = stage_plan(variant.model, sizes["pipeline"])
-        activations = activation_bytes(variant, sizes)["total"] + stage_copy_bytes(
-            option, segment_bytes)
+        per_device = device_rows(variant)["per_device"]
         rows.append({"schedule": "GPipe" if virtual == 1 else "interleaved",
                      "virtual_stages": virtual, "slots_per_device": option.slots * virtual,
-                     "bubble_fraction": option.bubble, "activations": activations,
-                     "total": fixed_bytes + activations, "configured": virtual == plan.virtual})
+                     "bubble_fraction": option.bubble, "activations": per_device["activations"],
+                     "total": sum(per_device.values()), "configured": virtual == plan.virtual})
     return rows

@@ -7,7 +7,9 @@
 
 Params follow the model's rules table (`model.parallel.rules`); here the optimizer state takes
 its param's layout, ZeRO-1 (`mesh.zero1`) additionally shards it over `data` (report 3.2), and
-batches split over the data-parallel axes.
+batches split over the data-parallel axes. Under mixed precision ZeRO-1 shards the float32
+params too: they are then the master weights, and each step computes with a gathered
+compute-dtype copy (train/parallel/compute_params.py).
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
+from model.parallel.context import AXIS as CONTEXT
+from model.parallel.context import context_layout
 from model.parallel.device_mesh import mesh_over
 from model.parallel.pipeline import num_microbatches, stage_plan
 from model.parallel.rules import BATCH_AXES, add_axis, param_specs, path_keys
 from train.config import MeshConfig, RunConfig
+from train.parallel.compute_params import mixed_precision
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
@@ -63,14 +68,23 @@ def opt_state_specs(opt_state: Any, params: Any, specs: Any, mesh: Mesh, zero1: 
 def state_specs(abstract_state: Any, variable_axes: dict, mesh: Mesh, run: RunConfig) -> Any:
     """PartitionSpecs of a training run's `TrainState` (same structure). variable_axes:
     {'params': axes tree, 'balance': axes tree} (logical axes of both collections)."""
-    return model_state_specs(abstract_state, variable_axes, mesh, run.model, run.mesh.zero1)
+    return model_state_specs(abstract_state, variable_axes, mesh, run.model, run.mesh.zero1,
+                             shard_params=shards_master_weights(run))
+
+
+def shards_master_weights(run: RunConfig) -> bool:
+    """Whether the stored params are float32 master weights sharded over `data` (ZeRO-1 under
+    mixed precision; train/parallel/compute_params.py)."""
+    return run.mesh.zero1 and mixed_precision(run.model)
 
 
 def model_state_specs(abstract_state: Any, variable_axes: dict, mesh: Mesh, model: ModelConfig,
-                      zero1: bool) -> Any:
+                      zero1: bool, shard_params: bool = False) -> Any:
     """`state_specs` of any model's `TrainState` (RL's actor and critic too): params and
-    balance by the rules table, the optimizer state like its params (+ ZeRO-1 if `zero1`)."""
-    params = param_specs(variable_axes["params"], abstract_state.params, mesh, model)
+    balance by the rules table, the optimizer state like its params (+ ZeRO-1 if `zero1`);
+    `shard_params`: the params over `data` as well (master weights)."""
+    params = stored_param_specs(variable_axes["params"], abstract_state.params, mesh, model,
+                                shard_params)
     balance = (param_specs(variable_axes["balance"], abstract_state.balance, mesh, model)
                if abstract_state.balance else abstract_state.balance)
     return abstract_state.replace(
@@ -79,9 +93,22 @@ def model_state_specs(abstract_state: Any, variable_axes: dict, mesh: Mesh, mode
                                   zero1))
 
 
+def stored_param_specs(axes: Any, params: Any, mesh: Mesh, model: ModelConfig,
+                       shard_params: bool) -> Any:
+    """Specs of the stored params (logical `axes`, shapes `params`): the rules table, plus
+    `data` on the largest dimension it divides when `shard_params` (ZeRO-1 master weights)."""
+    specs = param_specs(axes, params, mesh, model)
+    if not shard_params:
+        return specs
+    return jax.tree.map(lambda s, x: zero1_spec(s, x.shape, mesh), specs, params,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
 def batch_spec(mesh: Mesh) -> P:
-    """[num_micro, micro_batch, T] batches: rows over data, fsdp and expert."""
-    return P(None, tuple(a for a in BATCH_AXES if mesh.shape[a] > 1) or None, None)
+    """[num_micro, micro_batch, T] batches: rows over pipeline, data, fsdp and expert, each
+    row's tokens over `context` (contiguous chunks in natural order; the model reorders them)."""
+    return P(None, tuple(a for a in BATCH_AXES if mesh.shape[a] > 1) or None,
+             CONTEXT if mesh.shape[CONTEXT] > 1 else None)
 
 
 def data_parallel_size(mesh: Mesh) -> int:
@@ -89,17 +116,24 @@ def data_parallel_size(mesh: Mesh) -> int:
 
 
 def check_batch_fits(run: RunConfig, mesh: Mesh) -> None:
-    """Every micro-batch must split evenly over the data-parallel devices and into the
-    pipeline's micro-batches, and the pipeline's stage plan must fit the layers."""
+    """Every micro-batch must split evenly over the data-parallel devices (the pipeline's too,
+    outside the pipelined segment) and into the pipeline's micro-batches, each of which splits
+    over the data-parallel devices of one stage; the pipeline's stage plan must fit the layers."""
     ways = data_parallel_size(mesh)
     micro = run.train.micro_batch()
     if micro % ways:
         raise ValueError(f"train.micro_batch_size: {micro} sequences do not split over the "
-                         f"{ways} data-parallel devices (mesh data x fsdp x expert)")
+                         f"{ways} data-parallel devices (mesh pipeline x data x fsdp x expert)")
+    chunks = context_layout(run.model, mesh.shape[CONTEXT]).chunks
+    if run.train.seq_len % chunks:
+        raise ValueError(f"train.seq_len: {run.train.seq_len} tokens do not split into the "
+                         f"{chunks} chunks of mesh.context={mesh.shape[CONTEXT]} "
+                         f"(model.context_layout)")
     stages = mesh.shape["pipeline"]
     if stages > 1:
         stage_plan(run.model, stages)  # the layer plan and virtual stages fit the stages
         pieces = num_microbatches(run.model, stages)
+        ways //= stages  # a pipeline micro-batch splits over one stage's devices
         if micro % pieces or (micro // pieces) % ways:
             raise ValueError(
                 f"model.pipeline_microbatches: {micro} sequences per micro-batch do not split "

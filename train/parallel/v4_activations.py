@@ -1,6 +1,6 @@
 """DeepSeek-V4 terms of the activation estimate: shared-KV attention layers W / C / H (their KV
 compressors and CSA's lightning indexer), the chunked core attention's working set, and mHC
-streams. The accounting and its symbols are in train/parallel/memory_plan.py's docstring;
+streams. The accounting and its symbols are in train/parallel/activation_plan.py's docstring;
 these functions return bytes per token (matmul outputs M, other saved tensors O) or, for the
 chunked working set, bytes per batch row.
 """
