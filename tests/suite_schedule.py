@@ -32,6 +32,8 @@ JOINED = {
 HEAVY = (
     "tests/train/test_faults.py",  # with test_faults_files.py
     "tests/train/test_parallel.py",
+    "tests/train/test_context_parallel.py",
+    "tests/train/test_plan_measure.py",
     "tests/rl/test_rl_loop.py",
     "tests/model/test_model_heads.py",  # with test_model_variants.py
     "tests/model/test_decode.py",
@@ -46,6 +48,9 @@ HEAVY = (
     "tests/rl/test_rl_mesh.py",
     "tests/train/test_notebook.py",
     "tests/train/test_chat_sft.py",
+    "tests/train/test_periodic_evals.py",
+    "tests/train/test_plan_fit.py",
+    "tests/train/test_mixed_precision.py",
     "tests/pallas_kernels/test_pallas_moe.py",
     "tests/model/test_decode_mimo.py",
     "tests/model/test_kv_compression.py",

@@ -6,6 +6,7 @@ STEPS steps in both precisions; the losses must fall and stay within BOUND of ea
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from train_helpers import FAST_COMPILE, small_run, synthetic_batch
 
 from train.state import build_training, create_state
@@ -32,6 +33,7 @@ def loss_trace(*overrides) -> tuple[np.ndarray, dict]:
     return np.array(losses), state.params
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_follows_the_float32_loss_trace():
     full, _ = loss_trace()
     mixed, mixed_params = loss_trace("model.compute_dtype=bfloat16")

@@ -111,6 +111,7 @@ def test_fit_when_nothing_fits_and_bad_flags(capsys):
         assert err.startswith("error: ") and err.count("\n") == 1 and needle in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config, devices, batch", [
     ("step35_flash", 4096, 4096),  # the report's scale: 4,096 GPUs, 4,096 x 4,096 tokens
     ("deepseek_v4_flash", 2048, 2048), ("mimo_v2_flash", 2048, 2048)])

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from train_helpers import SMALL_LOOP, TINY, run_device_worker
 
 from model.parallel.rules import use_mesh
@@ -17,6 +18,7 @@ from train.parallel.plan import main
 WORKER = Path(__file__).resolve().parents[1] / "plan_measure_worker.py"
 
 
+@pytest.mark.slow
 def test_training_compiles_the_step_measure_lowers(tmp_path):
     """The Trainer's jitted step called on real arrays (initial state, first batch) lowers to
     the same program as --measure's, lowered from shapes alone."""
@@ -53,6 +55,7 @@ CASES = (*MESHES, "data=8:model.remat_policy=none", "data=8:model.remat_policy=f
          "pipeline=2,data=4:model.pipeline_virtual_stages=2")
 
 
+@pytest.mark.slow
 def test_estimate_within_a_quarter_of_xla_on_meshes_policies_and_schedules():
     """The planner's per-device total against XLA's compiled peak, one 8-device worker compiling
     the step of the tiny preset at d_model 256 (tests/plan_measure_worker.py) for every case."""
