@@ -74,10 +74,12 @@ class Scorer:
             positions[b, :n] = np.arange(n)
         cache = self.decoder.init_cache(self.batch_size)
         picked, greedy = [], []
-        for s in range(0, width, chunk):
+        for s in range(0, width, chunk):  # dispatched back to back: one transfer at the end
             cache, p, g = self._chunk(self.decoder.variables, cache, tokens[:, s:s + chunk],
                                       positions[:, s:s + chunk], targets[:, s:s + chunk])
-            picked.append(np.asarray(p, np.float64))
-            greedy.append(np.asarray(g))
-        picked, greedy = np.concatenate(picked, axis=1), np.concatenate(greedy, axis=1)
+            picked.append(p)
+            greedy.append(g)
+        picked, greedy = jax.device_get((picked, greedy))
+        picked = np.concatenate(picked, axis=1).astype(np.float64)
+        greedy = np.concatenate(greedy, axis=1)
         return [(picked[b, :len(s) - 1], greedy[b, :len(s) - 1]) for b, s in enumerate(sequences)]
