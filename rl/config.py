@@ -58,6 +58,7 @@ from model.config import (
     check_int,
     check_nonnegative,
     check_positive,
+    config_from_dict,
     config_to_dict,
     read_yaml,
 )
@@ -380,7 +381,7 @@ def rl_config_from_dict(values: Mapping[str, Any]) -> RLRunConfig:
     check_sections(values, SECTIONS)
     section = values.get("model") or {}
     alone = isinstance(section, Mapping) and set(section) == {"qat"}  # no model of their own
-    model = build_dataclass(ModelConfig, section, "model.") if section and not alone else None
+    model = config_from_dict(section, "model.") if section and not alone else None
     qat = build_dataclass(QATConfig, section["qat"], "model.qat.") if alone else None
     return RLRunConfig(model=model, rl=build_dataclass(RLConfig, values.get("rl") or {}, "rl."),
                        task=task_config_from_dict(values.get("task")), qat=qat)
