@@ -354,8 +354,11 @@ class RLRunConfig(Config):
                               "this run-wide one")
 
     def to_dict(self) -> dict:
-        return {"model": None if self.model is None else config_to_dict(self.model),
-                "rl": config_to_dict(self.rl), "task": self.task.to_dict()}
+        """What `rl_config_from_dict` reads back: without a model, its section of QAT switches
+        alone (or null)."""
+        model = (config_to_dict(self.model) if self.model is not None else
+                 None if self.qat is None else {"qat": config_to_dict(self.qat)})
+        return {"model": model, "rl": config_to_dict(self.rl), "task": self.task.to_dict()}
 
     def with_model(self, model: ModelConfig, *, checkpoint: bool = False) -> "RLRunConfig":
         """`checkpoint`: --init-from's model, taking this run's `model.qat` (not architecture)."""

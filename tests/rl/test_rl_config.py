@@ -238,6 +238,12 @@ def test_a_section_of_qat_switches_alone_is_no_model_of_its_own():
         run.with_model(checkpoint, checkpoint=True)
     run = load_rl_config(RL_ARITH, ["model.qat.expert_weights=mxfp4"])
     assert run.with_model(checkpoint, checkpoint=True).model == checkpoint.replace(qat=run.qat)
+    # --print-config without --init-from writes them, and the YAML reads back the same run
+    from rl.config import rl_config_from_dict
+
+    assert run.to_dict()["model"] == {"qat": {"expert_weights": "mxfp4", "indexer_qk": "none",
+                                              "index_scores": "float32"}}
+    assert rl_config_from_dict(run.to_dict()) == run
 
 
 def test_a_resume_refuses_other_model_fields_by_name(tmp_path):
