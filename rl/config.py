@@ -58,6 +58,7 @@ from model.config import (
     check_int,
     check_nonnegative,
     check_positive,
+    config_from_dict,
     config_to_dict,
     read_yaml,
 )
@@ -353,8 +354,11 @@ class RLRunConfig(Config):
                               "this run-wide one")
 
     def to_dict(self) -> dict:
-        return {"model": None if self.model is None else config_to_dict(self.model),
-                "rl": config_to_dict(self.rl), "task": self.task.to_dict()}
+        """What `rl_config_from_dict` reads back: without a model, its section of QAT switches
+        alone (or null)."""
+        model = (config_to_dict(self.model) if self.model is not None else
+                 None if self.qat is None else {"qat": config_to_dict(self.qat)})
+        return {"model": model, "rl": config_to_dict(self.rl), "task": self.task.to_dict()}
 
     def with_model(self, model: ModelConfig, *, checkpoint: bool = False) -> "RLRunConfig":
         """`checkpoint`: --init-from's model, taking this run's `model.qat` (not architecture)."""
@@ -380,7 +384,7 @@ def rl_config_from_dict(values: Mapping[str, Any]) -> RLRunConfig:
     check_sections(values, SECTIONS)
     section = values.get("model") or {}
     alone = isinstance(section, Mapping) and set(section) == {"qat"}  # no model of their own
-    model = build_dataclass(ModelConfig, section, "model.") if section and not alone else None
+    model = config_from_dict(section, "model.") if section and not alone else None
     qat = build_dataclass(QATConfig, section["qat"], "model.qat.") if alone else None
     return RLRunConfig(model=model, rl=build_dataclass(RLConfig, values.get("rl") or {}, "rl."),
                        task=task_config_from_dict(values.get("task")), qat=qat)

@@ -14,11 +14,11 @@ update step) and those groups train exactly as without dynamic sampling;
 `sampling/batch_varied_frac` < 1 reports it.
 
 The check counts correct answers (`Draw.correct`, the task's rule verifier), as DAPO's eq. 11
-does, not the training rewards: DAPO's overlong penalty and Toggle's budget shape those (both
-added per draw before the check), and a group of all-wrong answers whose lengths draw different
-penalties would otherwise be kept and trained on its lengths alone (std-normalised advantages
-of order 1 from penalties of order 0.1). The rows of a group stay adjacent, as
-`rl.objectives.losses.group_advantages` expects.
+does, not the training rewards: DAPO's overlong penalty and Toggle's budget shape those (on the
+batch once drawn, `RLTrainer.training_rewards`), and a group of all-wrong answers whose lengths
+draw different penalties would otherwise be kept and trained on its lengths alone
+(std-normalised advantages of order 1 from penalties of order 0.1). The rows of a group stay
+adjacent, as `rl.objectives.losses.group_advantages` expects.
 """
 
 from __future__ import annotations
@@ -37,24 +37,20 @@ def varied_groups(correct: np.ndarray, group_size: int) -> np.ndarray:
     return (right > 0) & (right < group_size)
 
 
-def sample_batch(draw: Callable[[int], Draw], shape: Callable[[Draw], np.ndarray], *,
-                 groups: int, group_size: int, dynamic: bool, max_draws: int
-                 ) -> tuple[Draw, np.ndarray, dict[str, float]]:
+def sample_batch(draw: Callable[[int], Draw], *, groups: int, group_size: int, dynamic: bool,
+                 max_draws: int) -> tuple[Draw, dict[str, float]]:
     """One iteration's batch of `groups` groups of `group_size` rows.
 
     `draw(d)` -> draw d (`rl.draw.Draw`: rollouts, the task rewards and the verifier's
-    `correct` [groups * N]); `shape(draw)` -> its training rewards [groups * N] (the task
-    rewards plus the overlong penalty). -> (the batch's draw, its training rewards, metrics);
-    without `dynamic` draw 0 as it is and no metrics, else the groups of mixed accuracy first,
-    then any filler, each in the order drawn."""
+    `correct` [groups * N]). -> (the batch's draw, metrics); without `dynamic` draw 0 as it is
+    and no metrics, else the groups of mixed accuracy first, then any filler, each in the order
+    drawn."""
     drawn = [draw(0)]
-    shaped = [shape(drawn[0])]
     if not dynamic:
-        return drawn[0], shaped[0], {}
+        return drawn[0], {}
     varied = [varied_groups(drawn[0].correct, group_size)]
     while sum(map(np.sum, varied)) < groups and len(drawn) < max_draws:
         drawn.append(draw(len(drawn)))
-        shaped.append(shape(drawn[-1]))
         varied.append(varied_groups(drawn[-1].correct, group_size))
     varied = np.concatenate(varied)
     order = np.concatenate([np.flatnonzero(varied), np.flatnonzero(~varied)])[:groups]
@@ -68,4 +64,4 @@ def sample_batch(draw: Callable[[int], Draw], shape: Callable[[Draw], np.ndarray
         "sampling/drawn_reward": float(everything.rewards.mean()),  # every group drawn
         "sampling/tokens_drawn": float(everything.rollouts.response_lengths.sum()),
     }
-    return everything.select_rows(rows), np.concatenate(shaped)[rows], metrics
+    return everything.select_rows(rows), metrics

@@ -241,9 +241,8 @@ class RLTrainer:
         """The batch of `iteration` sampled by `state`'s policy -> (draw, sampling metrics);
         with dynamic sampling it takes several draws (rl/dynamic_sampling.py)."""
         rl, started = self.run.rl, time.perf_counter()
-        drawn, _, metrics = sample_batch(
+        drawn, metrics = sample_batch(
             lambda draw: self.draw(state, iteration, draw),
-            lambda drawn: self.training_rewards(drawn, iteration)[0],
             groups=rl.prompts_per_iteration, group_size=rl.samples_per_prompt,
             dynamic=rl.samples_dynamically, max_draws=rl.max_draws)
         seconds = time.perf_counter() - started
@@ -260,7 +259,7 @@ class RLTrainer:
             getattr(state, "buffer", {}), iteration, lambda batch: self._draw_batch(state, batch))
         if rl.max_staleness:
             state = state.replace(buffer=buffer)
-        scored = self.training_rewards(drawn, iteration)[0]
+        scored, toggle_metrics = self.training_rewards(drawn, iteration)
         rollouts = drawn.rollouts
         tokens, segments = jnp.asarray(rollouts.tokens), jnp.asarray(rollouts.segment_ids)
         mask, infer_logp = jnp.asarray(rollouts.mask), jnp.asarray(rollouts.infer_logp)
@@ -316,7 +315,7 @@ class RLTrainer:
         if rl.overlong_buffer_tokens:
             metrics["overlong_penalty"] = float(np.mean(
                 overlong_penalty(lengths, rl.max_new_tokens, rl.overlong_buffer_tokens)))
-        metrics.update(self.training_rewards(drawn, iteration)[1])
+        metrics.update(toggle_metrics)
         if values is not None:
             metrics["value_mean"] = float(losses.masked_mean(values, mask))
         return state, metrics

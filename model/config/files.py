@@ -19,6 +19,8 @@ def config_from_dict(values: Mapping[str, Any], prefix: str = "") -> ModelConfig
     with DeepSeek-V4 attention layers (W / C / H) whose `shared_kv_attention` leaves parameter
     sizes out takes them scaled to its own geometry (`host_shared_kv_sizes`): C layers added
     to the tiny preset stay tiny."""
+    if not isinstance(values, Mapping):  # build_dataclass names the section
+        return build_dataclass(ModelConfig, values, prefix)
     given = values.get("shared_kv_attention")
     host = build_dataclass(ModelConfig, {k: v for k, v in values.items()
                                          if k != "shared_kv_attention"}, prefix)

@@ -127,11 +127,10 @@ class HarnessLM(TemplateLM):
                              f"in the cache of {self.max_length} positions (--max-length)")
         prompts = [self.tok_encode(c)[-room:] or [self.eot_token_id] for c in contexts]
         padding = [[self.eot_token_id]] * (self.batch_size - len(prompts))
-        sampling = Sampling()  # greedy
+        sampling = Sampling()  # greedy; `generate` validates a task's settings
         if kwargs["do_sample"]:
             sampling = Sampling(float(kwargs["temperature"]), int(kwargs.get("top_k") or 0),
                                 float(kwargs.get("top_p") or 1.0))
-            sampling.validate()
         self.key, key = jax.random.split(self.key)
         out = self.decoder.generate(prompts + padding, new_tokens, sampling=sampling, key=key,
                                     stop_ids=(self.eot_token_id,))

@@ -44,15 +44,15 @@ class Scorer:
 
     def score(self, sequences: Sequence[Sequence[int]], progress: bool = False
               ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """For each sequence of n >= 2 ids (at most the decoder's `max_len`): the
-        log-probability of each token after the first given those before it [n - 1], and
-        whether it was the most likely token [n - 1]."""
+        """For each sequence of n >= 2 ids (at most the decoder's `max_len` + 1: the last id
+        is only predicted, never cached): the log-probability of each token after the first
+        given those before it [n - 1], and whether it was the most likely token [n - 1]."""
         lengths = np.array([len(s) for s in sequences])
-        limit = self.decoder.spec.max_len
+        limit = self.decoder.spec.max_len + 1
         if len(lengths) and (lengths.min() < 2 or lengths.max() > limit):
             bad = int(np.flatnonzero((lengths < 2) | (lengths > limit))[0])
             raise ValueError(f"sequences[{bad}]: {lengths[bad]} tokens; scoring needs 2 to "
-                             f"{limit} (the decoder's max_len)")
+                             f"{limit} (the decoder's max_len + 1)")
         order = np.argsort(-lengths, kind="stable")  # similar lengths share a batch
         results: list = [None] * len(sequences)
         for start in tqdm(range(0, len(order), self.batch_size), desc="score", leave=False,
@@ -74,10 +74,12 @@ class Scorer:
             positions[b, :n] = np.arange(n)
         cache = self.decoder.init_cache(self.batch_size)
         picked, greedy = [], []
-        for s in range(0, width, chunk):
+        for s in range(0, width, chunk):  # dispatched back to back: one transfer at the end
             cache, p, g = self._chunk(self.decoder.variables, cache, tokens[:, s:s + chunk],
                                       positions[:, s:s + chunk], targets[:, s:s + chunk])
-            picked.append(np.asarray(p, np.float64))
-            greedy.append(np.asarray(g))
-        picked, greedy = np.concatenate(picked, axis=1), np.concatenate(greedy, axis=1)
+            picked.append(p)
+            greedy.append(g)
+        picked, greedy = jax.device_get((picked, greedy))
+        picked = np.concatenate(picked, axis=1).astype(np.float64)
+        greedy = np.concatenate(greedy, axis=1)
         return [(picked[b, :len(s) - 1], greedy[b, :len(s) - 1]) for b, s in enumerate(sequences)]

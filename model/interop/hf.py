@@ -140,9 +140,9 @@ def save_hf_checkpoint(config: ModelConfig, variables: dict, path: str | Path, *
     "release" (the family's own release names: DeepSeek-V4). `expert_dtype` "fp4": the routed
     experts in the MXFP4 layout of DeepSeek-V4's release (`quantized.mxfp4_pack`: the values
     FP4 QAT computes with), announced in config.json as the release does. `config.qat` goes
-    into config.json (`qat_json.qat_to_hf`), so an import computes as this model does. `tokenizer`: written
-    beside them (tokenizer.json and tokenizer_config.json, `write_tokenizer_files`), so the
-    directory is a complete model.
+    into config.json (`qat_json.qat_to_hf`), so an import computes as this model does.
+    `tokenizer`: written beside them (tokenizer.json and tokenizer_config.json,
+    `write_tokenizer_files`), so the directory is a complete model.
     `path` must be new or empty; on failure nothing is left there.
     """
     if dtype is not None and dtype not in DTYPES:

@@ -60,9 +60,24 @@ def test_scores_match_the_forward_pass_over_chunks_and_padding(model):
     assert greedy_row[4:].all() and not greedy_row[:4].all()
 
 
+def test_a_sequence_one_longer_than_the_cache_is_scored(model):
+    """n tokens put n - 1 in the cache (the last is only predicted): lm-eval's windows are
+    max_length + 1 tokens (its rolling windows, contexts cut on the left), which the harness
+    scores with a cache of max_length positions."""
+    config, variables, forward = model
+    sequence = np.random.default_rng(1).integers(0, VOCAB, LENGTH).tolist()
+    scorer = Scorer(Decoder(config, variables, max_len=LENGTH - 1, prefill_chunk=8), 1)
+    (logprobs, greedy), = scorer.score([sequence])
+    logits = forward(np.array(sequence))[:-1]
+    want = np.take_along_axis(log_softmax64(logits), np.array(sequence[1:])[:, None], -1)
+    np.testing.assert_allclose(logprobs, want[:, 0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(greedy, logits.argmax(-1) == np.array(sequence[1:]))
+
+
 def test_lengths_outside_the_cache_are_refused(model):
     config, variables, _ = model
     scorer = Scorer(Decoder(config, variables, max_len=8), batch_size=2)
-    for bad in ([[1]], [[1, 2], list(range(9))]):
-        with pytest.raises(ValueError, match=r"sequences\[\d\]: \d tokens; scoring needs 2 to 8"):
+    for bad in ([[1]], [[1, 2], list(range(10))]):
+        with pytest.raises(ValueError, match=r"sequences\[\d\]: \d+ tokens; scoring needs 2 to 9 "
+                                             r"\(the decoder's max_len \+ 1\)"):
             scorer.score(bad)

@@ -199,6 +199,26 @@ def test_an_init_from_policy_keeps_its_architecture_and_takes_the_runs_qat():
     assert load_rl_config(RL_ARITH).with_model(checkpoint, checkpoint=True).model == checkpoint
 
 
+def test_a_model_section_is_read_as_training_reads_it():
+    """DeepSeek-V4 layers added to the tiny preset take attention sizes scaled to it
+    (model.config.attention_config.host_shared_kv_sizes), in a run's `model:` section as in
+    training's, not V4-Flash's 64 heads of 512."""
+    from model.config import load_config, read_yaml
+    from rl.config import rl_config_from_dict
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    section = {**read_yaml(tiny)["model"], "layout": "F+SSSC*2"}
+    model = rl_config_from_dict({**read_yaml(RL_ARITH), "model": section}).model
+    assert {name: getattr(model.shared_kv_attention, name) for name in (
+        "num_heads", "head_dim", "rope_dims", "q_lora_rank", "o_groups", "o_lora_rank",
+        "index_heads", "index_head_dim")} == {
+        "num_heads": 4, "head_dim": 4 * 32, "rope_dims": 16, "q_lora_rank": 128 // 4,
+        "o_groups": 4, "o_lora_rank": 128 // 4, "index_heads": 4, "index_head_dim": 32}
+    assert model == load_config(tiny, ["layout=F+SSSC*2"])
+    with pytest.raises(ValueError, match=r"^model: expected a mapping, got 5$"):
+        rl_config_from_dict({**read_yaml(RL_ARITH), "model": 5})
+
+
 def test_a_staleness_up_to_the_run_length_is_accepted():
     run = load_rl_config(RL_ARITH, ["rl.iterations=2", "rl.max_staleness=2",
                                     "rl.actor.warmup_steps=0"])
@@ -218,6 +238,12 @@ def test_a_section_of_qat_switches_alone_is_no_model_of_its_own():
         run.with_model(checkpoint, checkpoint=True)
     run = load_rl_config(RL_ARITH, ["model.qat.expert_weights=mxfp4"])
     assert run.with_model(checkpoint, checkpoint=True).model == checkpoint.replace(qat=run.qat)
+    # --print-config without --init-from writes them, and the YAML reads back the same run
+    from rl.config import rl_config_from_dict
+
+    assert run.to_dict()["model"] == {"qat": {"expert_weights": "mxfp4", "indexer_qk": "none",
+                                              "index_scores": "float32"}}
+    assert rl_config_from_dict(run.to_dict()) == run
 
 
 def test_a_resume_refuses_other_model_fields_by_name(tmp_path):

@@ -67,10 +67,6 @@ def fake_draw(log):
     return draw
 
 
-def unshaped(drawn):
-    return drawn.rewards
-
-
 def ids(drawn):
     """Each row's id, after checking that every per-row field of the draw agrees on it."""
     row_ids = drawn.rollouts.tokens[:, 0].tolist()
@@ -88,11 +84,11 @@ def test_varied_groups_have_some_but_not_all_answers_right():
 
 def test_dynamic_sampling_fills_the_batch_with_varied_groups_and_counts_draws():
     log = []
-    drawn, shaped, metrics = sample_batch(
-        fake_draw(log), unshaped, groups=P, group_size=N, dynamic=True, max_draws=8)
+    drawn, metrics = sample_batch(
+        fake_draw(log), groups=P, group_size=N, dynamic=True, max_draws=8)
     rollouts, rewards = drawn.rollouts, drawn.rewards
     assert log == [0, 1, 2]  # stops as soon as P varied groups are in hand
-    assert rollouts.tokens.shape == (P * N, T) and rewards.shape == shaped.shape == (P * N,)
+    assert rollouts.tokens.shape == (P * N, T) and rewards.shape == (P * N,)
     # draw 0's group 1 (rows 2, 3), then draw 2's groups 0 and 2
     assert ids(drawn) == [2, 3, 200, 201, 204, 205]  # every field moved together
     assert rewards.tolist() == [0, 1, 1, 0, 1, 0]
@@ -105,15 +101,14 @@ def test_dynamic_sampling_fills_the_batch_with_varied_groups_and_counts_draws():
         "sampling/drawn_reward": 7.5 / 18,  # the verifier's mean over the 18 rows drawn
         "sampling/tokens_drawn": 3 * P * (1 + 2),
     }, rel=1e-6)
-    again = sample_batch(fake_draw([]), unshaped, groups=P, group_size=N, dynamic=True,
-                         max_draws=8)
-    assert ids(again[0]) == ids(drawn) and again[2] == metrics  # deterministic
+    again = sample_batch(fake_draw([]), groups=P, group_size=N, dynamic=True, max_draws=8)
+    assert ids(again[0]) == ids(drawn) and again[1] == metrics  # deterministic
 
 
 def test_dynamic_sampling_at_the_draw_cap_fills_with_the_first_equal_groups():
     log = []
-    drawn, _, metrics = sample_batch(
-        fake_draw(log), unshaped, groups=P, group_size=N, dynamic=True, max_draws=2)
+    drawn, metrics = sample_batch(
+        fake_draw(log), groups=P, group_size=N, dynamic=True, max_draws=2)
     assert log == [0, 1]
     # one varied group (draw 0's group 1), then the equal groups in the order drawn
     assert ids(drawn) == [2, 3, 0, 1, 4, 5]
@@ -125,27 +120,30 @@ def test_dynamic_sampling_at_the_draw_cap_fills_with_the_first_equal_groups():
 
 def test_dynamic_sampling_counts_right_answers_not_shaped_rewards():
     """With L_max = 2, L_cache = 1 each group's second row (2 tokens) gets -1, so draw 0's
-    shaped rewards differ within every group, by length alone in group 0 (both right) and group
-    2 (both wrong: it would train on its lengths). Only group 1 has 0 < #correct < G; the other
-    place goes to the first other group drawn. The verifier's rewards come back unshaped, the
-    training rewards shaped."""
+    shaped rewards differ by length alone in group 0 (both right) and group 2 (both wrong: it
+    would train on its lengths), and not in group 1 ([0, 1] - [0, 1]). Only group 1 has
+    0 < #correct < G; the other place goes to the first other group drawn. The verifier's
+    rewards come back unshaped; the batch's training rewards are shaped from them
+    (`RLTrainer.training_rewards`)."""
     def shape(drawn):
         return drawn.rewards + overlong_penalty(drawn.rollouts.response_lengths, max_length=2,
                                                 buffer=1)
 
-    drawn, shaped, metrics = sample_batch(
-        fake_draw([]), shape, groups=2, group_size=N, dynamic=True, max_draws=1)
+    shaped_draw = shape(fake_draw([])(0)).reshape(-1, N)
+    assert (shaped_draw.max(1) > shaped_draw.min(1)).tolist() == [True, False, True]
+    drawn, metrics = sample_batch(fake_draw([]), groups=2, group_size=N, dynamic=True,
+                                  max_draws=1)
     assert ids(drawn) == [2, 3, 0, 1] and metrics["sampling/batch_varied_frac"] == 0.5
-    assert drawn.rewards.tolist() == [0, 1, 1, 1] and shaped.tolist() == [0, 0, 1, 0]
+    assert drawn.rewards.tolist() == [0, 1, 1, 1] and shape(drawn).tolist() == [0, 0, 1, 0]
 
 
 def test_without_dynamic_sampling_one_draw_as_it_is():
     log = []
-    drawn, shaped, metrics = sample_batch(
-        fake_draw(log), lambda d: d.rewards - 1, groups=P, group_size=N, dynamic=False,
-        max_draws=8)
+    drawn, metrics = sample_batch(fake_draw(log), groups=P, group_size=N, dynamic=False,
+                                  max_draws=8)
     assert log == [0] and metrics == {}
-    assert ids(drawn) == list(range(P * N)) and (shaped == drawn.rewards - 1).all()
+    assert ids(drawn) == list(range(P * N))
+    assert drawn.rewards.tolist() == np.float32(DRAWS[0]).reshape(-1).tolist()  # as drawn
 
 
 def test_take_and_concat_rollouts_keep_rows_together():

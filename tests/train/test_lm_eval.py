@@ -98,7 +98,7 @@ def test_every_sample_matches_lm_evals_hugging_face_backend(exported):
         for (want, want_greedy), (got, got_greedy) in zip(
                 (r[0] for r in responses), (r[0] for r in choice["ours"][doc]), strict=True):
             assert got == pytest.approx(want, rel=1e-5, abs=1e-4) and got_greedy == want_greedy
-    for doc, responses in rolling["hf"].items():  # whole snippets, 40-70 tokens each
+    for doc, responses in rolling["hf"].items():  # whole snippets of 18-53 tokens, in one window
         assert rolling["ours"][doc][0][0] == pytest.approx(responses[0][0], rel=1e-5)
     assert generate["ours"] == generate["hf"]  # greedy: the same text, cut at the newline
     ours_metrics = task_metrics(results["ours"])
@@ -108,6 +108,33 @@ def test_every_sample_matches_lm_evals_hugging_face_backend(exported):
         "eval/stepjax_python_rolling/word_perplexity",
         "eval/stepjax_python_rolling/byte_perplexity",
         "eval/stepjax_python_rolling/bits_per_byte"}
+
+
+@pytest.mark.parity
+@pytest.mark.slow
+def test_documents_longer_than_the_window_match_lm_evals_hugging_face_backend(exported):
+    """A window of 32 tokens, shorter than two of the snippets (44 and 53 tokens): lm-eval cuts
+    them into rolling windows of max_length + 1 tokens, all of which the cache of 32 positions
+    scores."""
+    from lm_eval.models.huggingface import HFLM
+
+    from model.inference.harness import HarnessLM
+
+    task, window = TASKS[1], 32
+    manager = task_manager([task], TASKS_DIR)
+    reference = HFLM(pretrained=str(exported), dtype="float32", batch_size=BATCH, device="cpu",
+                     max_length=window)
+    config, variables = load_model(exported)
+    ours = HarnessLM(Decoder(config, variables, max_len=window, prefill_chunk=CHUNK),
+                     load_tokenizer(str(exported)), batch_size=BATCH, progress=False)
+    rolling = {name: by_doc(evaluate_tasks(lm, [task], manager, limit=None, num_fewshot=None,
+                                           bootstrap_iters=0, log_samples=True)["samples"][task])
+               for name, lm in (("hf", reference), ("ours", ours))}
+    snippets = (REPO / TASKS_DIR / "python_rolling.jsonl").read_text().splitlines()
+    assert max(len(ours.tok_encode(json.loads(line)["text"])) for line in snippets) > window + 1
+    assert len(rolling["ours"]) == 4
+    for doc, responses in rolling["hf"].items():
+        assert rolling["ours"][doc][0][0] == pytest.approx(responses[0][0], rel=1e-5)
 
 
 @pytest.mark.slow
