@@ -28,6 +28,7 @@ from model.layers.norm import RMSNorm
 from model.layers.projection import Projection
 from model.layers.router import ep_group_balance_loss
 from model.layers.stack import LayerStack
+from model.ops.kv_compression import document_offsets
 from model.parallel.context import context_layout, from_layout, splits_sequences, to_layout
 from model.parallel.mesh import mesh_axis_size
 
@@ -38,14 +39,6 @@ class LMOutput(flax.struct.PyTreeNode):
     aux: dict  # see CausalLM.__call__
     hidden: jax.Array  # final-normed hidden states [B, T, D]
     mtp_hidden: tuple  # per MTP head, normed [B, T, D]
-
-
-def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
-    """Per-document positions: restart at 0 wherever the segment id changes. [B, T] -> [B, T]."""
-    index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1]), segment_ids.shape)
-    starts = jnp.concatenate(
-        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
-    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 # per-token aux of the MoE layers ([layers, B, T, ...]), in the model's row order
@@ -150,7 +143,7 @@ class CausalLM(nn.Module):
         another forward; a token whose entries are negative keeps its own choice
         (model/layers/router.py, "Replayed routing")."""
         if positions is None:
-            positions = (positions_from_segments(segment_ids) if segment_ids is not None else
+            positions = (document_offsets(segment_ids) if segment_ids is not None else
                          jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))
         # Under `mesh.context` the rows run in the context layout's order
         # (model/parallel/context.py); inputs and outputs are in natural order.
