@@ -200,7 +200,6 @@ def context_dense_indexer_terms(queries, head_weights, keys: CompressedKV, targe
                                   entry_segment_ids=entry_segments, **options)
         return tuple(jax.lax.psum(s, split_over) for s in sums)
 
-    kl, count, hits, slots = jax.shard_map(
+    return DenseIndexerTerms.from_sums(*jax.shard_map(
         body, in_specs=(rows(4), rows(3), rows(3), rows(2), whole(3), whole(2), whole(2)),
-        out_specs=(P(),) * 4, check_vma=False)(queries, head_weights, target, segment_ids, *keys)
-    return DenseIndexerTerms(kl / jnp.maximum(count, 1.0), hits, slots)
+        out_specs=(P(),) * 4, check_vma=False)(queries, head_weights, target, segment_ids, *keys))
