@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from model.ops.attention_cores import AttentionCore, masked_attention
-from model.parallel.context import AXIS, ContextLayout
-from model.parallel.mesh import logical_spec, mesh_axis_size
+from model.parallel.context import AXIS, ContextLayout, token_spec
+from model.parallel.mesh import logical_spec, tensor_heads
 
 NO_SEGMENT = jnp.iinfo(jnp.int32).min  # the segment id of rows before the sequence
 SCORES_PER_BLOCK = 1 << 22  # scores (rows x keys x heads) per query block of a gathered layer
@@ -40,10 +40,8 @@ def context_attention(core: AttentionCore, layout: ContextLayout) -> AttentionCo
     batch axes, heads over `tensor` when it divides the query and KV heads."""
 
     def sharded(q, k, v, *, window, segment_ids, sink):
-        batch = logical_spec("batch")[0]
-        tensor = mesh_axis_size("tensor")
-        heads = "tensor" if tensor > 1 and q.shape[2] % tensor == k.shape[2] % tensor == 0 else None
-        qkv, rows = P(batch, AXIS, heads, None), P(batch, AXIS)
+        heads = tensor_heads(q.shape[2], k.shape[2])
+        qkv, rows = P(logical_spec("batch")[0], AXIS, heads, None), token_spec(2)
         if segment_ids is None:
             segment_ids = jnp.zeros(q.shape[:2], jnp.int32)
         args, specs = [q, k, v, segment_ids], [qkv, qkv, qkv, rows]

@@ -35,9 +35,9 @@ from model.ops.sparse_indexer import (
     dense_indexer_sums,
     select_entries,
 )
-from model.parallel.context import AXIS, ContextLayout
+from model.parallel.context import AXIS, ContextLayout, token_spec
 from model.parallel.context_attention import NO_SEGMENT
-from model.parallel.mesh import logical_spec, mesh_axis_size, spec_axes
+from model.parallel.mesh import logical_spec, spec_axes, tensor_heads
 
 
 def _documents(segment_ids, rows: jax.Array) -> jax.Array:
@@ -46,10 +46,10 @@ def _documents(segment_ids, rows: jax.Array) -> jax.Array:
 
 
 def _specs():
-    """(rows [B, T], rows with trailing dims, replicated over `context`) PartitionSpec makers."""
+    """PartitionSpec makers of arrays [B, T, ...] with T over `context` (`token_spec`) and of
+    arrays [B, N, ...] whole on every context shard, both with B over the batch axes."""
     batch = logical_spec("batch")[0]
-    return (lambda ndim: P(batch, AXIS, *[None] * (ndim - 2)),
-            lambda ndim: P(batch, *[None] * (ndim - 1)))
+    return token_spec, lambda ndim: P(batch, *[None] * (ndim - 1))
 
 
 def _slots(x: jax.Array, layout: ContextLayout) -> jax.Array:
@@ -132,8 +132,7 @@ def context_compressed_attention(q, kv, compressed: CompressedKV, sink, *, layou
     them."""
     segment_ids = _documents(segment_ids, q)
     rows, whole = _specs()
-    tensor = mesh_axis_size("tensor")
-    heads = "tensor" if tensor > 1 and q.shape[2] % tensor == 0 else None
+    heads = tensor_heads(q.shape[2])
     q_spec = P(*rows(2), heads, None)
     args = [q, kv, segment_ids, sink, *compressed]
     specs = [q_spec, rows(3), rows(2), P(heads), whole(3), whole(2), whole(2)]
