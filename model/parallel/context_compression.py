@@ -52,19 +52,9 @@ def _specs():
     return token_spec, lambda ndim: P(batch, *[None] * (ndim - 1))
 
 
-def _slots(x: jax.Array, layout: ContextLayout) -> jax.Array:
-    """[B, L, ...] -> [B·k, c, ...]: each chunk slot its own row."""
-    return x.reshape(x.shape[0] * layout.slots, -1, *x.shape[2:])
-
-
 def _fronts(front: jax.Array) -> jax.Array:
     """The rows before each slot [B, k, F, ...] -> [B·k, F, ...]."""
     return front.reshape(-1, *front.shape[2:])
-
-
-def _with_front(x: jax.Array, front: jax.Array, layout: ContextLayout) -> jax.Array:
-    """x [B, L, ...] and the rows before each slot [B, k, F, ...] -> [B·k, F + c, ...]."""
-    return jnp.concatenate([_fronts(front), _slots(x, layout)], axis=1)
 
 
 def context_compress(hidden: jax.Array, params: CompressorParams, *, rate: int, overlap: bool,
@@ -89,13 +79,13 @@ def _compress_local(kv, gate, segment_ids, positions, *, params, rate, overlap, 
                     layout: ContextLayout, length: int):
     batch, local_length = segment_ids.shape
     chunk = local_length // layout.slots
-    halo = min((2 if overlap else 1) * rate - 1, length - chunk)
+    halo = layout.halo((2 if overlap else 1) * rate - 1, length)
     offsets = layout.document_offsets(segment_ids)
 
     def extended(x, fill=0):
-        return _with_front(x, layout.previous_rows(x, halo, fill), layout)
+        return layout.with_previous_rows(x, halo, fill)
 
-    first_row = layout.token_index(local_length).reshape(layout.slots, chunk)[:, 0] - halo
+    first_row = layout.slot_starts(local_length) - halo
     per_chunk = -(-chunk // rate)
     local = compress_rows(extended(kv), extended(gate), extended(offsets, -1),
                           extended(segment_ids, NO_SEGMENT), extended(positions), params,
@@ -149,15 +139,14 @@ def context_compressed_attention(q, kv, compressed: CompressedKV, sink, *, layou
 def _attend_local(q, kv, segment_ids, sink, entries, last_token, entry_segments, selected=None, *,
                   layout: ContextLayout, window, query_chunk, entry_probs, length):
     batch, local_length = segment_ids.shape
-    chunk = local_length // layout.slots
-    halo = max(0, min(window - 1, length - chunk))
+    halo = layout.halo(window - 1, length)
     compressed = CompressedKV(*(jnp.repeat(x, layout.slots, axis=0)
                                 for x in (entries, last_token, entry_segments)))
-    first = jnp.tile(layout.token_index(local_length).reshape(layout.slots, chunk)[:, 0], batch)
+    first = jnp.tile(layout.slot_starts(local_length), batch)
     out = compressed_attention(
-        _slots(q, layout), _slots(kv, layout), compressed, sink, window=window,
-        segment_ids=_slots(segment_ids, layout),
-        selected=None if selected is None else _slots(selected, layout),
+        layout.slot_rows(q), layout.slot_rows(kv), compressed, sink, window=window,
+        segment_ids=layout.slot_rows(segment_ids),
+        selected=None if selected is None else layout.slot_rows(selected),
         query_chunk=query_chunk, entry_probs=entry_probs, first_index=first,
         front=(_fronts(layout.previous_rows(kv, halo)),
                _fronts(layout.previous_rows(segment_ids, halo, NO_SEGMENT))))
