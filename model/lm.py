@@ -23,6 +23,7 @@ from model.config import ModelConfig
 from model.inference.kv_cache import KVCacheSpec
 from model.layers.common import dtype_of, normal_init
 from model.layers.hyper_connections import HyperHead, expand_embeddings
+from model.layers.moe import PER_TOKEN_AUX
 from model.layers.mtp import MTPHead, reads_streams, shift_tokens_left
 from model.layers.norm import RMSNorm
 from model.layers.projection import Projection
@@ -41,8 +42,6 @@ class LMOutput(flax.struct.PyTreeNode):
     mtp_hidden: tuple  # per MTP head, normed [B, T, D]
 
 
-# per-token aux of the MoE layers ([layers, B, T, ...]), in the model's row order
-PER_TOKEN_AUX = ("routed_experts", "routing_confidence", "replay_mismatch")
 # the MoE balance losses, each summed over the layers with learned routing and the MTP blocks
 BALANCE_LOSSES = ("balance_loss", "sequence_balance_loss")
 # per-layer aux of the attention
