@@ -45,8 +45,15 @@ def time_compiled(compiled, *args, repeats: int = 5) -> float:
 
 def interleaved(steps: dict[str, Callable[[], object]], rounds: int,
                 settle: int = 0) -> dict[str, float]:
-    """Median seconds of each closure, called once per round in turn (after one warm-up call),
-    so that a slow patch of the shared machine hits every side alike. `settle` untimed calls
+    """Median seconds of each closure of `interleaved_times`."""
+    return {name: statistics.median(t)
+            for name, t in interleaved_times(steps, rounds, settle).items()}
+
+
+def interleaved_times(steps: dict[str, Callable[[], object]], rounds: int,
+                      settle: int = 0) -> dict[str, list[float]]:
+    """Seconds of each closure, called once per round in turn (after one warm-up call), so
+    that a slow patch of the shared machine hits every side alike. `settle` untimed calls
     precede each timed one: for sides with their own allocators (JAX and torch in one process),
     whose first call after the other side's reuses memory the other just freed and pays its page
     faults again (measured at the medium vs_torch size: a JAX step right after a torch step took
@@ -61,7 +68,7 @@ def interleaved(steps: dict[str, Callable[[], object]], rounds: int,
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def temp_bytes(compiled) -> int | None:

@@ -9,8 +9,8 @@ device (`cost_analysis`) beside the time."""
 
 from __future__ import annotations
 
+import functools
 import statistics
-import time
 from pathlib import Path
 
 import flax.linen as nn
@@ -21,7 +21,7 @@ import numpy as np
 from model.config import SHARED_KV_KINDS
 from model.layers.attention import Attention
 from model.layers.shared_kv_attention import SharedKVAttention
-from benchmarks.common import markdown_table, save
+from benchmarks.common import interleaved_times, markdown_table, save
 from model.parallel.rules import use_mesh
 from train.config import MeshConfig, load_run_config
 from train.parallel.sharding import make_mesh
@@ -47,17 +47,8 @@ def _layer_step(cfg, kind: str, rows: int, length: int):
     return jax.jit(jax.grad(loss, argnums=(0, 1))), (nn.meta.unbox(params), x)
 
 
-def _timed(steps: dict, rounds: int) -> dict[str, list[float]]:
-    """Seconds of each compiled (fn, args), called once per round in turn after a warm-up."""
-    for fn, args in steps.values():
-        jax.block_until_ready(fn(*args))
-    times = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, (fn, args) in steps.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - start)
-    return times
+def _run(fn, args) -> None:
+    jax.block_until_ready(fn(*args))
 
 
 def _flops(compiled) -> float | None:
@@ -84,7 +75,8 @@ def layer_ratios(lengths: list[int], context: int, rounds: int = 3) -> list[dict
                 fn, args = _layer_step(base, kind, context, length // context)
                 compiled = fn.lower(*args).compile()
                 steps["rows"], flops["rows"] = (compiled, args), _flops(compiled)
-                times = _timed(steps, rounds)
+                times = interleaved_times({name: functools.partial(_run, *step)
+                                           for name, step in steps.items()}, rounds)
                 seconds = {name: statistics.median(t) for name, t in times.items()}
                 row = {"family": family, "kind": kind, "length": length, "seconds": seconds,
                        "all_seconds": times, "flops_per_device": flops,

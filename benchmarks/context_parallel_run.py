@@ -12,15 +12,14 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from benchmarks.common import markdown_table, save
-from model.parallel.rules import named, replicated, use_mesh
+from model.parallel.rules import use_mesh
+from train.compiled_step import lower_train_step, step_layout
 from train.config import load_run_config
 from train.parallel.context_plan import context_layer_bytes
-from train.parallel.sharding import batch_spec, check_batch_fits, make_mesh, state_specs
-from train.state import abstract_state, build_training, create_state
-from train.step import make_train_step
+from train.parallel.sharding import check_batch_fits, make_mesh
+from train.state import create_state
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 FAMILIES = {"step35": "tiny.yaml", "deepseek_v4": "tiny_deepseek_v4.yaml",
@@ -31,7 +30,8 @@ GIB = 2 ** 30
 
 
 def packed_row(length: int, vocab: int, seed: int = 0) -> dict:
-    """[1, 1, T]: three documents cut at random places."""
+    """[1, 1, T] of every feature the data pipeline yields (train.data.packing.FEATURES):
+    three documents cut at random places, every token a target."""
     rng = np.random.default_rng(seed)
     cuts = sorted(rng.choice(np.arange(1, length), 2, replace=False))
     segments = np.searchsorted(cuts, np.arange(length), side="right").astype(np.int32) + 1
@@ -40,36 +40,24 @@ def packed_row(length: int, vocab: int, seed: int = 0) -> dict:
     shape = (1, 1, length)
     return {"tokens": rng.integers(0, vocab, shape).astype(np.int32),
             "segment_ids": segments.reshape(shape), "positions": positions.reshape(shape),
-            "meta_mask": np.zeros(shape, bool)}
+            "meta_mask": np.zeros(shape, bool), "loss_mask": np.ones(shape, bool)}
 
 
 class Step:
-    """The jitted, compiled train step of `family` at `length` on `context` devices."""
+    """The train step of `family` at `length` on `context` devices, compiled as training
+    compiles it (train/compiled_step.py)."""
 
     def __init__(self, family: str, length: int, context: int):
         overrides = ["train.batch_size=1", f"train.seq_len={length}", "mesh.data=1",
                      f"mesh.context={context}", "train.progress=false"]
         self.run = load_run_config(CONFIGS / FAMILIES[family], overrides)
-        self.training = build_training(self.run)
         self.mesh = make_mesh(self.run.mesh, jax.devices()[:context])
         check_batch_fits(self.run, self.mesh)
-        abstract = abstract_state(self.training, self.run.train.seed)
-        self.shardings = named(self.mesh, state_specs(abstract, self.training.variable_axes,
-                                                      self.mesh, self.run))
-        self.batch_sharding = NamedSharding(self.mesh, batch_spec(self.mesh))
+        self.layout = step_layout(self.run, self.mesh)
         self.data = packed_row(length, self.run.model.vocab_size)
         with use_mesh(self.mesh):
-            step = jax.jit(make_train_step(self.training, self.run),
-                           in_shardings=(self.shardings, self.batch_sharding, None),
-                           out_shardings=(self.shardings, replicated(self.mesh)),
-                           donate_argnums=0)
-            state_in = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                                      sharding=s),
-                                    abstract, self.shardings)
-            batch_in = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
-                        for k, v in self.data.items()}
             start = time.perf_counter()
-            self.compiled = step.lower(state_in, batch_in, np.bool_(False)).compile()
+            self.compiled = lower_train_step(self.layout, self.run).compile()
             self.compile_s = time.perf_counter() - start
 
     def memory(self) -> dict:
@@ -94,11 +82,13 @@ class Step:
     def timed(self, steps: int) -> dict:
         """Median seconds of `steps` steps after a warm-up, and the collectives' share of the
         devices' time in a profiled step."""
+        training = self.layout.training
         with use_mesh(self.mesh):
-            state = jax.jit(lambda: create_state(self.training.model, self.training.optimizer,
+            state = jax.jit(lambda: create_state(training.model, training.optimizer,
                                                  self.run.train.seed),
-                            out_shardings=self.shardings)()
-            batch = {k: jax.device_put(v, self.batch_sharding) for k, v in self.data.items()}
+                            out_shardings=self.layout.state_sharding)()
+            batch = {k: jax.device_put(v, self.layout.batch_sharding)
+                     for k, v in self.data.items()}
             flag = np.bool_(False)
             state, metrics = self.compiled(state, batch, flag)
             loss = float(metrics["loss"])

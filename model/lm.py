@@ -23,11 +23,13 @@ from model.config import ModelConfig
 from model.inference.kv_cache import KVCacheSpec
 from model.layers.common import dtype_of, normal_init
 from model.layers.hyper_connections import HyperHead, expand_embeddings
+from model.layers.moe import PER_TOKEN_AUX
 from model.layers.mtp import MTPHead, reads_streams, shift_tokens_left
 from model.layers.norm import RMSNorm
 from model.layers.projection import Projection
 from model.layers.router import ep_group_balance_loss
 from model.layers.stack import LayerStack
+from model.ops.kv_compression import document_offsets
 from model.parallel.context import context_layout, from_layout, splits_sequences, to_layout
 from model.parallel.mesh import mesh_axis_size
 
@@ -40,16 +42,8 @@ class LMOutput(flax.struct.PyTreeNode):
     mtp_hidden: tuple  # per MTP head, normed [B, T, D]
 
 
-def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
-    """Per-document positions: restart at 0 wherever the segment id changes. [B, T] -> [B, T]."""
-    index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1]), segment_ids.shape)
-    starts = jnp.concatenate(
-        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
-    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
-
-
-# per-token aux of the MoE layers ([layers, B, T, ...]), in the model's row order
-PER_TOKEN_AUX = ("routed_experts", "routing_confidence", "replay_mismatch")
+# the MoE balance losses, each summed over the layers with learned routing and the MTP blocks
+BALANCE_LOSSES = ("balance_loss", "sequence_balance_loss")
 # per-layer aux of the attention
 ATTENTION_AUX = frozenset({"gate_mean", "indexer_loss", "indexer_recall_hits",
                            "indexer_recall_slots"})
@@ -71,6 +65,16 @@ def balance_groups(cfg: ModelConfig) -> int:
     return ep if ep > 1 else cfg.moe.num_ep_groups
 
 
+def stack_moe_aux(cfg: ModelConfig, layers: list[dict]) -> dict[str, jax.Array]:
+    """The aux dicts of MoE layers (backbone layers or MTP blocks) -> their MoE entries stacked
+    over the layers [L, ...], with each layer's EP-group `balance_loss` (eq. 1)."""
+    keys = sorted(layers[0].keys() - ATTENTION_AUX)
+    moe = {k: jnp.stack([layer[k] for layer in layers]) for k in keys}
+    moe["balance_loss"] = jax.vmap(ep_group_balance_loss, (0, 0, None))(
+        moe["expert_load"], moe["expert_prob"], balance_groups(cfg))
+    return moe
+
+
 def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
     """Stacks per-layer aux into: `moe` (dict of [L_moe, ...] arrays, including the per-layer
     `balance_loss` of eq. 1 and the `routed_experts` [L_moe, B, T, k] each layer used),
@@ -88,13 +92,9 @@ def collect_aux(cfg: ModelConfig, per_layer: list[dict]) -> dict[str, Any]:
     aux: dict[str, Any] = {}
     moe_layers = cfg.moe_layer_indices()
     if moe_layers:
-        keys = per_layer[moe_layers[0]].keys() - ATTENTION_AUX
-        moe = {k: jnp.stack([per_layer[i][k] for i in moe_layers]) for k in sorted(keys)}
-        moe["balance_loss"] = jax.vmap(ep_group_balance_loss, (0, 0, None))(
-            moe["expert_load"], moe["expert_prob"], balance_groups(cfg))
-        aux["moe"] = moe
+        aux["moe"] = moe = stack_moe_aux(cfg, [per_layer[i] for i in moe_layers])
         learned = jnp.asarray([not cfg.is_hash_layer(i) for i in moe_layers], jnp.float32)
-        for key in ("balance_loss", "sequence_balance_loss"):
+        for key in BALANCE_LOSSES:
             aux[key] = jnp.sum(moe[key] * learned)
     if any("gate_mean" in layer for layer in per_layer):
         # None for the layers without a head-wise gate (DeepSeek-V4's W / C / H, or a type
@@ -150,7 +150,7 @@ class CausalLM(nn.Module):
         another forward; a token whose entries are negative keeps its own choice
         (model/layers/router.py, "Replayed routing")."""
         if positions is None:
-            positions = (positions_from_segments(segment_ids) if segment_ids is not None else
+            positions = (document_offsets(segment_ids) if segment_ids is not None else
                          jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))
         # Under `mesh.context` the rows run in the context layout's order
         # (model/parallel/context.py); inputs and outputs are in natural order.
@@ -178,13 +178,10 @@ class CausalLM(nn.Module):
             mtp_logits = tuple(self.project(h, head=i + 1) for i, h in enumerate(mtp_hidden))
         aux = collect_aux(self.config, per_layer_aux)
         if mtp_aux and self.config.mtp.block == "layer":  # their MoE's statistics, [heads, ...]
-            keys = sorted(mtp_aux[0].keys() - ATTENTION_AUX)
-            aux["mtp_moe"] = moe = {k: jnp.stack([a[k] for a in mtp_aux]) for k in keys}
             # An MTP block's MoE adds both balance losses as a backbone layer does (the V4
             # report is silent; Megatron-Core's MTP layers attach their routers' losses alike).
-            moe["balance_loss"] = jax.vmap(ep_group_balance_loss, (0, 0, None))(
-                moe["expert_load"], moe["expert_prob"], balance_groups(self.config))
-            for key in ("balance_loss", "sequence_balance_loss"):
+            aux["mtp_moe"] = moe = stack_moe_aux(self.config, mtp_aux)
+            for key in BALANCE_LOSSES:
                 aux[key] = aux.get(key, jnp.zeros((), jnp.float32)) + jnp.sum(moe[key])
         for group in ("moe", "mtp_moe"):
             for key in PER_TOKEN_AUX:

@@ -62,6 +62,10 @@ def _token_rows(x: jax.Array, batch: int, length: int, time_major: bool) -> jax.
     return x.reshape(batch, length, *x.shape[1:])
 
 
+# the aux entries of a MoE layer with a value per token ([B, T, ...]; the rest are per expert)
+PER_TOKEN_AUX = ("routed_experts", "routing_confidence", "replay_mismatch")
+
+
 class MoE(nn.Module):
     """x: [B, T, d_model] -> ([B, T, d_model], aux dict).
 

@@ -162,6 +162,12 @@ def expert_statistic_sums(out_sq, h_sq, row_expert, group_sizes) -> dict:
     }
 
 
+def merge_statistic_sums(sums: dict, add: Callable, peak: Callable) -> dict:
+    """`expert_statistic_sums` stacked or split over pieces of the rows -> those of all the
+    rows: `peak` (a maximum) of `expert_out_norm_max`, `add` of the others."""
+    return {k: (peak if k == "expert_out_norm_max" else add)(v) for k, v in sums.items()}
+
+
 def finalize_statistics(sums: dict, hidden: int) -> dict:
     """Sums -> the monitors' per-expert statistics; experts without tokens give 0.
     `expert_tokens` (routed copies), `expert_act_rms` (RMS of the SwiGLU intermediate),

@@ -253,6 +253,11 @@ class DenseIndexerTerms(NamedTuple):
     recall_hits: jax.Array  # float32 []: indexer top-k entries that are in the attention's top-k
     recall_slots: jax.Array  # float32 []: Σ_t k over the queries that see more than k entries
 
+    @classmethod
+    def from_sums(cls, kl, count, hits, slots) -> "DenseIndexerTerms":
+        """From `dense_indexer_sums`' sums (over all the queries): the KL's query mean."""
+        return cls(kl / jnp.maximum(count, 1.0), hits, slots)
+
 
 def topk_recall(scores: jax.Array, target: jax.Array, visible: jax.Array, top_k: int
                 ) -> tuple[jax.Array, jax.Array]:
@@ -294,11 +299,10 @@ def dense_indexer_terms(
     target [B, T, S]: the main attention's probability of each entry summed over heads (no
     gradient); positions / segment ids and `score_dtype` as in `select_entries`.
     """
-    kl, count, hits, slots = dense_indexer_sums(
+    return DenseIndexerTerms.from_sums(*dense_indexer_sums(
         queries, head_weights, keys, target, query_positions, entry_end_positions, top_k=top_k,
         chunk_size=chunk_size, query_segment_ids=query_segment_ids,
-        entry_segment_ids=entry_segment_ids, score_dtype=score_dtype)
-    return DenseIndexerTerms(kl / jnp.maximum(count, 1.0), hits, slots)
+        entry_segment_ids=entry_segment_ids, score_dtype=score_dtype))
 
 
 def dense_indexer_sums(queries, head_weights, keys, target, query_positions, entry_end_positions,

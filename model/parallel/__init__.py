@@ -1,2 +1,2 @@
 """The model under a device mesh: the mesh context, the logical-axis rules table, expert
-parallelism and pipelining."""
+parallelism, pipelining and context parallelism (sequences split over `context`)."""

@@ -44,14 +44,36 @@ class ContextLayout:
         """Natural index of the chunk in `slot` of `shard` (an int or a traced scalar)."""
         return shard if slot == 0 else self.chunks - 1 - shard
 
+    def halo(self, reach: int, length: int) -> int:
+        """Rows a chunk of a T = `length` sequence needs from before it when its first token
+        looks `reach` rows back (a window's W - 1, a compressor's blocks): at most the rows of
+        the chunks before it."""
+        return max(0, min(reach, length - length // self.chunks))
+
     # ---- inside shard_map over `context` ------------------------------------------------------
+
+    def slot_starts(self, local_length: int) -> jax.Array:
+        """Natural index of each slot's first row: [k] int32."""
+        chunk = local_length // self.slots
+        shard = jax.lax.axis_index(AXIS)
+        starts = jnp.stack([self.chunk_of(shard, j) * chunk for j in range(self.slots)])
+        return starts.astype(jnp.int32)
 
     def token_index(self, local_length: int) -> jax.Array:
         """Natural index of each local row: [L] int32 (L = k·c rows, slot-major)."""
         chunk = local_length // self.slots
-        shard = jax.lax.axis_index(AXIS)
-        starts = jnp.stack([self.chunk_of(shard, j) * chunk for j in range(self.slots)])
+        starts = self.slot_starts(local_length)
         return (starts[:, None] + jnp.arange(chunk)[None, :]).reshape(-1).astype(jnp.int32)
+
+    def slot_rows(self, x: jax.Array) -> jax.Array:
+        """x [B, L, ...] local rows -> [B·k, c, ...]: each chunk slot its own row."""
+        return x.reshape(x.shape[0] * self.slots, -1, *x.shape[2:])
+
+    def with_previous_rows(self, x: jax.Array, count: int, fill=0) -> jax.Array:
+        """x [B, L, ...] local rows -> [B·k, count + c, ...]: each chunk slot after the `count`
+        rows before it (`previous_rows`)."""
+        front = self.previous_rows(x, count, fill)
+        return jnp.concatenate([front.reshape(-1, *front.shape[2:]), self.slot_rows(x)], axis=1)
 
     def previous_chunk(self, x: jax.Array) -> jax.Array:
         """x [B, k, n, ...] (per slot n rows of a chunk) -> the same rows of the chunk before
@@ -82,7 +104,7 @@ class ContextLayout:
             parts.insert(0, current)
             left -= take
         halo = jnp.concatenate(parts, axis=2)
-        start = self.token_index(length).reshape(self.slots, chunk)[:, 0]
+        start = self.slot_starts(length)
         before = (start[:, None] - count + jnp.arange(count)[None, :]) < 0  # [k, count]
         before = before.reshape(1, self.slots, count, *([1] * (x.ndim - 2)))
         return jnp.where(before, jnp.asarray(fill, x.dtype), halo)

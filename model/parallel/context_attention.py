@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from model.ops.attention_cores import AttentionCore, masked_attention
-from model.parallel.context import AXIS, ContextLayout
-from model.parallel.mesh import logical_spec, mesh_axis_size
+from model.parallel.context import AXIS, ContextLayout, token_spec
+from model.parallel.mesh import logical_spec, tensor_heads
 
 NO_SEGMENT = jnp.iinfo(jnp.int32).min  # the segment id of rows before the sequence
 SCORES_PER_BLOCK = 1 << 22  # scores (rows x keys x heads) per query block of a gathered layer
@@ -40,10 +40,8 @@ def context_attention(core: AttentionCore, layout: ContextLayout) -> AttentionCo
     batch axes, heads over `tensor` when it divides the query and KV heads."""
 
     def sharded(q, k, v, *, window, segment_ids, sink):
-        batch = logical_spec("batch")[0]
-        tensor = mesh_axis_size("tensor")
-        heads = "tensor" if tensor > 1 and q.shape[2] % tensor == k.shape[2] % tensor == 0 else None
-        qkv, rows = P(batch, AXIS, heads, None), P(batch, AXIS)
+        heads = tensor_heads(q.shape[2], k.shape[2])
+        qkv, rows = P(logical_spec("batch")[0], AXIS, heads, None), token_spec(2)
         if segment_ids is None:
             segment_ids = jnp.zeros(q.shape[:2], jnp.int32)
         args, specs = [q, k, v, segment_ids], [qkv, qkv, qkv, rows]
@@ -65,21 +63,12 @@ def _windowed(q, k, v, seg, sink=None, *, core, layout: ContextLayout, window: i
     """Per shard: each chunk with the W - 1 rows before it (at most those of the chunks before
     it), through `core`. q/k/v [B, L, ., .] local."""
     batch, local_length = q.shape[:2]
-    chunk = local_length // layout.slots
-    count = max(0, min(window - 1, length - chunk))
-
-    def extended(x, fill=0, zeros=False):
-        """[B, L, ...] -> [B·k, count + c, ...]: each chunk slot after its `count` halo rows."""
-        slots = x.reshape(batch, layout.slots, chunk, *x.shape[2:])
-        if zeros or not count:
-            front = jnp.zeros((batch, layout.slots, count, *x.shape[2:]), x.dtype)
-        else:
-            front = layout.previous_rows(x, count, fill)
-        rows = jnp.concatenate([front, slots], axis=2)
-        return rows.reshape(batch * layout.slots, count + chunk, *x.shape[2:])
-
-    out = core(extended(q, zeros=True), extended(k), extended(v), window=window,
-               segment_ids=extended(seg, fill=NO_SEGMENT), sink=sink)
+    count = layout.halo(window - 1, length)
+    widths = [(0, 0), (count, 0)] + [(0, 0)] * (q.ndim - 2)
+    queries = jnp.pad(layout.slot_rows(q), widths)  # zero query rows for the halo
+    out = core(queries, layout.with_previous_rows(k, count),
+               layout.with_previous_rows(v, count), window=window,
+               segment_ids=layout.with_previous_rows(seg, count, NO_SEGMENT), sink=sink)
     return out[:, count:].reshape(batch, local_length, *out.shape[2:])
 
 

@@ -35,9 +35,9 @@ from model.ops.sparse_indexer import (
     dense_indexer_sums,
     select_entries,
 )
-from model.parallel.context import AXIS, ContextLayout
+from model.parallel.context import AXIS, ContextLayout, token_spec
 from model.parallel.context_attention import NO_SEGMENT
-from model.parallel.mesh import logical_spec, mesh_axis_size, spec_axes
+from model.parallel.mesh import logical_spec, spec_axes, tensor_heads
 
 
 def _documents(segment_ids, rows: jax.Array) -> jax.Array:
@@ -46,25 +46,15 @@ def _documents(segment_ids, rows: jax.Array) -> jax.Array:
 
 
 def _specs():
-    """(rows [B, T], rows with trailing dims, replicated over `context`) PartitionSpec makers."""
+    """PartitionSpec makers of arrays [B, T, ...] with T over `context` (`token_spec`) and of
+    arrays [B, N, ...] whole on every context shard, both with B over the batch axes."""
     batch = logical_spec("batch")[0]
-    return (lambda ndim: P(batch, AXIS, *[None] * (ndim - 2)),
-            lambda ndim: P(batch, *[None] * (ndim - 1)))
-
-
-def _slots(x: jax.Array, layout: ContextLayout) -> jax.Array:
-    """[B, L, ...] -> [B·k, c, ...]: each chunk slot its own row."""
-    return x.reshape(x.shape[0] * layout.slots, -1, *x.shape[2:])
+    return token_spec, lambda ndim: P(batch, *[None] * (ndim - 1))
 
 
 def _fronts(front: jax.Array) -> jax.Array:
     """The rows before each slot [B, k, F, ...] -> [B·k, F, ...]."""
     return front.reshape(-1, *front.shape[2:])
-
-
-def _with_front(x: jax.Array, front: jax.Array, layout: ContextLayout) -> jax.Array:
-    """x [B, L, ...] and the rows before each slot [B, k, F, ...] -> [B·k, F + c, ...]."""
-    return jnp.concatenate([_fronts(front), _slots(x, layout)], axis=1)
 
 
 def context_compress(hidden: jax.Array, params: CompressorParams, *, rate: int, overlap: bool,
@@ -89,13 +79,13 @@ def _compress_local(kv, gate, segment_ids, positions, *, params, rate, overlap, 
                     layout: ContextLayout, length: int):
     batch, local_length = segment_ids.shape
     chunk = local_length // layout.slots
-    halo = min((2 if overlap else 1) * rate - 1, length - chunk)
+    halo = layout.halo((2 if overlap else 1) * rate - 1, length)
     offsets = layout.document_offsets(segment_ids)
 
     def extended(x, fill=0):
-        return _with_front(x, layout.previous_rows(x, halo, fill), layout)
+        return layout.with_previous_rows(x, halo, fill)
 
-    first_row = layout.token_index(local_length).reshape(layout.slots, chunk)[:, 0] - halo
+    first_row = layout.slot_starts(local_length) - halo
     per_chunk = -(-chunk // rate)
     local = compress_rows(extended(kv), extended(gate), extended(offsets, -1),
                           extended(segment_ids, NO_SEGMENT), extended(positions), params,
@@ -132,8 +122,7 @@ def context_compressed_attention(q, kv, compressed: CompressedKV, sink, *, layou
     them."""
     segment_ids = _documents(segment_ids, q)
     rows, whole = _specs()
-    tensor = mesh_axis_size("tensor")
-    heads = "tensor" if tensor > 1 and q.shape[2] % tensor == 0 else None
+    heads = tensor_heads(q.shape[2])
     q_spec = P(*rows(2), heads, None)
     args = [q, kv, segment_ids, sink, *compressed]
     specs = [q_spec, rows(3), rows(2), P(heads), whole(3), whole(2), whole(2)]
@@ -150,15 +139,14 @@ def context_compressed_attention(q, kv, compressed: CompressedKV, sink, *, layou
 def _attend_local(q, kv, segment_ids, sink, entries, last_token, entry_segments, selected=None, *,
                   layout: ContextLayout, window, query_chunk, entry_probs, length):
     batch, local_length = segment_ids.shape
-    chunk = local_length // layout.slots
-    halo = max(0, min(window - 1, length - chunk))
+    halo = layout.halo(window - 1, length)
     compressed = CompressedKV(*(jnp.repeat(x, layout.slots, axis=0)
                                 for x in (entries, last_token, entry_segments)))
-    first = jnp.tile(layout.token_index(local_length).reshape(layout.slots, chunk)[:, 0], batch)
+    first = jnp.tile(layout.slot_starts(local_length), batch)
     out = compressed_attention(
-        _slots(q, layout), _slots(kv, layout), compressed, sink, window=window,
-        segment_ids=_slots(segment_ids, layout),
-        selected=None if selected is None else _slots(selected, layout),
+        layout.slot_rows(q), layout.slot_rows(kv), compressed, sink, window=window,
+        segment_ids=layout.slot_rows(segment_ids),
+        selected=None if selected is None else layout.slot_rows(selected),
         query_chunk=query_chunk, entry_probs=entry_probs, first_index=first,
         front=(_fronts(layout.previous_rows(kv, halo)),
                _fronts(layout.previous_rows(segment_ids, halo, NO_SEGMENT))))
@@ -200,7 +188,6 @@ def context_dense_indexer_terms(queries, head_weights, keys: CompressedKV, targe
                                   entry_segment_ids=entry_segments, **options)
         return tuple(jax.lax.psum(s, split_over) for s in sums)
 
-    kl, count, hits, slots = jax.shard_map(
+    return DenseIndexerTerms.from_sums(*jax.shard_map(
         body, in_specs=(rows(4), rows(3), rows(3), rows(2), whole(3), whole(2), whole(2)),
-        out_specs=(P(),) * 4, check_vma=False)(queries, head_weights, target, segment_ids, *keys)
-    return DenseIndexerTerms(kl / jnp.maximum(count, 1.0), hits, slots)
+        out_specs=(P(),) * 4, check_vma=False)(queries, head_weights, target, segment_ids, *keys))

@@ -31,7 +31,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from model.ops.moe_dispatch import ExpertWeights, combine_copies, finalize_statistics
+from model.ops.moe_dispatch import (
+    ExpertWeights,
+    combine_copies,
+    finalize_statistics,
+    merge_statistic_sums,
+)
 from model.ops.swiglu import SwiGLUClamp
 from model.ops.tables import MOE
 from model.parallel.mesh import logical_spec, spec_axes
@@ -115,8 +120,9 @@ def _local_experts(x, indices, combine_weights, gate, up, down, *, num_experts, 
     copy_out = jnp.zeros_like(back).at[order].set(back).reshape(num_tokens, top_k, -1)
     y = combine_copies(copy_out, combine_weights, x.dtype)
     # Each expert saw copies from its expert-axis group only; add the other groups'.
-    sums = {k: (jax.lax.pmax if k == "expert_out_norm_max" else jax.lax.psum)(v, stat_axes)
-            if stat_axes else v for k, v in sums.items()}
+    if stat_axes:
+        sums = merge_statistic_sums(sums, functools.partial(jax.lax.psum, axis_name=stat_axes),
+                                    functools.partial(jax.lax.pmax, axis_name=stat_axes))
     return y, sums
 
 
@@ -144,8 +150,8 @@ def _in_chunks(body, chunk: int):
         split = lambda a: a.reshape(n // size, size, *a.shape[1:])  # noqa: E731
         y, sums = jax.lax.map(jax.checkpoint(one, prevent_cse=False),
                               (split(x), split(indices), split(combine_weights)))
-        sums = {k: (jnp.max if k == "expert_out_norm_max" else jnp.sum)(v, axis=0)
-                for k, v in sums.items()}
+        sums = merge_statistic_sums(sums, functools.partial(jnp.sum, axis=0),
+                                    functools.partial(jnp.max, axis=0))
         return y.reshape(n, *y.shape[2:]), sums
 
     return run

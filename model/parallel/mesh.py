@@ -48,6 +48,14 @@ def spec_axes(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def tensor_heads(*head_counts: int) -> str | None:
+    """The mesh axis attention heads split over in a `shard_map`: `tensor` where it divides
+    every one of `head_counts` (query and KV heads, so each shard holds whole GQA groups),
+    else None (the heads whole on every device)."""
+    tensor = mesh_axis_size("tensor")
+    return "tensor" if tensor > 1 and all(n % tensor == 0 for n in head_counts) else None
+
+
 def shard_attention_core(core):
     """An attention core (`model.ops.tables.ATTENTION`) run per shard under the current mesh: batch
     over the rules' batch axes, heads over `tensor` when it divides both query and KV heads. XLA
@@ -57,8 +65,7 @@ def shard_attention_core(core):
     @functools.wraps(core)
     def sharded(q, k, v, *, window, segment_ids, sink):
         batch = logical_spec("batch")[0]
-        tensor = mesh_axis_size("tensor")
-        heads = "tensor" if tensor > 1 and q.shape[2] % tensor == k.shape[2] % tensor == 0 else None
+        heads = tensor_heads(q.shape[2], k.shape[2])
         qkv = PartitionSpec(batch, None, heads, None)
         args, specs = [q, k, v], [qkv, qkv, qkv]
         if segment_ids is not None:

@@ -55,6 +55,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
 from model.layers.layer_plan import layer_kinds, plan_segments
+from model.layers.moe import PER_TOKEN_AUX
 from model.parallel.mesh import logical_spec
 
 
@@ -145,8 +146,8 @@ def stage_plan(cfg: ModelConfig, stages: int) -> StagePlan:
 
 # Per-layer MoE aux of a micro-batch -> whole batch: counts add, peaks take the maximum,
 # per-token values concatenate (axis 1 of [layers, micro-batch rows, T]), means average.
-_MERGE = {"expert_tokens": "sum", "expert_out_norm_max": "max", "routing_confidence": "rows",
-          "routed_experts": "rows"}
+_MERGE = {"expert_tokens": "sum", "expert_out_norm_max": "max",
+          **dict.fromkeys(PER_TOKEN_AUX, "rows")}
 
 
 def merge_microbatch_aux(name: str, values: jax.Array) -> jax.Array:
@@ -226,9 +227,8 @@ def _pipeline_forward(repeat_fn, variables, x, rows, plan, staged):
     queue_spec = P(None, *activation)  # [M, b, T, ...]: micro-batches in and out
     queue = jax.lax.with_sharding_constraint(split(x), queue_spec)
     row_inputs = tuple(None if r is None else split(r) for r in rows)
-    stage_vars = ({col: tree if col in staged else stage_layout(tree, plan)
-                   for col, tree in variables.items()} if staged
-                  else stage_layout(variables, plan))
+    stage_vars = {col: tree if col in staged else stage_layout(tree, plan)
+                  for col, tree in variables.items()}
     live = jnp.asarray(plan.slot_repeats() < plan.repeats)  # [C, k]: real (not padded) slots
 
     def stage_fn(vars_s, stage, round_, h, *rows_s):

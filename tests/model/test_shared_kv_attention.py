@@ -182,8 +182,8 @@ def test_layer_matches_float64_loop_reference(attention_type):
     layer = SharedKVAttention(cfg, attention_type)
     x = jax.random.normal(jax.random.key(0), (2, 14, cfg.d_model))
     segments = np.array([[0] * 8 + [1] * 6, [0] * 14], np.int32)
-    from model.lm import positions_from_segments
-    positions = positions_from_segments(jnp.asarray(segments))
+    from model.ops.kv_compression import document_offsets
+    positions = document_offsets(jnp.asarray(segments))
     params = random_params(layer, jax.random.key(2), x, positions, segments)
     got, aux = jax.jit(layer.apply, compiler_options=FAST_COMPILE)(
         {"params": params}, x, positions, jnp.asarray(segments))
