@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from model.config import load_config
+from model.parallel.rules import MESH_AXES
 from train.config import MeshConfig, RunConfig, TrainConfig, load_run_config, resume_changes
 from train.optim.config import MuonConfig
 
@@ -179,6 +180,13 @@ def test_a_field_added_since_a_checkpoint_counts_at_its_default():
                                                  ["train.loss_mask=all"])) == ["train.loss_mask"]
     assert resume_changes(saved, load_run_config(REPO / "configs" / "sft_arith.yaml",
                                                  ["train.steps=700"])) == []
+
+
+@pytest.mark.parametrize("override", [*(f"mesh.{axis}=2" for axis in MESH_AXES),
+                                      "mesh.zero1=false"])
+def test_a_resume_may_change_every_mesh_axis(override):
+    """A checkpoint restores into any mesh (docs/parallelism.md), context parallelism's too."""
+    assert resume_changes(load_run_config(TINY).to_dict(), load_run_config(TINY, [override])) == []
 
 
 def test_muon_settings_follow_the_orthogonalizer_unless_given():
