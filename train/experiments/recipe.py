@@ -186,7 +186,7 @@ def _stage_start(recipe: Recipe, workdir: Path, index: int, label: str,
 def _check_unchanged(stage_dir: Path, run: RunConfig, name: str) -> None:
     """A finished stage whose recipe entry changed since would silently feed stale weights to
     the next stage: refuse instead."""
-    changed = changed_since_checkpoint(stage_dir, run.to_dict())
+    changed = changed_since_checkpoint(stage_dir, run)
     if changed:
         raise TrainingError(f"stage {name} in {stage_dir} finished with a different config "
                             f"({', '.join(changed)}); restore the recipe or use another --workdir")
