@@ -37,6 +37,7 @@ from train.parallel.distributed import (
 )
 from train.parallel.sharding import check_batch_fits, make_mesh
 from train.periodic import PeriodicEvals
+from train.periodic_config import reads_heldout
 from train.run_record import check_and_record, write_run_config
 from train.state import TrainState, create_state, state_from_variables
 from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
@@ -113,10 +114,8 @@ class Trainer:
         # train stream and every held-out evaluation read it. Checked here, before any model
         # work, so bad or changed data fails in seconds.
         self.data_source = open_data(run.train.data, self.tokenizer)
-        samples_heldout = run.train.sample_every > 0 and not run.train.samples.prompts
         check_data(self.data_source, run.train.data, self.tokenizer, loss_mask=run.train.loss_mask,
-                   heldout=run.train.eval_every > 0 or samples_heldout,
-                   shard_count=jax.process_count())
+                   heldout=reads_heldout(run.train), shard_count=jax.process_count())
         chat = chat_tokenizer_for(self.tokenizer) if self.data_source.renders_chats else None
         note = check_and_record(self.workdir, self.tokenizer, run.train.data, chat,
                                 resuming=self.resume_step is not None,

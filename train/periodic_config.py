@@ -75,3 +75,9 @@ def check_periodic(train: Any) -> None:
     if train.sample_every and train.samples.prompt_tokens + train.samples.max_new_tokens > room:
         raise ConfigError("samples", f"prompt_tokens + max_new_tokens exceed the decoder's {room} "
                           "positions (train.eval_tasks.max_length, else train.seq_len)")
+
+
+def reads_heldout(train: Any) -> bool:
+    """Whether a run (`train`: a TrainConfig) reads its held-out split: the held-out
+    evaluation, or samples from held-out rows (no `samples.prompts`)."""
+    return train.eval_every > 0 or (train.sample_every > 0 and not train.samples.prompts)

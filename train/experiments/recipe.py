@@ -60,6 +60,7 @@ from train.experiments.recipe_file import Recipe, load_recipe  # noqa: F401
 from train.experiments.stage_start import check_descent, checkpoint_identity, record_start
 from train.loop import TrainingError, TrainSummary, train
 from train.parallel.distributed import is_lead
+from train.periodic_config import reads_heldout
 
 
 def clone_mtp_heads(params: dict) -> dict:
@@ -119,7 +120,7 @@ def check_stage_data(recipe: Recipe, extra: Sequence[str] = ()) -> None:
             tokenizer = load_tokenizer(data.tokenizer)
             opened[key] = opened.get(key) or open_data(data, tokenizer)
             check_data(opened[key], data, tokenizer, loss_mask=run.train.loss_mask,
-                       heldout=run.train.eval_every > 0, shard_count=jax.process_count())
+                       heldout=reads_heldout(run.train), shard_count=jax.process_count())
         except ValueError as err:
             raise ValueError(f"recipe stage {stage.name}: {err}") from None
 
