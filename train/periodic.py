@@ -10,8 +10,8 @@
   first held-out rows, logged as `samples/<i>` (prompt and continuation) and printed.
 
 Decoding uses the state's weights as they lie on the mesh, like RL's rollouts; it runs on one
-process, with whole layers (no `pipeline` axis) and batches that split over the data-parallel
-devices (all checked before the first step).
+process, with whole layers and sequences (no `pipeline` or `context` axis) and batches that
+split over the data-parallel devices (all checked before the first step).
 """
 
 from __future__ import annotations
@@ -132,8 +132,9 @@ def check_decodable(run: RunConfig, mesh: Mesh) -> None:
     if jax.process_count() > 1:
         raise ValueError(f"{fields} decode on one process; evaluate the checkpoints with "
                          "python -m train.lm_eval instead")
-    if run.mesh.pipeline != 1:
-        raise ValueError(f"{fields} decode whole layers: use mesh.pipeline=1")
+    for axis, whole in (("pipeline", "layers"), ("context", "sequences")):  # as KV caches need
+        if getattr(run.mesh, axis) != 1:
+            raise ValueError(f"{fields} decode whole {whole}: use mesh.{axis}=1")
     ways = data_parallel_size(mesh)
     if run.train.eval_tasks.tasks and run.train.eval_tasks.batch_size % ways:
         raise ValueError(f"train.eval_tasks.batch_size: {run.train.eval_tasks.batch_size} rows "
