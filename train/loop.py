@@ -46,10 +46,6 @@ from train.telemetry.throughput import CompletedSteps
 from train.telemetry.wandb_sink import check_wandb
 
 
-# What grain appends to the message of an exception raised in its pipeline (its traceback note).
-GRAIN_NOTE = "\n--------------------\n"
-
-
 class TrainingError(RuntimeError):
     """A run cannot start or continue; the message is one line for the user."""
 
@@ -200,7 +196,7 @@ class Trainer:
         try:
             micro = [next(self.data) for _ in range(num_micro)]
         except ValueError as err:  # a record the data thread could not encode: named there
-            raise TrainingError(str(err).split(GRAIN_NOTE)[0]) from None
+            raise TrainingError(str(err)) from None  # (grain's note cut by DataIterator)
         local = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
         top = int(local["tokens"].max())
         if top >= self.run.model.vocab_size or int(local["tokens"].min()) < 0:
