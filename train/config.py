@@ -369,12 +369,11 @@ def check_sections(values: Mapping[str, Any], sections: Sequence[str]) -> None:
                          f"expected {', '.join(sections)}")
 
 
-def check_override_sections(overrides: Sequence[str],
-                            sections: Mapping[str, type] | Sequence[str]) -> None:
-    """Every dotted override must start with one of the run YAML's sections; given as {name:
-    its config class}, a key without one is told its spelling (`use model.layout=... here`)."""
+def check_override_sections(overrides: Sequence[str], sections: Mapping[str, type]) -> None:
+    """Every dotted override must start with one of the run YAML's sections ({name: its config
+    class}); a key without one is told its spelling (`use model.layout=... here`)."""
     known = [name for section, cls in sections.items()
-             for name in dotted_names(cls, f"{section}.")] if isinstance(sections, Mapping) else []
+             for name in dotted_names(cls, f"{section}.")]
     for override in overrides:
         key, _, value = (part.strip() for part in override.partition("="))
         if key.split(".")[0] not in sections:
