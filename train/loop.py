@@ -10,9 +10,11 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from model.interop.workdir import Checkpointer, restore_target
 from model.interop.workdir_lock import claimed_workdir
@@ -160,12 +162,17 @@ class Trainer:
         return jax.jit(lambda v, e: state_from_variables(v, optimizer, key, e),
                        out_shardings=self.state_sharding, donate_argnums=1)(start_from, entries)
 
-    def start_variables(self, start_from: dict | None) -> dict | None:
-        """What a new run starts from: `start_from`, else `train.init_from`'s weights on the
-        mesh (read outside its context: unboxing there would constrain abstract values)."""
+    def start_variables(self, start_from: Callable[[Mesh], dict] | None) -> dict | None:
+        """What a new run starts from (None: a random init, or its checkpoint): the variables
+        `start_from(mesh)` reads, else `train.init_from`'s weights, onto the mesh (read outside
+        its context: unboxing there would constrain abstract values)."""
+        if self.resume_step is not None:
+            return None
+        if start_from is not None:
+            return start_from(self.mesh)
         source = self.run.train.init_from
-        if self.resume_step is not None or start_from is not None or not source:
-            return start_from
+        if not source:
+            return None
         if is_lead():
             print(f"starting from the weights of {source}: new optimizer state, step 0")
         return load_model(source, self.mesh)[1]
@@ -224,12 +231,13 @@ class Trainer:
 
 
 def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
-          start_from: dict | None = None, carry=None, allow_data_change: bool = False
-          ) -> TrainSummary:
+          start_from: Callable[[Mesh], dict] | None = None, carry=None,
+          allow_data_change: bool = False) -> TrainSummary:
     """Trains to `run.train.steps`, resuming from `workdir` if it holds checkpoints.
     `stop_after`: leave (with a checkpoint) after this many steps of this invocation, as a
-    SIGTERM would; used to test resumption. `start_from`, `carry`: see Trainer.initial_state
-    (a recipe stage continuing the previous ones, train/experiments/recipe.py).
+    SIGTERM would; used to test resumption. `start_from`, `carry`: see Trainer.start_variables
+    and Trainer.initial_state (a recipe stage continuing the previous ones,
+    train/experiments/recipe.py).
     `allow_data_change`: resume even though the data files changed since the run started
     (train/run_record.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)

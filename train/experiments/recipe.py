@@ -41,11 +41,13 @@ resumes the unfinished one from its checkpoint; a trained stage whose start poin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
+from jax.sharding import Mesh
 
 from model.interop.workdir import latest_checkpoint_step
 from model.interop.workdir_lock import workdir_lock
@@ -70,12 +72,14 @@ def clone_mtp_heads(params: dict) -> dict:
                          for k in heads if k != "mtp_0"}}
 
 
-def stage_start_variables(recipe: Recipe, workdir: Path, index: int) -> dict | None:
+def stage_start_variables(recipe: Recipe, workdir: Path, index: int,
+                          mesh: Mesh | None = None) -> dict | None:
     """Variables {"params", "balance"} stage `index` starts from: the previous stage's final
-    checkpoint (MTP heads cloned if the stage says so); None for the first stage."""
+    checkpoint (MTP heads cloned if the stage says so), read onto `mesh` as `train.init_from`'s
+    weights are; None for the first stage."""
     if index == 0:
         return None
-    _, variables = load_model(recipe.stage_dir(workdir, index - 1))
+    _, variables = load_model(recipe.stage_dir(workdir, index - 1), mesh)
     if recipe.stages[index].clone_mtp:
         variables = {**variables, "params": clone_mtp_heads(variables["params"])}
     return variables
@@ -166,8 +170,8 @@ def _run_stages(recipe: Recipe, workdir: Path, extra: Sequence[str], stop_after:
 
 def _stage_start(recipe: Recipe, workdir: Path, index: int, label: str,
                  log: Callable[[str], None]):
-    """(start variables, optimizer carry) of stage `index` starting now; records its start
-    point (stage_start.py)."""
+    """(its start variables given the mesh, optimizer carry) of stage `index` starting now;
+    records its start point (stage_start.py)."""
     stage, before = recipe.stages[index], recipe.stage_dir(workdir, index - 1)
     if is_lead():
         record_start(recipe.stage_dir(workdir, index), recipe.stages[index - 1].name,
@@ -181,7 +185,7 @@ def _stage_start(recipe: Recipe, workdir: Path, index: int, label: str,
         sources = [(recipe.stages[i].name, recipe.stage_dir(workdir, i))
                    for i in range(index - 1, -1, -1)]
         carry = optimizer_carry(sources, lambda line: log(f"{label}: {line}"))
-    return stage_start_variables(recipe, workdir, index), carry
+    return functools.partial(stage_start_variables, recipe, workdir, index), carry
 
 
 def _check_unchanged(stage_dir: Path, run: RunConfig, name: str) -> None:
