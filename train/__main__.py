@@ -95,8 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.recipe:
             recipe = load_recipe(args.recipe, args.overrides)
         else:
-            run = load_run_config(args.config, args.overrides,
-                                  model=args.init_from and source_model_values(args.init_from))
+            run = load_run_config(args.config, args.overrides, model=source_model_values(
+                args.init_from) if args.init_from else None)
     except ValueError as err:
         parser.error(str(err))
     if args.print_config:

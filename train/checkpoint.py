@@ -7,7 +7,7 @@ other formats a model loads from.
 from pathlib import Path
 
 from model.interop.workdir import WORKDIR_KINDS, CheckpointError, latest_run_config, workdir_kind
-from train.resume_fields import incompatible_fields
+from train.config import RunConfig, resume_changes
 
 
 def check_training_checkpoint(saved: dict, workdir: Path, hint: str) -> None:
@@ -19,9 +19,9 @@ def check_training_checkpoint(saved: dict, workdir: Path, hint: str) -> None:
                               f"of `python -m train`; {hint}")
 
 
-def changed_since_checkpoint(workdir: Path, current: dict) -> list[str]:
-    """Dotted names of the fields in which `current` (a `RunConfig.to_dict()`) differs from the
-    config of the workdir's newest checkpoint, leaving out those a resumed run may change
-    (`train.config.incompatible_fields`)."""
+def changed_since_checkpoint(workdir: Path, run: RunConfig) -> list[str]:
+    """Dotted names of the fields in which `run` differs from the config of the workdir's newest
+    checkpoint, leaving out those a resumed run may change; compared as a resume compares them
+    (`train.config.resume_changes`: a field added since the checkpoint counts at its default)."""
     _, saved = latest_run_config(workdir)
-    return incompatible_fields(saved, current)
+    return resume_changes(saved, run)

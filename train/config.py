@@ -332,11 +332,8 @@ class RunConfig(Config):
         return max((i + 1 for i, w in enumerate(weights) if w > 0), default=0)
 
 
-SECTIONS = RUN_SECTIONS
-
-
 def run_config_from_dict(values: Mapping[str, Any]) -> RunConfig:
-    check_sections(values, SECTIONS)
+    check_sections(values, RUN_SECTIONS)
     return RunConfig(model=config_from_dict(values.get("model") or {}, "model."),
                      train=build_dataclass(TrainConfig, values.get("train") or {}, "train."),
                      mesh=build_dataclass(MeshConfig, values.get("mesh") or {}, "mesh."))
@@ -349,7 +346,7 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = (),
     refused) and applies `model.x=...` / `train.x=...` / `mesh.x=...` overrides."""
     values = read_yaml(path)
     check_run_yaml(values, path)
-    if not (set(SECTIONS) & set(values)):
+    if not (set(RUN_SECTIONS) & set(values)):
         values = {"model": values}
     values["model"] = (dict(model) if model is not None and "model" not in values
                        else model_values(values, path))
@@ -369,12 +366,11 @@ def check_sections(values: Mapping[str, Any], sections: Sequence[str]) -> None:
                          f"expected {', '.join(sections)}")
 
 
-def check_override_sections(overrides: Sequence[str],
-                            sections: Mapping[str, type] | Sequence[str]) -> None:
-    """Every dotted override must start with one of the run YAML's sections; given as {name:
-    its config class}, a key without one is told its spelling (`use model.layout=... here`)."""
+def check_override_sections(overrides: Sequence[str], sections: Mapping[str, type]) -> None:
+    """Every dotted override must start with one of the run YAML's sections ({name: its config
+    class}); a key without one is told its spelling (`use model.layout=... here`)."""
     known = [name for section, cls in sections.items()
-             for name in dotted_names(cls, f"{section}.")] if isinstance(sections, Mapping) else []
+             for name in dotted_names(cls, f"{section}.")]
     for override in overrides:
         key, _, value = (part.strip() for part in override.partition("="))
         if key.split(".")[0] not in sections:

@@ -77,23 +77,24 @@ def variable_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {jax.tree_util.keystr(path): leaf.shape for path, leaf in leaves}
 
 
-def source_model_values(source: str) -> dict:
-    """The model fields of `source` (a run YAML without a `model:` section takes them)."""
+def source_model(source: str) -> ModelConfig:
+    """The model of `source`, from its config files (InitFromError if it has none)."""
     try:
-        return config_to_dict(load_model_config(source))
+        return load_model_config(source)
     except (ValueError, OSError, RuntimeError) as err:  # missing, corrupt, unknown family
         raise InitFromError(f"train.init_from: {err}") from None
+
+
+def source_model_values(source: str) -> dict:
+    """The model fields of `source` (a run YAML without a `model:` section takes them)."""
+    return config_to_dict(source_model(source))
 
 
 def check_init_source(source: str, model: ModelConfig, tokenizer: TextTokenizer) -> str | None:
     """Raises InitFromError unless run model `model` and `tokenizer` can start from the weights
     of `source` (config files only: no weights are read). Returns a note naming the model
     fields that differ but keep every shape, or None."""
-    try:
-        theirs = load_model_config(source)
-    except (ValueError, OSError, RuntimeError) as err:  # missing, corrupt, unknown family
-        raise InitFromError(f"train.init_from: {err}") from None
-    changed, kept = model_changes(theirs, model)
+    changed, kept = model_changes(source_model(source), model)
     if changed:
         raise InitFromError(
             f"train.init_from: this run's model does not have the parameters of {source}; "

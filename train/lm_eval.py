@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from model.config.cli import ArgumentParser, report_error
+from model.config.cli import ArgumentParser, finite_float, report_error
 from model.interop.workdir import CheckpointError, latest_run_config, split_checkpoint_step
 
 BUILTIN_INDEX_NOTE = "indexing lm-eval's built-in tasks (about 20 s)"
@@ -118,7 +118,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--tasks", required=True, metavar="NAMES",
                         help="comma-separated lm-eval task or group names (or YAML paths)")
     parser.add_argument("--include-path", metavar="DIR", help="a directory of task YAMLs")
-    parser.add_argument("--limit", type=float, metavar="N",
+    parser.add_argument("--limit", type=finite_float, metavar="N",
                         help="at most N samples per task (a fraction of them if < 1)")
     parser.add_argument("--num-fewshot", type=int, metavar="K",
                         help="few-shot examples per prompt (default: each task's own)")

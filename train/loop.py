@@ -10,9 +10,11 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from model.interop.workdir import Checkpointer, restore_target
 from model.interop.workdir_lock import claimed_workdir
@@ -37,16 +39,13 @@ from train.parallel.distributed import (
 )
 from train.parallel.sharding import check_batch_fits, make_mesh
 from train.periodic import PeriodicEvals
+from train.periodic_config import reads_heldout
 from train.run_record import check_and_record, write_run_config
 from train.state import TrainState, create_state, state_from_variables
 from train.telemetry.mfu import measure_matmul_peak, train_flops_per_token
 from train.telemetry.outputs import run_outputs, startup_line, token_count_line
 from train.telemetry.throughput import CompletedSteps
 from train.telemetry.wandb_sink import check_wandb
-
-
-# What grain appends to the message of an exception raised in its pipeline (its traceback note).
-GRAIN_NOTE = "\n--------------------\n"
 
 
 class TrainingError(RuntimeError):
@@ -113,10 +112,8 @@ class Trainer:
         # train stream and every held-out evaluation read it. Checked here, before any model
         # work, so bad or changed data fails in seconds.
         self.data_source = open_data(run.train.data, self.tokenizer)
-        samples_heldout = run.train.sample_every > 0 and not run.train.samples.prompts
         check_data(self.data_source, run.train.data, self.tokenizer, loss_mask=run.train.loss_mask,
-                   heldout=run.train.eval_every > 0 or samples_heldout,
-                   shard_count=jax.process_count())
+                   heldout=reads_heldout(run.train), shard_count=jax.process_count())
         chat = chat_tokenizer_for(self.tokenizer) if self.data_source.renders_chats else None
         note = check_and_record(self.workdir, self.tokenizer, run.train.data, chat,
                                 resuming=self.resume_step is not None,
@@ -165,12 +162,17 @@ class Trainer:
         return jax.jit(lambda v, e: state_from_variables(v, optimizer, key, e),
                        out_shardings=self.state_sharding, donate_argnums=1)(start_from, entries)
 
-    def start_variables(self, start_from: dict | None) -> dict | None:
-        """What a new run starts from: `start_from`, else `train.init_from`'s weights on the
-        mesh (read outside its context: unboxing there would constrain abstract values)."""
+    def start_variables(self, start_from: Callable[[Mesh], dict] | None) -> dict | None:
+        """What a new run starts from (None: a random init, or its checkpoint): the variables
+        `start_from(mesh)` reads, else `train.init_from`'s weights, onto the mesh (read outside
+        its context: unboxing there would constrain abstract values)."""
+        if self.resume_step is not None:
+            return None
+        if start_from is not None:
+            return start_from(self.mesh)
         source = self.run.train.init_from
-        if self.resume_step is not None or start_from is not None or not source:
-            return start_from
+        if not source:
+            return None
         if is_lead():
             print(f"starting from the weights of {source}: new optimizer state, step 0")
         return load_model(source, self.mesh)[1]
@@ -201,7 +203,7 @@ class Trainer:
         try:
             micro = [next(self.data) for _ in range(num_micro)]
         except ValueError as err:  # a record the data thread could not encode: named there
-            raise TrainingError(str(err).split(GRAIN_NOTE)[0]) from None
+            raise TrainingError(str(err)) from None  # (grain's note cut by DataIterator)
         local = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
         top = int(local["tokens"].max())
         if top >= self.run.model.vocab_size or int(local["tokens"].min()) < 0:
@@ -229,12 +231,13 @@ class Trainer:
 
 
 def train(run: RunConfig, workdir: Path, *, stop_after: int | None = None,
-          start_from: dict | None = None, carry=None, allow_data_change: bool = False
-          ) -> TrainSummary:
+          start_from: Callable[[Mesh], dict] | None = None, carry=None,
+          allow_data_change: bool = False) -> TrainSummary:
     """Trains to `run.train.steps`, resuming from `workdir` if it holds checkpoints.
     `stop_after`: leave (with a checkpoint) after this many steps of this invocation, as a
-    SIGTERM would; used to test resumption. `start_from`, `carry`: see Trainer.initial_state
-    (a recipe stage continuing the previous ones, train/experiments/recipe.py).
+    SIGTERM would; used to test resumption. `start_from`, `carry`: see Trainer.start_variables
+    and Trainer.initial_state (a recipe stage continuing the previous ones,
+    train/experiments/recipe.py).
     `allow_data_change`: resume even though the data files changed since the run started
     (train/run_record.py)."""
     enable_compilation_cache(run.train.xla_cache_dir)

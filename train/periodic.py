@@ -10,8 +10,8 @@
   first held-out rows, logged as `samples/<i>` (prompt and continuation) and printed.
 
 Decoding uses the state's weights as they lie on the mesh, like RL's rollouts; it runs on one
-process, with whole layers (no `pipeline` axis) and batches that split over the data-parallel
-devices (all checked before the first step).
+process, with whole layers and sequences (no `pipeline` or `context` axis) and batches that
+split over the data-parallel devices (all checked before the first step).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from train.data.sources import TrainingData
 from train.eval import evaluate, limited, make_eval_step
 from train.lm_eval import evaluate_tasks, harness_available, task_manager, task_metrics
 from train.parallel.sharding import batch_spec, data_parallel_size
+from train.periodic_config import decoder_length
 
 
 class PeriodicEvals:
@@ -68,9 +69,7 @@ class PeriodicEvals:
         cfg = self.run.train
         if self._eval_step is None:
             self._eval_step = make_eval_step(self.model, cfg.loss_chunk_size)
-        data = make_dataset(cfg.data, self.tokenizer, seq_len=cfg.seq_len,
-                            batch_size=cfg.micro_batch(), split="heldout", seed=cfg.seed,
-                            data=self.data, loss_mask=cfg.loss_mask)
+        data = self._heldout_batches()
         # Every process reads the same held-out rows; each device evaluates its share of them.
         rows = NamedSharding(self.mesh, P(*batch_spec(self.mesh)[1:]))
         shard = lambda batch: {k: jax.make_array_from_callback(  # noqa: E731
@@ -108,22 +107,25 @@ class PeriodicEvals:
         variables = join_variables(state.params, state.balance)
         if self._decoder is None:
             cfg = self.run.train
-            self._decoder = Decoder(self.run.model, variables,
-                                    max_len=cfg.eval_tasks.max_length or cfg.seq_len)
+            self._decoder = Decoder(self.run.model, variables, max_len=decoder_length(cfg))
         self._decoder.variables = variables
         return self._decoder
 
     def _sample_prompts(self) -> list[list[int]]:
         cfg, train = self.run.train.samples, self.run.train
-        room = (train.eval_tasks.max_length or train.seq_len) - cfg.max_new_tokens
+        room = decoder_length(train) - cfg.max_new_tokens
         if cfg.prompts:
             return [self.tokenizer.encode(p).tolist()[-room:] for p in cfg.prompts]
-        data = make_dataset(train.data, self.tokenizer, seq_len=train.seq_len,
-                            batch_size=train.micro_batch(), split="heldout", seed=train.seed,
-                            data=self.data, loss_mask=train.loss_mask)
-        rows = [row for batch in limited(data, math.ceil(cfg.count / train.micro_batch()))
-                for row in batch["tokens"]]
+        batches = limited(self._heldout_batches(), math.ceil(cfg.count / train.micro_batch()))
+        rows = [row for batch in batches for row in batch["tokens"]]
         return [row[:cfg.prompt_tokens].tolist() for row in rows[:cfg.count]]
+
+    def _heldout_batches(self):
+        """The held-out split from its start in micro-batches: the same rows every time."""
+        cfg = self.run.train
+        return make_dataset(cfg.data, self.tokenizer, seq_len=cfg.seq_len,
+                            batch_size=cfg.micro_batch(), split="heldout", seed=cfg.seed,
+                            data=self.data, loss_mask=cfg.loss_mask)
 
 
 def check_decodable(run: RunConfig, mesh: Mesh) -> None:
@@ -132,8 +134,9 @@ def check_decodable(run: RunConfig, mesh: Mesh) -> None:
     if jax.process_count() > 1:
         raise ValueError(f"{fields} decode on one process; evaluate the checkpoints with "
                          "python -m train.lm_eval instead")
-    if run.mesh.pipeline != 1:
-        raise ValueError(f"{fields} decode whole layers: use mesh.pipeline=1")
+    for axis, whole in (("pipeline", "layers"), ("context", "sequences")):  # as KV caches need
+        if getattr(run.mesh, axis) != 1:
+            raise ValueError(f"{fields} decode whole {whole}: use mesh.{axis}=1")
     ways = data_parallel_size(mesh)
     if run.train.eval_tasks.tasks and run.train.eval_tasks.batch_size % ways:
         raise ValueError(f"train.eval_tasks.batch_size: {run.train.eval_tasks.batch_size} rows "

@@ -71,7 +71,19 @@ def check_periodic(train: Any) -> None:
     check_int("sample_every", train.sample_every, 0)
     if train.eval_tasks.tasks and not train.eval_every:
         raise ConfigError("eval_tasks", "run with the held-out evaluation: set train.eval_every")
-    room = train.eval_tasks.max_length or train.seq_len
+    room = decoder_length(train)
     if train.sample_every and train.samples.prompt_tokens + train.samples.max_new_tokens > room:
         raise ConfigError("samples", f"prompt_tokens + max_new_tokens exceed the decoder's {room} "
                           "positions (train.eval_tasks.max_length, else train.seq_len)")
+
+
+def decoder_length(train: Any) -> int:
+    """Positions of the evaluations' decoder (its KV cache): `eval_tasks.max_length`, else
+    `train.seq_len` (`train`: a TrainConfig)."""
+    return train.eval_tasks.max_length or train.seq_len
+
+
+def reads_heldout(train: Any) -> bool:
+    """Whether a run (`train`: a TrainConfig) reads its held-out split: the held-out
+    evaluation, or samples from held-out rows (no `samples.prompts`)."""
+    return train.eval_every > 0 or (train.sample_every > 0 and not train.samples.prompts)

@@ -7,6 +7,7 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
+from model.parallel.rules import MESH_AXES
 from train.anticipatory_routing import AnticipatoryRoutingConfig
 from train.optim.config import RESUMABLE_OPTIMIZER_CHANGES
 from train.periodic_config import SampleConfig, TaskEvalConfig
@@ -16,7 +17,7 @@ from train.telemetry.wandb_sink import WandbConfig
 # run-length/logging knobs and the mesh (checkpoints are restored into any sharding).
 # Everything else shapes the state or the data stream.
 RESUMABLE_CHANGES = {
-    "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "mesh.pipeline", "mesh.zero1",
+    *(f"mesh.{axis}" for axis in MESH_AXES), "mesh.zero1",
     "model.ep_collective", "model.pipeline_microbatches", "model.pipeline_virtual_stages",
     "model.attention_impl", "model.moe_impl", "model.moe.block_size", "model.remat_policy",
     "model.compute_dtype", "model.pipeline_stage_remat", "model.moe.ep_chunk_tokens",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from train_helpers import SMALL_LOOP, TINY
 
@@ -47,12 +48,16 @@ def test_empty_train_split_names_the_fraction(tmp_path, capsys):
     assert "leave 0 for training" in err[0] and "lower train.data.heldout_fraction" in err[0]
 
 
-def test_recipe_checks_every_stage_before_the_first_trains(tmp_path):
+@pytest.mark.parametrize("reads_heldout", [
+    ["train.eval_every=1"],  # the held-out evaluation, or samples from held-out rows
+    ["train.eval_every=0", "train.sample_every=1", "train.samples.prompt_tokens=4",
+     "train.samples.max_new_tokens=4"]])
+def test_recipe_checks_every_stage_before_the_first_trains(tmp_path, reads_heldout):
     source = one_document(tmp_path)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({"base": str(TINY), "overrides": SMALL_LOOP, "stages": [
         {"name": "first", "overrides": []},
-        {"name": "second", "overrides": [f"train.data.source={source}", "train.eval_every=1"]},
+        {"name": "second", "overrides": [f"train.data.source={source}", *reads_heldout]},
     ]}))
     workdir = tmp_path / "recipe"
     try:

@@ -161,6 +161,16 @@ def test_the_shipped_fine_tuning_config_takes_the_models_of_its_sources():
             load_run_config(path)
 
 
+def test_an_empty_init_from_is_no_source(tmp_path, capsys):
+    """`--init-from ''` names no weights: a run YAML without a model is refused as without the
+    flag, not given a default model."""
+    argv = ["--config", str(train_only_yaml(tmp_path)), "--print-config", "--init-from", ""]
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err and "defines no model" in err, err
+
+
 def test_a_recipe_starts_only_its_first_stage_from_init_from(tmp_path):
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump({"base": str(TINY), "overrides": SMALL_LOOP,

@@ -159,6 +159,8 @@ def test_the_command_prints_lm_evals_results_and_writes_the_samples(exported, tm
     (["--tasks", TASKS[0], "--log-samples"], "--log-samples needs --output-path DIR"),
     (["--tasks", TASKS[0], "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--tasks", TASKS[0], "--include-path", "absent"], "--include-path: absent is not a dir"),
+    (["--tasks", TASKS[0], "--include-path", TASKS_DIR, "--limit", "inf"],
+     "argument --limit: must be a finite number, got 'inf'"),
 ])
 def test_bad_input_is_one_line_before_any_model_work(argv, needle, capsys, monkeypatch):
     monkeypatch.setattr("model.weights.load_model", pytest.fail)  # never reached

@@ -2,7 +2,7 @@
 `eval_every` and `train.sample_every` logs greedy generations from held-out rows, both into
 metrics.jsonl and on the terminal, from the weights of that step (the final step's agree with
 the saved checkpoint evaluated afterwards), without changing the training losses. The run has the recipe and sweep tests' settings,
-so it shares their compiled train step."""
+so it shares their compiled train step. A mesh the decoder cannot run under is refused at set-up."""
 
 from __future__ import annotations
 
@@ -12,16 +12,17 @@ import pytest
 from train_helpers import SMALL_LOOP, TINY
 
 from model.inference.decode import Decoder
+from model.parallel.rules import abstract_mesh
 from model.tokenizers.text import load_tokenizer
 from model.weights import load_model
 from train.config import load_run_config
 from train.data.pipeline import make_dataset
 from train.lm_eval import evaluate_tasks, task_manager, task_metrics
 from train.loop import train
+from train.periodic import check_decodable
 from train.telemetry.metrics import read_metrics
 
 os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
-pytestmark = [pytest.mark.lm_eval, pytest.mark.slow]
 
 TASK, TASKS_DIR = "stepjax_python_choice", "tests/lm_eval_tasks"
 EVALS = ["train.eval_every=3", f"train.eval_tasks.tasks=[{TASK}]",
@@ -31,6 +32,8 @@ EVALS = ["train.eval_every=3", f"train.eval_tasks.tasks=[{TASK}]",
          "train.progress=true"]  # evaluations print their lines through the progress bar
 
 
+@pytest.mark.lm_eval
+@pytest.mark.slow
 def test_tasks_and_samples_are_logged_from_the_weights_of_their_step(tmp_path, capsys,
                                                                      monkeypatch):
     from model.inference.harness import HarnessLM
@@ -58,3 +61,13 @@ def test_tasks_and_samples_are_logged_from_the_weights_of_their_step(tmp_path, c
     continued = decoder.generate(rows, 4, stop_ids=(tokenizer.eos_id,)).tokens
     for i, (prompt, tokens) in enumerate(zip(rows, continued)):
         assert final[f"samples/{i}"] == tokenizer.decode(prompt) + tokenizer.decode(tokens)
+
+
+def test_a_context_axis_is_refused_before_the_first_step():
+    """KV-cache decoding needs whole sequences (model/layers/stack.py): samples under
+    mesh.context=2 are refused when the run is set up, not at their first step."""
+    run = load_run_config(TINY, [*SMALL_LOOP, "mesh.context=2", "train.sample_every=1",
+                                 "train.samples.prompt_tokens=4", "train.samples.max_new_tokens=4"])
+    with pytest.raises(ValueError, match=r"^train.eval_tasks and train.sample_every decode "
+                                         r"whole sequences: use mesh.context=1$"):
+        check_decodable(run, abstract_mesh({"context": 2}))

@@ -18,6 +18,7 @@ from model.weights import load_model
 from train.__main__ import main as train_main
 from train.experiments.recipe import clone_mtp_heads, load_recipe, run_recipe, stage_start_variables
 from train.optim.schedules import learning_rate_schedule
+from train.parallel.sharding import make_mesh
 from train.step import mtp_weight_at
 
 
@@ -273,10 +274,13 @@ def test_recipe_freezes_clones_and_resumes_in_the_right_stage(tmp_path, capsys):
                                                                    "them in this optimizer "
                                                                    "group and shape")
 
-    # MTP-2 starts as a copy of the pre-training stage's MTP-1.
+    # MTP-2 starts as a copy of the pre-training stage's MTP-1, read onto the stage's mesh.
     _, pre = load_model(recipe.stage_dir(workdir, 0))
     start = stage_start_variables(recipe, workdir, 1)["params"]
     chex.assert_trees_all_equal(pre["params"]["mtp_0"], start["mtp_0"], start["mtp_1"])
+    mesh = make_mesh(recipe.stage_config(1).mesh)
+    assert {leaf.sharding.mesh for leaf in jax.tree.leaves(
+        stage_start_variables(recipe, workdir, 1, mesh))} == {mesh}
 
     # Re-running skips the finished stage and resumes the second at its checkpoint.
     assert train_main(["--recipe", str(path), "--workdir", str(workdir)]) == 0

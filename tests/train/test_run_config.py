@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 from model.config import load_config
+from model.parallel.rules import MESH_AXES
+from train import checkpoint
+from train.checkpoint import changed_since_checkpoint
 from train.config import MeshConfig, RunConfig, TrainConfig, load_run_config, resume_changes
 from train.optim.config import MuonConfig
 
@@ -179,6 +182,24 @@ def test_a_field_added_since_a_checkpoint_counts_at_its_default():
                                                  ["train.loss_mask=all"])) == ["train.loss_mask"]
     assert resume_changes(saved, load_run_config(REPO / "configs" / "sft_arith.yaml",
                                                  ["train.steps=700"])) == []
+
+
+def test_a_finished_stage_or_sweep_run_is_compared_as_a_resume_is(monkeypatch):
+    """Recipes and sweeps check a finished workdir's checkpoint as a resume would: a field
+    added since it was saved (train.init_from) counts at its default, a changed one is named."""
+    saved = load_run_config(TINY).to_dict()
+    del saved["train"]["init_from"]
+    monkeypatch.setattr(checkpoint, "latest_run_config", lambda workdir: (3, saved))
+    assert changed_since_checkpoint(Path("finished"), load_run_config(TINY)) == []
+    assert changed_since_checkpoint(Path("finished"), load_run_config(TINY, ["train.lr=0.5"])) \
+        == ["train.lr"]
+
+
+@pytest.mark.parametrize("override", [*(f"mesh.{axis}=2" for axis in MESH_AXES),
+                                      "mesh.zero1=false"])
+def test_a_resume_may_change_every_mesh_axis(override):
+    """A checkpoint restores into any mesh (docs/parallelism.md), context parallelism's too."""
+    assert resume_changes(load_run_config(TINY).to_dict(), load_run_config(TINY, [override])) == []
 
 
 def test_muon_settings_follow_the_orthogonalizer_unless_given():

@@ -23,11 +23,11 @@ import grain
 import numpy as np
 from absl import flags
 
+CHUNK = 64  # examples a worker sends at a time
+LENGTHS = "lengths"  # a chunk's example lengths, next to its concatenated features
 # Streams with worker processes, closed (their grain iterators released) before the interpreter
 # tears its modules down: a grain iterator left to its finaliser then prints "Exception
 # ignored" tracebacks at exit.
-CHUNK = 64  # examples a worker sends at a time
-LENGTHS = "lengths"  # a chunk's example lengths, next to its concatenated features
 _WITH_WORKERS: weakref.WeakSet = weakref.WeakSet()
 atexit.register(lambda: [stream.close() for stream in list(_WITH_WORKERS)])
 

@@ -114,8 +114,8 @@ def build_dataset(data_cfg: DataConfig, tokenizer: TextTokenizer, *, seq_len: in
 
 class DataIterator:
     """A grain iterator whose state also records the pipeline it belongs to, so restoring a
-    state into a different pipeline (other seq_len, batch, seed, shards, workers) fails with a
-    one-line error instead of silently yielding another stream."""
+    state into a different pipeline (other seq_len, batch, seed, shards) fails with a one-line
+    error instead of silently yielding another stream (the worker count may change)."""
 
     def __init__(self, dataset: grain.IterDataset, pipeline: dict,
                  mixture: list[str] | None = None):

@@ -44,6 +44,7 @@ from train.data.corpus import PROCEDURAL_SOURCES, stdlib_documents
 from train.data.documents import heldout_score
 from train.data.encoder import DocumentEncoder
 from train.data.manifest import (
+    COUNTS,
     FORMAT,
     MANIFEST,
     PLAN,
@@ -133,9 +134,14 @@ def prepare_unit(number: int, item: dict, unit: dict) -> dict:
         progress.add_tokens(len(example["tokens"]))
     note = {"input": unit["input"], "counts": counts,
             "shards": {s: w.close() for s, w in writers.items()}}
-    write_text_atomically(out / SHARDS / f"{number:05d}.done", json.dumps(note))
+    write_text_atomically(done_note(out, number), json.dumps(note))
     progress.flush(unit["bytes"])
     return note
+
+
+def done_note(out: Path, number: int) -> Path:
+    """The note of unit `number`, written when its shards are (a re-run skips the unit)."""
+    return out / SHARDS / f"{number:05d}.done"
 
 
 def _settings(args, tokenizer) -> dict:
@@ -202,7 +208,7 @@ def run_units(out: Path, settings: dict, inputs: list[dict], units: list[dict], 
     """Tokenizes every unit without a `.done` note, in `workers` processes (1: in this one,
     train/data/prepare_pool.py); `show(input_bytes, tokens)` sees progress."""
     pending = [(n, inputs[u["input"]], u) for n, u in enumerate(units)
-               if not (out / SHARDS / f"{n:05d}.done").is_file()]
+               if not done_note(out, n).is_file()]
     if workers <= 1 or len(pending) <= 1:
         _init_worker(settings, str(out), _InProcessQueue(show))
         for args in pending:
@@ -213,8 +219,8 @@ def run_units(out: Path, settings: dict, inputs: list[dict], units: list[dict], 
 
 def write_manifest(out: Path, source: str, settings: dict, inputs: list[dict],
                    units: list[dict], tokenizer) -> dict:
-    notes = [json.loads((out / SHARDS / f"{n:05d}.done").read_text()) for n in range(len(units))]
-    splits = {s: {"documents": 0, "records": 0, "tokens": 0, "shards": []} for s in SPLITS}
+    notes = [json.loads(done_note(out, n).read_text()) for n in range(len(units))]
+    splits = {s: {**dict.fromkeys(COUNTS, 0), "shards": []} for s in SPLITS}
     sources: dict[str, dict] = {}
     for note in notes:
         entry = inputs[note["input"]]["entry"]
@@ -223,7 +229,7 @@ def write_manifest(out: Path, source: str, settings: dict, inputs: list[dict],
             totals[key] += note["counts"][key]
         for split, shard in note["shards"].items():
             if shard is not None:
-                for key in ("documents", "records", "tokens"):
+                for key in COUNTS:
                     splits[split][key] += shard[key]
                 splits[split]["shards"].append(shard)
     dtype = token_dtype(tokenizer.get_vocab_size())
@@ -286,7 +292,7 @@ def _prepare(args, out: Path, tokenizer, inputs: list[dict], settings: dict,
     if stored is None:
         write_text_atomically(out / PLAN, json.dumps(
             {"settings": settings, "inputs": inputs, "units": units}) + "\n")
-    done = sum((out / SHARDS / f"{n:05d}.done").is_file() for n in range(len(units)))
+    done = sum(done_note(out, n).is_file() for n in range(len(units)))
     if done:
         log(f"resuming: {done} of {len(units)} units already prepared")
     start, tokens = time.perf_counter(), [0]

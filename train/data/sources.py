@@ -39,6 +39,7 @@ from train.data.manifest import (
 )
 from train.data.shards import ReadExample, ShardSplit, check_shards, token_dtype
 
+
 class Source(Protocol):
     name: str  # as the config names it: the source string, or the mixture's key
     has_chats: bool

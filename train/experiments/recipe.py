@@ -41,11 +41,13 @@ resumes the unfinished one from its checkpoint; a trained stage whose start poin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
+from jax.sharding import Mesh
 
 from model.interop.workdir import latest_checkpoint_step
 from model.interop.workdir_lock import workdir_lock
@@ -60,6 +62,7 @@ from train.experiments.recipe_file import Recipe, load_recipe  # noqa: F401
 from train.experiments.stage_start import check_descent, checkpoint_identity, record_start
 from train.loop import TrainingError, TrainSummary, train
 from train.parallel.distributed import is_lead
+from train.periodic_config import reads_heldout
 
 
 def clone_mtp_heads(params: dict) -> dict:
@@ -69,12 +72,14 @@ def clone_mtp_heads(params: dict) -> dict:
                          for k in heads if k != "mtp_0"}}
 
 
-def stage_start_variables(recipe: Recipe, workdir: Path, index: int) -> dict | None:
+def stage_start_variables(recipe: Recipe, workdir: Path, index: int,
+                          mesh: Mesh | None = None) -> dict | None:
     """Variables {"params", "balance"} stage `index` starts from: the previous stage's final
-    checkpoint (MTP heads cloned if the stage says so); None for the first stage."""
+    checkpoint (MTP heads cloned if the stage says so), read onto `mesh` as `train.init_from`'s
+    weights are; None for the first stage."""
     if index == 0:
         return None
-    _, variables = load_model(recipe.stage_dir(workdir, index - 1))
+    _, variables = load_model(recipe.stage_dir(workdir, index - 1), mesh)
     if recipe.stages[index].clone_mtp:
         variables = {**variables, "params": clone_mtp_heads(variables["params"])}
     return variables
@@ -119,7 +124,7 @@ def check_stage_data(recipe: Recipe, extra: Sequence[str] = ()) -> None:
             tokenizer = load_tokenizer(data.tokenizer)
             opened[key] = opened.get(key) or open_data(data, tokenizer)
             check_data(opened[key], data, tokenizer, loss_mask=run.train.loss_mask,
-                       heldout=run.train.eval_every > 0, shard_count=jax.process_count())
+                       heldout=reads_heldout(run.train), shard_count=jax.process_count())
         except ValueError as err:
             raise ValueError(f"recipe stage {stage.name}: {err}") from None
 
@@ -165,8 +170,8 @@ def _run_stages(recipe: Recipe, workdir: Path, extra: Sequence[str], stop_after:
 
 def _stage_start(recipe: Recipe, workdir: Path, index: int, label: str,
                  log: Callable[[str], None]):
-    """(start variables, optimizer carry) of stage `index` starting now; records its start
-    point (stage_start.py)."""
+    """(its start variables given the mesh, optimizer carry) of stage `index` starting now;
+    records its start point (stage_start.py)."""
     stage, before = recipe.stages[index], recipe.stage_dir(workdir, index - 1)
     if is_lead():
         record_start(recipe.stage_dir(workdir, index), recipe.stages[index - 1].name,
@@ -180,13 +185,13 @@ def _stage_start(recipe: Recipe, workdir: Path, index: int, label: str,
         sources = [(recipe.stages[i].name, recipe.stage_dir(workdir, i))
                    for i in range(index - 1, -1, -1)]
         carry = optimizer_carry(sources, lambda line: log(f"{label}: {line}"))
-    return stage_start_variables(recipe, workdir, index), carry
+    return functools.partial(stage_start_variables, recipe, workdir, index), carry
 
 
 def _check_unchanged(stage_dir: Path, run: RunConfig, name: str) -> None:
     """A finished stage whose recipe entry changed since would silently feed stale weights to
     the next stage: refuse instead."""
-    changed = changed_since_checkpoint(stage_dir, run.to_dict())
+    changed = changed_since_checkpoint(stage_dir, run)
     if changed:
         raise TrainingError(f"stage {name} in {stage_dir} finished with a different config "
                             f"({', '.join(changed)}); restore the recipe or use another --workdir")

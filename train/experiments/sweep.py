@@ -60,7 +60,7 @@ def check_workdir(sweep: Sweep, workdir: Path) -> None:
         run_dir = workdir / "runs" / run.name
         if latest_checkpoint_step(run_dir) is None:
             continue
-        changed = changed_since_checkpoint(run_dir, sweep.run_config(run).to_dict())
+        changed = changed_since_checkpoint(run_dir, sweep.run_config(run))
         if changed:
             raise ValueError(f"run {run.name}: {run_dir} holds checkpoints of a different config "
                              f"({', '.join(changed)}); restore the sweep's settings or use "
