@@ -80,8 +80,7 @@ def compute_copy_bytes(run: RunConfig, sizes: dict[str, int], axes: Any, params:
     return total
 
 
-def gradient_bytes(run: RunConfig, sizes: dict[str, int], copy: int, stored_params: int,
-                   accumulation: int) -> tuple[int, str]:
+def gradient_bytes(copy: int, stored_params: int, accumulation: int) -> tuple[int, str]:
     """(per-device gradient bytes, how they were counted) given the compute copy's bytes
     `copy`, the stored params' `stored_params` (float32) and the accumulation steps."""
     sums = 2 if accumulation > 1 else 1

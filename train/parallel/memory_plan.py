@@ -134,7 +134,7 @@ def device_rows(run: RunConfig, sizes: dict[str, int], state: dict) -> dict:
     "accumulation_steps", "gradients_counted"}."""
     accumulation = max(run.train.batch_sizes()) // run.train.micro_batch()
     copy = state["compute_copy"]
-    gradients, counted = copy_plan.gradient_bytes(run, sizes, copy, state["params"], accumulation)
+    gradients, counted = copy_plan.gradient_bytes(copy, state["params"], accumulation)
     activations = activation_bytes(run, sizes)
     per_device = {"params": state["params"], "optimizer_state": state["optimizer"],
                   "compute_params": copy, "gradients": gradients, "other_state": state["other"],
