@@ -18,11 +18,9 @@ Per device:
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from model.parallel.mesh import spec_axes
@@ -35,6 +33,7 @@ from train.parallel.compute_params import (
     in_copy,
     mixed_precision,
 )
+from train.parallel.sharding import sharded_bytes
 
 
 def makes_copy(run: RunConfig, sizes: dict[str, int]) -> bool:
@@ -75,8 +74,7 @@ def compute_copy_bytes(run: RunConfig, sizes: dict[str, int], axes: Any, params:
             reshaped = True
         if x.dtype == stored.dtype and reshaped and copy_axes == stored_axes:
             continue  # the stored array itself
-        total += (math.prod(x.shape) * np.dtype(x.dtype).itemsize
-                  // math.prod(sizes[a] for entry in spec for a in spec_axes(entry)))
+        total += sharded_bytes(x.shape, x.dtype, spec, sizes)
     return total
 
 

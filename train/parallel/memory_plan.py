@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import jax
-import numpy as np
 from flax.traverse_util import flatten_dict
 from jax.sharding import PartitionSpec as P
 
 from model.parallel.expert_parallel import resolve_collective
-from model.parallel.mesh import spec_axes
 from model.parallel.rules import abstract_mesh
 from model.summary import param_group
 from train.config import RunConfig
@@ -44,6 +42,7 @@ from train.parallel.activation_plan import activation_bytes
 from train.parallel.sharding import (
     check_batch_fits,
     data_parallel_size,
+    sharded_bytes,
     shards_master_weights,
     state_specs,
 )
@@ -83,12 +82,6 @@ def _training_and_state(run: RunConfig) -> tuple:
         training = build_training(run)
         _STATE_CACHE[key] = (training, abstract_state(training, run.train.seed))
     return _STATE_CACHE[key]
-
-
-def sharded_bytes(shape: Sequence[int], dtype: Any, spec: P, sizes: dict[str, int]) -> int:
-    """Bytes one device holds of an array of `shape` laid out by `spec` on a mesh of `sizes`."""
-    ways = math.prod(sizes[a] for entry in spec for a in spec_axes(entry))
-    return math.prod(shape) * np.dtype(dtype).itemsize // ways
 
 
 def _tree_bytes(tree: Any, specs: Any, sizes: dict[str, int]) -> int:

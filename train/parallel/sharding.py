@@ -15,9 +15,10 @@ compute-dtype copy (train/parallel/compute_params.py).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -25,6 +26,7 @@ from model.config import ModelConfig
 from model.parallel.context import AXIS as CONTEXT
 from model.parallel.context import context_layout
 from model.parallel.device_mesh import mesh_over
+from model.parallel.mesh import spec_axes
 from model.parallel.pipeline import num_microbatches, stage_plan
 from model.parallel.rules import BATCH_AXES, add_axis, param_specs, path_keys
 from train.config import MeshConfig, RunConfig
@@ -102,6 +104,12 @@ def stored_param_specs(axes: Any, params: Any, mesh: Mesh, model: ModelConfig,
         return specs
     return jax.tree.map(lambda s, x: zero1_spec(s, x.shape, mesh), specs, params,
                         is_leaf=lambda x: isinstance(x, P))
+
+
+def sharded_bytes(shape: Sequence[int], dtype: Any, spec: P, sizes: Mapping[str, int]) -> int:
+    """Bytes one device holds of an array of `shape` laid out by `spec` on a mesh of `sizes`."""
+    ways = math.prod(sizes[a] for entry in spec for a in spec_axes(entry))
+    return math.prod(shape) * np.dtype(dtype).itemsize // ways
 
 
 def batch_spec(mesh: Mesh) -> P:
