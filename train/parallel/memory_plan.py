@@ -72,15 +72,16 @@ _LAYOUT_FIELDS = {"model": {"remat_policy", "pipeline_microbatches", "pipeline_v
 
 
 def _training_and_state(run: RunConfig) -> tuple:
-    """(Training, abstract TrainState); cached per model + train config up to the layout's
-    fields (the mesh does not change shapes either), so planning many layouts traces the model
-    once."""
+    """(Training, abstract TrainState, {(stages, virtual stages): `copy_plan.copy_shapes`});
+    cached per model + train config up to the layout's fields (the mesh does not change shapes
+    either), so planning many layouts traces the model once, and its compute copy once per
+    stage layout."""
     config = run.to_dict()
     key = json.dumps({section: {k: v for k, v in config[section].items() if k not in skip}
                       for section, skip in _LAYOUT_FIELDS.items()}, sort_keys=True, default=str)
     if key not in _STATE_CACHE:
         training = build_training(run)
-        _STATE_CACHE[key] = (training, abstract_state(training, run.train.seed))
+        _STATE_CACHE[key] = (training, abstract_state(training, run.train.seed), {})
     return _STATE_CACHE[key]
 
 
@@ -94,8 +95,17 @@ def _tree_bytes(tree: Any, specs: Any, sizes: dict[str, int]) -> int:
 def state_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     """Per-device bytes of params / optimizer state / other state, params per group, the
     step's compute copy of the params, and the global parameter count."""
-    training, state = _training_and_state(run)
+    training, state, copies = _training_and_state(run)
     specs = state_specs(state, training.variable_axes, abstract_mesh(sizes), run)
+    axes = training.variable_axes["params"]
+    copy = 0
+    if copy_plan.makes_copy(run, sizes):
+        stages = sizes["pipeline"]
+        layout = (stages, run.model.pipeline_virtual_stages)
+        if layout not in copies:
+            copies[layout] = copy_plan.copy_shapes(run, stages, axes, state.params)
+        copy = copy_plan.compute_copy_bytes(run, sizes, axes, copies[layout], state.params,
+                                            specs.params)
     groups: dict[str, int] = {}
     flat_params = flatten_dict(state.params)
     flat_specs = flatten_dict(specs.params, is_leaf=lambda _, x: isinstance(x, P))
@@ -110,8 +120,7 @@ def state_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
         "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
         "params": sum(groups.values()),
         "params_by_group": dict(sorted(groups.items())),
-        "compute_copy": copy_plan.compute_copy_bytes(run, sizes, training.variable_axes["params"],
-                                                     state.params, specs.params),
+        "compute_copy": copy,
         "optimizer": _tree_bytes(state.opt_state, specs.opt_state, sizes),
         "other": other,
     }
