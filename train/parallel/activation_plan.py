@@ -93,8 +93,6 @@ shallower models, where one layer's working set outweighs what all layers keep, 
 
 from __future__ import annotations
 
-import math
-
 from model.config import SHARED_KV_KINDS, ModelConfig
 from model.layers.layer_plan import LayerKind, layer_kinds, plan_segments
 from model.ops.attention_cores import CAUSAL_BLOCKS, MIN_CHUNK
@@ -107,6 +105,7 @@ from train.parallel.exchange_plan import (
     routed_kernel_bytes,
     routed_rows_bytes,
 )
+from train.parallel.sharding import row_shards
 from train.parallel.v4_activations import (
     DTYPE_BYTES,
     core_chunk_bytes,
@@ -254,7 +253,7 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     cfg, train = run.model, run.train
     seq_len, micro = train.seq_len, train.micro_batch()
     tensor, stages = sizes["tensor"], sizes["pipeline"]
-    ways = math.prod(sizes[a] for a in ("data", "fsdp", "expert"))
+    ways = row_shards(sizes)
     rows = -(-micro // (ways * stages))  # outside the pipelined segment rows split over all
     context = sizes.get("context", 1)
     tokens = context_plan.tokens_per_device(rows, seq_len, context)

@@ -34,7 +34,7 @@ from model.parallel.rules import MESH_AXES, abstract_mesh
 from train.config import RunConfig
 from train.parallel.memory_plan import device_rows, state_bytes
 from train.parallel.pipeline_plan import free_virtual_stages
-from train.parallel.sharding import check_batch_fits
+from train.parallel.sharding import check_batch_fits, row_shards
 from train.parallel.step_time import Hardware, step_time
 
 MAX_STAGES = 16
@@ -86,7 +86,7 @@ class Search:
                  accumulation: int) -> RunConfig | None:
         """The run in this layout, or None when its batch does not split as training needs
         (`check_batch_fits`, here in arithmetic: it is the search's inner loop)."""
-        batch, ways = self.run.train.batch_size, sizes["data"] * sizes["fsdp"] * sizes["expert"]
+        batch, ways = self.run.train.batch_size, row_shards(sizes)
         pieces = microbatches if sizes["pipeline"] > 1 else 1
         micro, left = divmod(batch, accumulation)
         if left or micro % pieces or (micro // pieces) % ways:

@@ -123,6 +123,12 @@ def data_parallel_size(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
+def row_shards(sizes: Mapping[str, int]) -> int:
+    """Devices one pipeline stage's rows split over: data x fsdp x expert (the batch axes but
+    `pipeline`); `sizes`: a mesh's shape or a plan's {axis: size}."""
+    return math.prod(sizes[a] for a in BATCH_AXES if a != "pipeline")
+
+
 def check_batch_fits(run: RunConfig, mesh: Mesh) -> None:
     """Every micro-batch must split evenly over the data-parallel devices (the pipeline's too,
     outside the pipelined segment) and into the pipeline's micro-batches, each of which splits
@@ -141,7 +147,7 @@ def check_batch_fits(run: RunConfig, mesh: Mesh) -> None:
     if stages > 1:
         stage_plan(run.model, stages)  # the layer plan and virtual stages fit the stages
         pieces = num_microbatches(run.model, stages)
-        ways //= stages  # a pipeline micro-batch splits over one stage's devices
+        ways = row_shards(mesh.shape)  # a pipeline micro-batch splits over one stage's devices
         if micro % pieces or (micro // pieces) % ways:
             raise ValueError(
                 f"model.pipeline_microbatches: {micro} sequences per micro-batch do not split "
