@@ -93,11 +93,14 @@ shallower models, where one layer's working set outweighs what all layers keep, 
 
 from __future__ import annotations
 
+import numpy as np
+
 from model.config import SHARED_KV_KINDS, ModelConfig
 from model.layers.layer_plan import LayerKind, layer_kinds, plan_segments
 from model.ops.attention_cores import CAUSAL_BLOCKS, MIN_CHUNK
 from model.parallel.pipeline import pipelined_segment, stage_plan
 from train.config import RunConfig
+from train.data.packing import DTYPES, FEATURES
 from train.parallel import context_plan
 from train.parallel.exchange_plan import (
     exchange_bytes,
@@ -113,6 +116,8 @@ from train.parallel.v4_activations import (
     shared_kv_attention_bytes,
     tensor_split,
 )
+
+BATCH_BYTES_PER_TOKEN = sum(np.dtype(DTYPES[k]).itemsize for k in FEATURES)
 
 
 def _keys(cfg: ModelConfig, attention_type: str, seq_len: int) -> float:
@@ -307,8 +312,9 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
             cfg, mtp_kind, mtp_length, tensor)))
     chunk = min(train.loss_chunk_size, micro * seq_len)
     logits = 2 * chunk * tensor_split(cfg.vocab_size, tensor) * 4
-    # the step's batch: int32 tokens, segment ids, positions and two bool masks per token
-    batch = max(train.batch_sizes()) // micro * tokens * (3 * 4 + 2)
+    # the step's batch: every feature the data pipeline yields (int32 tokens, segment ids,
+    # positions and two bool masks per token)
+    batch = max(train.batch_sizes()) // micro * tokens * BATCH_BYTES_PER_TOKEN
     # the loss head's logits chunk and a layer's working set are never live together
     parts = {"layers_saved": saved, "working_set": max(working, logits),
              "embeddings_and_io": extras, "mtp_heads": mtp, "batch": batch,
