@@ -166,8 +166,14 @@ def plan_memory(run: RunConfig, sizes: dict[str, int], device_memory_gib: float 
     rows = device_rows(run, sizes, state)
     per_device, activations = rows["per_device"], rows["activations"]
     if pipeline:
-        pipeline["schedules"] = pipeline_plan.schedules(
-            run, sizes, lambda variant: device_rows(variant, sizes, state_bytes(variant, sizes)))
+        virtual = run.model.pipeline_virtual_stages
+
+        def variant_rows(variant: RunConfig) -> dict:  # the configured schedule's: `rows`
+            if variant.model.pipeline_virtual_stages == virtual:
+                return rows
+            return device_rows(variant, sizes, state_bytes(variant, sizes))
+
+        pipeline["schedules"] = pipeline_plan.schedules(run, sizes, variant_rows)
     total = sum(per_device.values())
     budget = int(device_memory_gib * GIB)
     within = total <= budget
