@@ -35,10 +35,10 @@ the buffer each way:
     pipeline        each of the V M + S - 1 ticks sends a micro-batch's stage input on and its
                     cotangent back: 2 (V M + S - 1) * N / M * c * (stream width)
 (N tokens per device and step, c compute-dtype bytes, k experts per token.) An axis is inside a
-node when it and the axes inside it (mesh order pipeline, data, fsdp, expert, context,
-tensor, tensor innermost) span at most --node-size devices; its bytes then move at --intra-node-gbps (default
-400 GB/s, NVLink of an H800), else at --inter-node-gbps (default 50 GB/s: a 400 Gb/s NIC per
-GPU). Exposed: tensor, expert and pipeline traffic sits between dependent computations and
+node when it and the axes inside it (mesh order pipeline, data, fsdp, expert, context, tensor,
+tensor innermost) span at most --node-size devices; its bytes then move at --intra-node-gbps
+(default 400 GB/s, NVLink of an H800), else at --inter-node-gbps (default 50 GB/s: a 400 Gb/s
+NIC per GPU). Exposed: tensor, expert and pipeline traffic sits between dependent computations and
 counts in full; data-parallel and FSDP traffic overlaps with the step's compute and counts only
 beyond it.
 """
