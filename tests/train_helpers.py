@@ -44,6 +44,11 @@ SMALL_MODEL = [
     "model.mtp.num_heads=2",
 ]
 
+# tiny.yaml's layers as one scanned segment of 8 identical F-MoE layers, which
+# mesh.pipeline=2 splits.
+PIPELINABLE = ["model.num_layers=8", "model.layout=F*8", "model.num_dense_layers=0",
+               "model.swiglu_limits=0", "model.swiglu_limits_shared=0"]
+
 
 def small_run(*overrides, vocab: int = 64):
     return load_run_config(TINY, [*SMALL_MODEL, f"model.vocab_size={vocab}",

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from flax.traverse_util import flatten_dict
 from jax.sharding import PartitionSpec as P
-from train_helpers import small_run
+from train_helpers import PIPELINABLE, small_run
 
 from model.parallel.rules import abstract_mesh
 from train.parallel.compute_params import compute_params, compute_specs
@@ -121,13 +121,11 @@ def test_float32_pipeline_copy_counts_only_the_rearranged_segment():
     stages hold contiguous runs of 4 repeats, a reshape of the stored stack: no copy, one
     gradient tree. With V = 2 the stage layout is new: per device 2 x 2 slots, the 4 repeats'
     worth the stored stack holds there (its layers' attention, experts, router and norms)."""
-    pipelinable = ["model.num_layers=8", "model.layout=F*8", "model.num_dense_layers=0",
-                   "model.swiglu_limits=0", "model.swiglu_limits_shared=0"]
     sizes = _sizes(pipeline=2, data=2)
-    contiguous = plan_memory(small_run(*pipelinable), sizes)["per_device_bytes"]
+    contiguous = plan_memory(small_run(*PIPELINABLE), sizes)["per_device_bytes"]
     assert contiguous["compute_params"] == 0
     assert contiguous["gradients"] == contiguous["params"]
-    staged = plan_memory(small_run(*pipelinable, "model.pipeline_virtual_stages=2"), sizes)
+    staged = plan_memory(small_run(*PIPELINABLE, "model.pipeline_virtual_stages=2"), sizes)
     groups = staged["params_by_group_bytes"]
     layers = sum(groups[g] for g in ("attention", "moe_routed", "moe_shared", "router"))
     copy = staged["per_device_bytes"]["compute_params"]

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from train_helpers import PIPELINABLE
 
 from model.config import load_config
 from model.layers.layer_plan import LayerKind
@@ -27,9 +28,6 @@ STEP35 = str(ROOT / "configs" / "step35_flash.yaml")
 TINY_V4 = str(ROOT / "configs" / "tiny_deepseek_v4.yaml")
 V4_FLASH = str(ROOT / "configs" / "deepseek_v4_flash.yaml")
 MIMO = str(ROOT / "configs" / "mimo_v2_flash.yaml")
-# tiny.yaml as one scanned segment of 8 identical F-MoE layers, so mesh.pipeline=2 fits it.
-PIPELINABLE = ["model.num_layers=8", "model.layout=F*8", "model.num_dense_layers=0",
-               "model.swiglu_limits=0", "model.swiglu_limits_shared=0"]
 
 
 def plan(capsys, *argv) -> dict:

@@ -11,7 +11,7 @@ from train.config import load_run_config
 from train.parallel.memory_plan import device_rows, plan_memory, state_bytes
 from train.parallel.plan import main
 from train.parallel.step_time import Hardware, link_gbps, step_time
-from train_helpers import TINY
+from train_helpers import PIPELINABLE, TINY
 
 HW = Hardware(peak_tflops=100.0, mfu=0.5, intra_node_gbps=400.0, inter_node_gbps=50.0,
               node_size=8)
@@ -48,8 +48,7 @@ def test_step_time_terms():
     # device runs half the layers' work (the embeddings and heads split their rows over the
     # stages too); pipeline_stage_remat (default) reruns each tick's forward in the backward:
     # half the layers' forward, what `full` remat adds to a device holding them all
-    eight = ("train.seq_len=128", "model.num_layers=8", "model.layout=F*8",
-             "model.num_dense_layers=0", "model.swiglu_limits=0", "model.swiglu_limits_shared=0")
+    eight = ("train.seq_len=128", *PIPELINABLE)
     piped, _ = timed(*eight, sizes={"pipeline": 2})
     unremat, _ = timed(*eight, "model.pipeline_stage_remat=false", sizes={"pipeline": 2})
     whole, _ = timed(*eight, sizes={"data": 1})

@@ -93,13 +93,14 @@ shallower models, where one layer's working set outweighs what all layers keep, 
 
 from __future__ import annotations
 
-import math
+import numpy as np
 
 from model.config import SHARED_KV_KINDS, ModelConfig
 from model.layers.layer_plan import LayerKind, layer_kinds, plan_segments
 from model.ops.attention_cores import CAUSAL_BLOCKS, MIN_CHUNK
 from model.parallel.pipeline import pipelined_segment, stage_plan
 from train.config import RunConfig
+from train.data.packing import DTYPES, FEATURES
 from train.parallel import context_plan
 from train.parallel.exchange_plan import (
     exchange_bytes,
@@ -107,6 +108,7 @@ from train.parallel.exchange_plan import (
     routed_kernel_bytes,
     routed_rows_bytes,
 )
+from train.parallel.sharding import row_shards
 from train.parallel.v4_activations import (
     DTYPE_BYTES,
     core_chunk_bytes,
@@ -114,6 +116,8 @@ from train.parallel.v4_activations import (
     shared_kv_attention_bytes,
     tensor_split,
 )
+
+BATCH_BYTES_PER_TOKEN = sum(np.dtype(DTYPES[k]).itemsize for k in FEATURES)
 
 
 def _keys(cfg: ModelConfig, attention_type: str, seq_len: int) -> float:
@@ -223,14 +227,13 @@ def saved_per_layer(policy: str, matmul: float, other: float, input_bytes: float
     return input_bytes  # full
 
 
-def _layer_terms(cfg: ModelConfig, kind: LayerKind, seq_len: int, sizes: dict[str, int],
-                 rows: int, input_bytes: float) -> tuple[float, float]:
+def _layer_terms(cfg: ModelConfig, kind: LayerKind, seq_len: int, length: int,
+                 sizes: dict[str, int], rows: int, input_bytes: float) -> tuple[float, float]:
     """(bytes per token kept for the backward pass, working set while differentiated) of one
-    layer run on `rows` batch rows of the device at a time (T / mesh.context of each)."""
+    layer run on `rows` batch rows of the device at a time (T / mesh.context of each), whose
+    attention sees `length` (context_plan.attention_lengths)."""
     tensor, expert = sizes["tensor"], sizes["expert"]
-    context = sizes.get("context", 1)
-    tokens = context_plan.tokens_per_device(rows, seq_len, context)
-    length = context_plan.attention_lengths(cfg, seq_len, context)[kind.attention_type]
+    tokens = context_plan.tokens_per_device(rows, seq_len, sizes.get("context", 1))
     matmul, other = layer_bytes(cfg, kind, length, tensor, expert=expert)
     kernels = kernel_output_bytes(cfg, kind, tensor, expert)
     routed = routed_rows_bytes(cfg, kind, tensor, expert)
@@ -254,7 +257,7 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     cfg, train = run.model, run.train
     seq_len, micro = train.seq_len, train.micro_batch()
     tensor, stages = sizes["tensor"], sizes["pipeline"]
-    ways = math.prod(sizes[a] for a in ("data", "fsdp", "expert"))
+    ways = row_shards(sizes)
     rows = -(-micro // (ways * stages))  # outside the pipelined segment rows split over all
     context = sizes.get("context", 1)
     tokens = context_plan.tokens_per_device(rows, seq_len, context)
@@ -262,6 +265,16 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     d_bytes = c * cfg.d_model
     streams = cfg.hyper_connections.hc_mult
     input_bytes = streams * d_bytes  # a layer's input: the residual, or the n mHC streams
+    lengths = context_plan.attention_lengths(cfg, seq_len, context)
+    terms: dict[tuple[LayerKind, int], tuple[float, float]] = {}
+
+    def layer_terms(kind: LayerKind, layer_rows: int) -> tuple[float, float]:
+        """`_layer_terms`, once per kind and rows: every layer of a kind costs the same."""
+        if (kind, layer_rows) not in terms:
+            terms[kind, layer_rows] = _layer_terms(cfg, kind, seq_len,
+                                                   lengths[kind.attention_type], sizes,
+                                                   layer_rows, input_bytes)
+        return terms[kind, layer_rows]
 
     kinds = layer_kinds(cfg)
     piped_layers: set[int] = set()
@@ -276,13 +289,12 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     saved = working = piped_keep = 0.0
     for i, kind in enumerate(kinds):
         if i in piped_layers:  # one micro-batch at a time
-            keep, differentiated = _layer_terms(cfg, kind, seq_len, sizes, piped_rows,
-                                                input_bytes)
+            keep, differentiated = layer_terms(kind, piped_rows)
             piped_keep = max(piped_keep, keep)
             if not plan.remat:  # every tick's k slots keep their layers' saved residuals
                 saved += piped_tokens * keep * plan.slots * ticks / plan.repeats
         else:
-            keep, differentiated = _layer_terms(cfg, kind, seq_len, sizes, rows, input_bytes)
+            keep, differentiated = layer_terms(kind, rows)
             saved += tokens * keep
         working = max(working, differentiated)
     if piped_layers and plan.remat:
@@ -297,7 +309,7 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     if streams > 1:
         extras += tokens * streams * cfg.d_model * (c + 4)
     mtp_kind = LayerKind(cfg.mtp.attention_type, False, 0.0, 0.0, False)
-    mtp_length = context_plan.attention_lengths(cfg, seq_len, context)[mtp_kind.attention_type]
+    mtp_length = lengths[mtp_kind.attention_type]
     mtp_matmul, mtp_other = layer_bytes(cfg, mtp_kind, mtp_length, tensor, streams=False)
     mtp_keep = saved_per_layer(cfg.remat_policy, mtp_matmul, mtp_other, d_bytes, d_bytes,
                                kernel_output_bytes(cfg, mtp_kind, tensor))
@@ -308,8 +320,9 @@ def activation_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
             cfg, mtp_kind, mtp_length, tensor)))
     chunk = min(train.loss_chunk_size, micro * seq_len)
     logits = 2 * chunk * tensor_split(cfg.vocab_size, tensor) * 4
-    # the step's batch: int32 tokens, segment ids, positions and two bool masks per token
-    batch = max(train.batch_sizes()) // micro * tokens * (3 * 4 + 2)
+    # the step's batch: every feature the data pipeline yields (int32 tokens, segment ids,
+    # positions and two bool masks per token)
+    batch = max(train.batch_sizes()) // micro * tokens * BATCH_BYTES_PER_TOKEN
     # the loss head's logits chunk and a layer's working set are never live together
     parts = {"layers_saved": saved, "working_set": max(working, logits),
              "embeddings_and_io": extras, "mtp_heads": mtp, "batch": batch,

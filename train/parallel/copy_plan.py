@@ -18,11 +18,9 @@ Per device:
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from model.parallel.mesh import spec_axes
@@ -35,6 +33,7 @@ from train.parallel.compute_params import (
     in_copy,
     mixed_precision,
 )
+from train.parallel.sharding import sharded_bytes
 
 
 def makes_copy(run: RunConfig, sizes: dict[str, int]) -> bool:
@@ -47,16 +46,20 @@ def _sharded_axes(spec: P, ndim: int) -> tuple:
     return tuple(spec_axes(entry) for entry in entries)
 
 
-def compute_copy_bytes(run: RunConfig, sizes: dict[str, int], axes: Any, params: Any,
-                       stored_specs: Any) -> int:
-    """Per-device bytes of the compute copy of `params` (abstract, logical `axes`, stored with
-    `stored_specs`) that are not the stored arrays themselves; 0 when the step computes with
-    the params."""
-    if not makes_copy(run, sizes):
-        return 0
+def copy_shapes(run: RunConfig, stages: int, axes: Any, params: Any) -> Any:
+    """Shapes and dtypes of the compute copy of `params` (abstract, logical `axes`) on `stages`
+    pipeline stages; the mesh's other axes shard the copy but do not change them."""
+    with jax.sharding.use_abstract_mesh(abstract_mesh({"pipeline": stages})):
+        return jax.eval_shape(
+            lambda p: compute_params(p, axes, run.model, run.trained_mtp_heads()), params)
+
+
+def compute_copy_bytes(run: RunConfig, sizes: dict[str, int], axes: Any, copy: Any,
+                       params: Any, stored_specs: Any) -> int:
+    """Per-device bytes of `copy` (`copy_shapes` on sizes["pipeline"] stages), the compute copy
+    of `params` (abstract, logical `axes`, stored with `stored_specs`), that are not the stored
+    arrays themselves."""
     mesh, heads = abstract_mesh(sizes), run.trained_mtp_heads()
-    with jax.sharding.use_abstract_mesh(mesh):
-        copy = jax.eval_shape(lambda p: compute_params(p, axes, run.model, heads), params)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     copy_specs = jax.tree.leaves(compute_specs(axes, params, mesh, run.model), is_leaf=is_spec)
     contiguous = sizes["pipeline"] == 1 or stage_plan(run.model, sizes["pipeline"]).contiguous
@@ -75,13 +78,11 @@ def compute_copy_bytes(run: RunConfig, sizes: dict[str, int], axes: Any, params:
             reshaped = True
         if x.dtype == stored.dtype and reshaped and copy_axes == stored_axes:
             continue  # the stored array itself
-        total += (math.prod(x.shape) * np.dtype(x.dtype).itemsize
-                  // math.prod(sizes[a] for entry in spec for a in spec_axes(entry)))
+        total += sharded_bytes(x.shape, x.dtype, spec, sizes)
     return total
 
 
-def gradient_bytes(run: RunConfig, sizes: dict[str, int], copy: int, stored_params: int,
-                   accumulation: int) -> tuple[int, str]:
+def gradient_bytes(copy: int, stored_params: int, accumulation: int) -> tuple[int, str]:
     """(per-device gradient bytes, how they were counted) given the compute copy's bytes
     `copy`, the stored params' `stored_params` (float32) and the accumulation steps."""
     sums = 2 if accumulation > 1 else 1

@@ -32,9 +32,9 @@ from model.layers.layer_plan import layer_kinds, plan_segments
 from model.parallel.pipeline import stage_plan
 from model.parallel.rules import MESH_AXES, abstract_mesh
 from train.config import RunConfig
-from train.parallel.memory_plan import device_rows, state_bytes
+from train.parallel.memory_plan import GIB, device_rows, state_bytes
 from train.parallel.pipeline_plan import free_virtual_stages
-from train.parallel.sharding import check_batch_fits
+from train.parallel.sharding import check_batch_fits, row_shards
 from train.parallel.step_time import Hardware, step_time
 
 MAX_STAGES = 16
@@ -86,7 +86,7 @@ class Search:
                  accumulation: int) -> RunConfig | None:
         """The run in this layout, or None when its batch does not split as training needs
         (`check_batch_fits`, here in arithmetic: it is the search's inner loop)."""
-        batch, ways = self.run.train.batch_size, sizes["data"] * sizes["fsdp"] * sizes["expert"]
+        batch, ways = self.run.train.batch_size, row_shards(sizes)
         pieces = microbatches if sizes["pipeline"] > 1 else 1
         micro, left = divmod(batch, accumulation)
         if left or micro % pieces or (micro // pieces) % ways:
@@ -209,7 +209,7 @@ class Search:
 def fit(run: RunConfig, devices: int, device_memory_gib: float, hardware: Hardware,
         top: int = 5) -> dict:
     """The `top` fastest fitting layouts (JSON-able), with what was searched."""
-    search = Search(run, devices, int(device_memory_gib * 2**30), hardware)
+    search = Search(run, devices, int(device_memory_gib * GIB), hardware)
     layouts = search.run_search()
     return {"devices": devices, "device_memory_bytes": search.budget,
             "batch_size": run.train.batch_size, "seq_len": run.train.seq_len,
@@ -223,15 +223,14 @@ def no_fit_reason(result: dict) -> str:
     if not result["layouts_planned"]:
         return (f"no layout splits the batch of {result['batch_size']} sequences over "
                 f"{result['devices']} devices (data x fsdp x expert must divide a micro-batch)")
-    return f"no layout fits {result['device_memory_bytes'] / 2**30:.4g} GiB per device"
+    return f"no layout fits {result['device_memory_bytes'] / GIB:.4g} GiB per device"
 
 
 def render_fit(result: dict, config: str) -> str:
     """The table of `fit`'s layouts and the overrides that train the fastest."""
-    gib = 2**30
     hw = result["hardware"]
     head = (f"layouts of {config} on {result['devices']} devices of "
-            f"{result['device_memory_bytes'] / gib:.4g} GiB, batch {result['batch_size']} x "
+            f"{result['device_memory_bytes'] / GIB:.4g} GiB, batch {result['batch_size']} x "
             f"{result['seq_len']} tokens: {result['fitting_layouts']} meshes and schedules fit "
             f"({result['layouts_planned']} layouts planned on {result['meshes_planned']} "
             "meshes)\n"
@@ -243,7 +242,7 @@ def render_fit(result: dict, config: str) -> str:
     rows = [[str(i + 1), " ".join(f"{a[0]}{n}" for a, n in x["mesh"].items() if n > 1) or "1",
              x["remat_policy"], str(x["pipeline_microbatches"] or "-"),
              str(x["virtual_stages"]), str(x["accumulation_steps"]),
-             f"{x['memory_bytes'] / gib:.1f}", f"{x['step_seconds']:.2f}",
+             f"{x['memory_bytes'] / GIB:.1f}", f"{x['step_seconds']:.2f}",
              f"{100 * x['bubble_fraction']:.0f}%", f"{x['exposed_communication_seconds']:.2f}",
              f"{x['tokens_per_second_per_device']:,.0f}"] for i, x in enumerate(result["layouts"])]
     table = format_table(["#", "mesh (p d f e t)", "remat", "M", "V", "accum", "GiB/device",

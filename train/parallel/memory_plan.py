@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import jax
-import numpy as np
 from flax.traverse_util import flatten_dict
 from jax.sharding import PartitionSpec as P
 
 from model.parallel.expert_parallel import resolve_collective
-from model.parallel.mesh import spec_axes
 from model.parallel.rules import abstract_mesh
 from model.summary import param_group
 from train.config import RunConfig
@@ -44,6 +42,7 @@ from train.parallel.activation_plan import activation_bytes
 from train.parallel.sharding import (
     check_batch_fits,
     data_parallel_size,
+    sharded_bytes,
     shards_master_weights,
     state_specs,
 )
@@ -73,22 +72,17 @@ _LAYOUT_FIELDS = {"model": {"remat_policy", "pipeline_microbatches", "pipeline_v
 
 
 def _training_and_state(run: RunConfig) -> tuple:
-    """(Training, abstract TrainState); cached per model + train config up to the layout's
-    fields (the mesh does not change shapes either), so planning many layouts traces the model
-    once."""
+    """(Training, abstract TrainState, {(stages, virtual stages): `copy_plan.copy_shapes`});
+    cached per model + train config up to the layout's fields (the mesh does not change shapes
+    either), so planning many layouts traces the model once, and its compute copy once per
+    stage layout."""
     config = run.to_dict()
     key = json.dumps({section: {k: v for k, v in config[section].items() if k not in skip}
                       for section, skip in _LAYOUT_FIELDS.items()}, sort_keys=True, default=str)
     if key not in _STATE_CACHE:
         training = build_training(run)
-        _STATE_CACHE[key] = (training, abstract_state(training, run.train.seed))
+        _STATE_CACHE[key] = (training, abstract_state(training, run.train.seed), {})
     return _STATE_CACHE[key]
-
-
-def sharded_bytes(shape: Sequence[int], dtype: Any, spec: P, sizes: dict[str, int]) -> int:
-    """Bytes one device holds of an array of `shape` laid out by `spec` on a mesh of `sizes`."""
-    ways = math.prod(sizes[a] for entry in spec for a in spec_axes(entry))
-    return math.prod(shape) * np.dtype(dtype).itemsize // ways
 
 
 def _tree_bytes(tree: Any, specs: Any, sizes: dict[str, int]) -> int:
@@ -101,8 +95,17 @@ def _tree_bytes(tree: Any, specs: Any, sizes: dict[str, int]) -> int:
 def state_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
     """Per-device bytes of params / optimizer state / other state, params per group, the
     step's compute copy of the params, and the global parameter count."""
-    training, state = _training_and_state(run)
+    training, state, copies = _training_and_state(run)
     specs = state_specs(state, training.variable_axes, abstract_mesh(sizes), run)
+    axes = training.variable_axes["params"]
+    copy = 0
+    if copy_plan.makes_copy(run, sizes):
+        stages = sizes["pipeline"]
+        layout = (stages, run.model.pipeline_virtual_stages)
+        if layout not in copies:
+            copies[layout] = copy_plan.copy_shapes(run, stages, axes, state.params)
+        copy = copy_plan.compute_copy_bytes(run, sizes, axes, copies[layout], state.params,
+                                            specs.params)
     groups: dict[str, int] = {}
     flat_params = flatten_dict(state.params)
     flat_specs = flatten_dict(specs.params, is_leaf=lambda _, x: isinstance(x, P))
@@ -117,8 +120,7 @@ def state_bytes(run: RunConfig, sizes: dict[str, int]) -> dict:
         "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
         "params": sum(groups.values()),
         "params_by_group": dict(sorted(groups.items())),
-        "compute_copy": copy_plan.compute_copy_bytes(run, sizes, training.variable_axes["params"],
-                                                     state.params, specs.params),
+        "compute_copy": copy,
         "optimizer": _tree_bytes(state.opt_state, specs.opt_state, sizes),
         "other": other,
     }
@@ -134,7 +136,7 @@ def device_rows(run: RunConfig, sizes: dict[str, int], state: dict) -> dict:
     "accumulation_steps", "gradients_counted"}."""
     accumulation = max(run.train.batch_sizes()) // run.train.micro_batch()
     copy = state["compute_copy"]
-    gradients, counted = copy_plan.gradient_bytes(run, sizes, copy, state["params"], accumulation)
+    gradients, counted = copy_plan.gradient_bytes(copy, state["params"], accumulation)
     activations = activation_bytes(run, sizes)
     per_device = {"params": state["params"], "optimizer_state": state["optimizer"],
                   "compute_params": copy, "gradients": gradients, "other_state": state["other"],
@@ -164,8 +166,14 @@ def plan_memory(run: RunConfig, sizes: dict[str, int], device_memory_gib: float 
     rows = device_rows(run, sizes, state)
     per_device, activations = rows["per_device"], rows["activations"]
     if pipeline:
-        pipeline["schedules"] = pipeline_plan.schedules(
-            run, sizes, lambda variant: device_rows(variant, sizes, state_bytes(variant, sizes)))
+        virtual = run.model.pipeline_virtual_stages
+
+        def variant_rows(variant: RunConfig) -> dict:  # the configured schedule's: `rows`
+            if variant.model.pipeline_virtual_stages == virtual:
+                return rows
+            return device_rows(variant, sizes, state_bytes(variant, sizes))
+
+        pipeline["schedules"] = pipeline_plan.schedules(run, sizes, variant_rows)
     total = sum(per_device.values())
     budget = int(device_memory_gib * GIB)
     within = total <= budget

@@ -179,6 +179,14 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The dotted overrides and those of --batch-size, --micro-batch-size and --seq-len."""
+    flags = {"batch_size": "train.batch_size", "micro_batch_size": "train.micro_batch_size",
+             "seq_len": "train.seq_len"}
+    return [*args.overrides, *(f"{key}={getattr(args, flag)}" for flag, key in flags.items()
+                               if getattr(args, flag) is not None)]
+
+
 def _error(message: str) -> int:
     print(f"error: {' '.join(message.split())}", file=sys.stderr)
     return 2
@@ -194,11 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(f"--device-memory: must be > 0 GiB, got {args.device_memory:g}")
     if args.fit:
         return _fit(args)
-    overrides = list(args.overrides)
-    for flag, key in (("batch_size", "train.batch_size"), ("micro_batch_size",
-                      "train.micro_batch_size"), ("seq_len", "train.seq_len")):
-        if getattr(args, flag) is not None:
-            overrides.append(f"{key}={getattr(args, flag)}")
+    overrides = _overrides(args)
     try:
         if args.mesh is not None:
             overrides += [f"mesh.{a}={s}" for a, s in parse_mesh(args.mesh).items()]
@@ -232,10 +236,7 @@ def _fit(args: argparse.Namespace) -> int:
             return _error(f"--{flag.replace('_', '-')}: must be > 0, got {getattr(args, flag)}")
     if not 0 < args.mfu <= 1:
         return _error(f"--mfu: must be in (0, 1], got {args.mfu:g}")
-    overrides = list(args.overrides)
-    for flag, key in (("batch_size", "train.batch_size"), ("seq_len", "train.seq_len")):
-        if getattr(args, flag) is not None:
-            overrides.append(f"{key}={getattr(args, flag)}")
+    overrides = _overrides(args)
     hardware = Hardware(args.peak_tflops, args.mfu, args.intra_node_gbps, args.inter_node_gbps,
                         args.node_size)
     try:

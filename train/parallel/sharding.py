@@ -15,9 +15,10 @@ compute-dtype copy (train/parallel/compute_params.py).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -25,6 +26,7 @@ from model.config import ModelConfig
 from model.parallel.context import AXIS as CONTEXT
 from model.parallel.context import context_layout
 from model.parallel.device_mesh import mesh_over
+from model.parallel.mesh import spec_axes
 from model.parallel.pipeline import num_microbatches, stage_plan
 from model.parallel.rules import BATCH_AXES, add_axis, param_specs, path_keys
 from train.config import MeshConfig, RunConfig
@@ -104,6 +106,12 @@ def stored_param_specs(axes: Any, params: Any, mesh: Mesh, model: ModelConfig,
                         is_leaf=lambda x: isinstance(x, P))
 
 
+def sharded_bytes(shape: Sequence[int], dtype: Any, spec: P, sizes: Mapping[str, int]) -> int:
+    """Bytes one device holds of an array of `shape` laid out by `spec` on a mesh of `sizes`."""
+    ways = math.prod(sizes[a] for entry in spec for a in spec_axes(entry))
+    return math.prod(shape) * np.dtype(dtype).itemsize // ways
+
+
 def batch_spec(mesh: Mesh) -> P:
     """[num_micro, micro_batch, T] batches: rows over pipeline, data, fsdp and expert, each
     row's tokens over `context` (contiguous chunks in natural order; the model reorders them)."""
@@ -113,6 +121,12 @@ def batch_spec(mesh: Mesh) -> P:
 
 def data_parallel_size(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def row_shards(sizes: Mapping[str, int]) -> int:
+    """Devices one pipeline stage's rows split over: data x fsdp x expert (the batch axes but
+    `pipeline`); `sizes`: a mesh's shape or a plan's {axis: size}."""
+    return math.prod(sizes[a] for a in BATCH_AXES if a != "pipeline")
 
 
 def check_batch_fits(run: RunConfig, mesh: Mesh) -> None:
@@ -133,7 +147,7 @@ def check_batch_fits(run: RunConfig, mesh: Mesh) -> None:
     if stages > 1:
         stage_plan(run.model, stages)  # the layer plan and virtual stages fit the stages
         pieces = num_microbatches(run.model, stages)
-        ways //= stages  # a pipeline micro-batch splits over one stage's devices
+        ways = row_shards(mesh.shape)  # a pipeline micro-batch splits over one stage's devices
         if micro % pieces or (micro // pieces) % ways:
             raise ValueError(
                 f"model.pipeline_microbatches: {micro} sequences per micro-batch do not split "

@@ -35,10 +35,10 @@ the buffer each way:
     pipeline        each of the V M + S - 1 ticks sends a micro-batch's stage input on and its
                     cotangent back: 2 (V M + S - 1) * N / M * c * (stream width)
 (N tokens per device and step, c compute-dtype bytes, k experts per token.) An axis is inside a
-node when it and the axes inside it (mesh order pipeline, data, fsdp, expert, tensor, tensor
-innermost) span at most --node-size devices; its bytes then move at --intra-node-gbps (default
-400 GB/s, NVLink of an H800), else at --inter-node-gbps (default 50 GB/s: a 400 Gb/s NIC per
-GPU). Exposed: tensor, expert and pipeline traffic sits between dependent computations and
+node when it and the axes inside it (mesh order pipeline, data, fsdp, expert, context, tensor,
+tensor innermost) span at most --node-size devices; its bytes then move at --intra-node-gbps
+(default 400 GB/s, NVLink of an H800), else at --inter-node-gbps (default 50 GB/s: a 400 Gb/s
+NIC per GPU). Exposed: tensor, expert and pipeline traffic sits between dependent computations and
 counts in full; data-parallel and FSDP traffic overlaps with the step's compute and counts only
 beyond it.
 """
@@ -55,7 +55,7 @@ from model.layers.layer_plan import layer_kinds, plan_segments
 from model.parallel.pipeline import pipelined_segment, stage_plan
 from model.parallel.rules import MESH_AXES
 from train.config import RunConfig
-from train.parallel.sharding import shards_master_weights
+from train.parallel.sharding import row_shards, shards_master_weights
 from train.parallel.v4_activations import DTYPE_BYTES
 
 GB = 1e9
@@ -117,7 +117,7 @@ def step_time(run: RunConfig, sizes: dict[str, int], rows: dict, hardware: Hardw
         # model.pipeline_stage_remat: the backward reruns each tick's forward first
         stage_recompute = layer_flops * piped_work if plan.remat else 0.0
         bubble = plan.bubble
-    ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    ways = row_shards(sizes)  # the data-parallel replicas of a stage
     local_tokens = (-(-train.micro_batch() // ways) * train.seq_len * rows["accumulation_steps"]
                     // sizes.get("context", 1))
     flops = local_tokens * (3 * other_flops * other_work
@@ -131,10 +131,9 @@ def step_time(run: RunConfig, sizes: dict[str, int], rows: dict, hardware: Hardw
     moe_layers = len(_moe_layers(cfg)) * layer_work
     ring = lambda w: (w - 1) / w  # noqa: E731
     width = cfg.hyper_connections.hc_mult * d
-    replicas = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     params = per_device["params"] * (sizes["data"] if shards_master_weights(run) else 1)
     volume = {
-        "data": 2 * ring(replicas) * params if replicas > 1 else 0.0,
+        "data": 2 * ring(ways) * params if ways > 1 else 0.0,
         "fsdp": 2 * accumulation * (sizes["fsdp"] - 1) * params,
         "tensor": 8 * ring(sizes["tensor"]) * local_tokens * c * d * layers,
         "expert": 4 * ring(sizes["expert"]) * local_tokens * cfg.moe.top_k * c * d * moe_layers,
