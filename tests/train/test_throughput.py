@@ -15,7 +15,9 @@ from train.loop import Trainer, train
 from train.telemetry.progress import Progress
 
 STEPS, STOP = 6, 3  # the loop tests' run length: the step function is already compiled
-BATCH, SEQ = 4, 16  # small_run's
+# Steps of ~0.1 s on 2 CPU cores (small_run's 4 x 16 tokens took ~20 ms): the reference window
+# spans only two steps, and a stall of the shared machine outside them must not count 4x.
+BATCH, SEQ = 4, 128
 
 
 @pytest.mark.slow
@@ -41,7 +43,8 @@ def test_logged_throughput_matches_the_wall_time_of_completed_steps(tmp_path, mo
     # peak_flops=0: measured, so MFU <= 1 is a real bound; checkpoints only where the run stops
     # and no evaluation, so the wall time between batch fetches and the save is all training.
     run = small_run(f"train.steps={STEPS}", "train.log_every=1", "train.checkpoint_every=100",
-                    "train.eval_every=0", "train.peak_flops=0", vocab=4096)
+                    "train.eval_every=0", "train.peak_flops=0", f"train.seq_len={SEQ}",
+                    vocab=4096)
     losses = []
     for first, stop_after in ((0, STOP), (STOP, None)):  # a run, then its resumption
         batch_calls.clear(), save_times.clear(), bar_updates.clear()
