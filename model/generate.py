@@ -43,7 +43,8 @@ from model.conversation import Conversation, Renderer, decoding_context, read_pr
 from model.inference.decode import Decoder, required_length
 from model.inference.sampling import GREEDY_BELOW, Sampling
 from model.interop.model_dir import is_model_dir
-from model.interop.workdir import CheckpointError, latest_run_config, saved_tokenizer
+from model.interop.workdir import (CheckpointError, latest_run_config, saved_tokenizer,
+                                   split_checkpoint_step)
 from model.interop.workdir_record import read_record, tokenizer_mismatch
 from model.parallel.device_mesh import decode_mesh
 from model.tokenizers.chat import chat_tokenizer_for, load_chat_tokenizer
@@ -89,24 +90,27 @@ def chat_tokenizer_directory(args) -> str | None:
     return args.workdir if imported else None
 
 
-def check_workdir_tokenizer(workdir: Path, spec: str | None) -> None:
+def check_workdir_tokenizer(checkpoint: Path, spec: str | None) -> None:
     """A training workdir records its tokenizer (model/interop/workdir_record.py): decoding its
     model with another would print noise, so refuse (`spec` None: the run config's tokenizer,
-    whose file may have changed since)."""
+    whose file may have changed since). `checkpoint`: a workdir or `DIR/checkpoints/<step>`."""
+    workdir, _ = split_checkpoint_step(checkpoint)
     if read_record(workdir) is None:  # a model directory, or a workdir of an older stepjax
         return
-    mismatch = tokenizer_mismatch(workdir, load_tokenizer(spec or workdir_tokenizer(workdir)))
+    mismatch = tokenizer_mismatch(workdir, load_tokenizer(spec or workdir_tokenizer(checkpoint)))
     if mismatch:
         raise ValueError(f"--tokenizer: {mismatch}; give --tokenizer the one it was trained with")
 
 
-def workdir_tokenizer(workdir: Path) -> str:
-    """The tokenizer a training or RL workdir's latest checkpoint was trained with."""
+def workdir_tokenizer(checkpoint: Path) -> str:
+    """The tokenizer a training or RL workdir's latest checkpoint (or `DIR/checkpoints/<step>`)
+    was trained with."""
+    workdir, step = split_checkpoint_step(checkpoint)
     if not (workdir / "checkpoints").is_dir():
-        raise ValueError(f"--tokenizer: {workdir} is not a training workdir; name the "
+        raise ValueError(f"--tokenizer: {checkpoint} is not a training workdir; name the "
                          "tokenizer.json (or a directory holding one) to use")
     # The saved run config is complete (every field resolved), so the key is always there.
-    return saved_tokenizer(latest_run_config(workdir)[1])
+    return saved_tokenizer(latest_run_config(workdir, step)[1])
 
 
 def load_for_decoding(args):

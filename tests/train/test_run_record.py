@@ -160,3 +160,10 @@ def test_generate_refuses_another_tokenizer_and_accepts_the_recorded_one(trained
     for chosen in ([], ["--tokenizer", str(tokenizer)]):
         code, out, err = run_cli(capsys, generate_main, [*args, *chosen])
         assert code == 0 and out, err
+    # a checkpoint named by its step: the same record, the tokenizer of that step's run config
+    step = ["--workdir", str(workdir / "checkpoints" / "1"), *args[2:]]
+    code, _, err = run_cli(capsys, generate_main, [*step, "--tokenizer", "arith_chars"])
+    one_line_error(code, err, "--tokenizer: tokenizer 'arith_chars' (sha256 ",
+                   f"{workdir} was trained with, '{tokenizer}'")
+    code, out, err = run_cli(capsys, generate_main, step)
+    assert code == 0 and out, err
