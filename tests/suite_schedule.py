@@ -49,7 +49,6 @@ HEAVY = (
     "tests/train/test_notebook.py",
     "tests/train/test_chat_sft.py",
     "tests/train/test_periodic_evals.py",
-    "tests/train/test_plan_fit.py",
     "tests/train/test_mixed_precision.py",
     "tests/pallas_kernels/test_pallas_moe.py",
     "tests/model/test_decode_mimo.py",
