@@ -24,7 +24,7 @@ The activation estimate (activation_plan.py) counts the per-token terms on
 from __future__ import annotations
 
 from model.config import ModelConfig
-from model.parallel.context import context_layout
+from model.parallel.context import ContextLayout, context_layout
 from model.parallel.context_attention import SCORES_PER_BLOCK
 from train.config import RunConfig
 from train.parallel.v4_activations import DTYPE_BYTES
@@ -37,8 +37,8 @@ def tokens_per_device(rows: int, seq_len: int, context: int) -> int:
     return rows * seq_len // context
 
 
-def _gqa_terms(cfg: ModelConfig, kind: str, rows: int, seq_len: int, shards: int,
-               slots: int) -> dict[str, int]:
+def _gqa_terms(cfg: ModelConfig, kind: str, rows: int, seq_len: int,
+               layout: ContextLayout) -> dict[str, int]:
     c = DTYPE_BYTES[cfg.compute_dtype]
     geo = cfg.attention_geometry(kind)
     kv_row = geo.num_kv_heads * (geo.head_dim + geo.v_head_dim)  # K and V channels per token
@@ -46,41 +46,36 @@ def _gqa_terms(cfg: ModelConfig, kind: str, rows: int, seq_len: int, shards: int
         return {"gathered_kv": rows * seq_len * (kv_row * c + INT),
                 "gathered_kv_grad": rows * seq_len * kv_row * 4,
                 "score_block": 4 * SCORES_PER_BLOCK}
-    halo = _halo_rows(cfg.window, seq_len, shards, slots)
-    return {"halo": rows * slots * halo * (kv_row * c + INT),
-            "halo_queries": rows * slots * halo * geo.num_heads * (geo.head_dim
+    halo = layout.halo(cfg.window - 1, seq_len)
+    return {"halo": rows * layout.slots * halo * (kv_row * c + INT),
+            "halo_queries": rows * layout.slots * halo * geo.num_heads * (geo.head_dim
                                                                    + geo.v_head_dim) * c}
 
 
-def _halo_rows(window: int, seq_len: int, shards: int, slots: int) -> int:
-    """Rows before a chunk that its window reaches (at most the chunks before it)."""
-    return max(0, min(window - 1, seq_len - seq_len // (shards * slots)))
-
-
 def _compressor_terms(width: int, rate: int, overlap: bool, rows: int, seq_len: int,
-                      shards: int, slots: int, c: int) -> dict[str, int]:
+                      layout: ContextLayout, c: int) -> dict[str, int]:
     """One KV compressor's halo and gathered entries (`context_compress`)."""
     projected = (2 if overlap else 1) * width
-    halo = min((2 if overlap else 1) * rate - 1, seq_len - seq_len // (shards * slots))
-    per_chunk = -(-(seq_len // (shards * slots)) // rate)
+    halo = layout.halo((2 if overlap else 1) * rate - 1, seq_len)
+    per_chunk = -(-(seq_len // layout.chunks) // rate)
     entry = width * c + 2 * INT  # value, last token, segment
-    return {"halo": rows * slots * halo * (projected * (c + 4) + 3 * INT),
-            "gathered": rows * shards * slots * per_chunk * entry,
+    return {"halo": rows * layout.slots * halo * (projected * (c + 4) + 3 * INT),
+            "gathered": rows * layout.chunks * per_chunk * entry,
             "selected": rows * (seq_len // rate) * entry,
-            "per_chunk_copies": rows * slots * (seq_len // rate) * width * c}
+            "per_chunk_copies": rows * layout.slots * (seq_len // rate) * width * c}
 
 
-def _shared_kv_terms(cfg: ModelConfig, kind: str, rows: int, seq_len: int, shards: int,
-                     slots: int) -> dict[str, int]:
+def _shared_kv_terms(cfg: ModelConfig, kind: str, rows: int, seq_len: int,
+                     layout: ContextLayout) -> dict[str, int]:
     attn = cfg.shared_kv_attention
     c = DTYPE_BYTES[cfg.compute_dtype]
-    halo = _halo_rows(cfg.window, seq_len, shards, slots)
-    terms = {"halo": rows * slots * halo * (attn.head_dim * c + INT)}
+    halo = layout.halo(cfg.window - 1, seq_len)
+    terms = {"halo": rows * layout.slots * halo * (attn.head_dim * c + INT)}
     parts = {"H": [("compressor", attn.head_dim, attn.hca_rate, False)],
              "C": [("compressor", attn.head_dim, attn.csa_rate, True),
                    ("indexer", attn.index_head_dim, attn.csa_rate, True)]}.get(kind, [])
     for name, width, rate, overlap in parts:
-        for key, value in _compressor_terms(width, rate, overlap, rows, seq_len, shards, slots,
+        for key, value in _compressor_terms(width, rate, overlap, rows, seq_len, layout,
                                             c).items():
             terms[f"{name}_{key}"] = value
     return terms
@@ -98,7 +93,7 @@ def context_layer_bytes(cfg: ModelConfig, seq_len: int, rows: int, context: int
     out = {}
     for kind in kinds:
         terms = _gqa_terms if kind in "FS" else _shared_kv_terms
-        out[kind] = terms(cfg, kind, rows, seq_len, layout.shards, layout.slots)
+        out[kind] = terms(cfg, kind, rows, seq_len, layout)
     return out
 
 
@@ -115,8 +110,7 @@ def attention_lengths(cfg: ModelConfig, seq_len: int, context: int) -> dict[str,
     if context == 1:
         return dict.fromkeys(kinds, seq_len)
     layout = context_layout(cfg, context)
-    window = seq_len // layout.chunks + _halo_rows(cfg.window, seq_len, layout.shards,
-                                                   layout.slots)
+    window = seq_len // layout.chunks + layout.halo(cfg.window - 1, seq_len)
     return {kind: {"F": 0, "S": window}.get(kind, seq_len) for kind in kinds}
 
 
