@@ -18,6 +18,7 @@ from model.parallel.rules import use_mesh
 from train.compiled_step import lower_train_step, step_layout
 from train.config import load_run_config
 from train.parallel.context_plan import context_layer_bytes
+from train.parallel.measure import compiled_memory
 from train.parallel.sharding import check_batch_fits, make_mesh
 from train.state import create_state
 
@@ -62,11 +63,8 @@ class Step:
 
     def memory(self) -> dict:
         """XLA's per-device bytes of the compiled step."""
-        m = self.compiled.memory_analysis()
-        peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                - m.alias_size_in_bytes)
-        return {"peak_bytes": int(peak), "temp_bytes": int(m.temp_size_in_bytes),
-                "argument_bytes": int(m.argument_size_in_bytes)}
+        m = compiled_memory(self.compiled)
+        return {key: m[key] for key in ("peak_bytes", "temp_bytes", "argument_bytes")}
 
     def collective_bytes(self) -> dict[str, int]:
         """Bytes of each collective's results per device, from the compiled HLO (a loop's body

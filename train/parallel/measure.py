@@ -61,18 +61,28 @@ def measure_step(run: RunConfig, sizes: dict[str, int]) -> dict:
     start = time.perf_counter()
     with use_mesh(mesh):
         compiled = lower_train_step(step_layout(run, mesh), run).compile()
-    stats = compiled.memory_analysis()
-    if stats is None:
+    measured = compiled_memory(compiled)
+    if measured is None:
         raise PlanError(f"--measure: XLA gives no memory analysis on {devices[0].platform}")
-    measured = {"argument_bytes": stats.argument_size_in_bytes,
-                "output_bytes": stats.output_size_in_bytes,
-                "temp_bytes": stats.temp_size_in_bytes,
-                "alias_bytes": stats.alias_size_in_bytes}
-    measured["peak_bytes"] = (measured["argument_bytes"] + measured["output_bytes"]
-                              - measured["alias_bytes"] + measured["temp_bytes"])
     return {**measured, "platform": devices[0].platform,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "compile_seconds": round(time.perf_counter() - start, 1)}
+
+
+def compiled_memory(compiled) -> dict[str, int] | None:
+    """XLA's per-device bytes of a compiled program: its arguments, outputs, temporaries, the
+    outputs aliased to (donated) arguments, and the peak they add up to, aliased outputs
+    counted once; None where the backend gives no analysis."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    measured = {"argument_bytes": int(stats.argument_size_in_bytes),
+                "output_bytes": int(stats.output_size_in_bytes),
+                "temp_bytes": int(stats.temp_size_in_bytes),
+                "alias_bytes": int(stats.alias_size_in_bytes)}
+    measured["peak_bytes"] = (measured["argument_bytes"] + measured["output_bytes"]
+                              - measured["alias_bytes"] + measured["temp_bytes"])
+    return measured
 
 
 def matched_rows(plan: dict, measured: dict) -> list[tuple[str, int, int]]:
